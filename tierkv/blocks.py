@@ -1,0 +1,162 @@
+"""The in-memory block table: which blocks exist, where each lives, and who holds it.
+
+:class:`BlockTable` is the one owner of a block's locations: only :meth:`place` and
+:meth:`unplace` change them (and keep the per-tier LRU lists in step). Leases and in-flight
+I/O are counted on the block; :meth:`victim` never returns a block that is leased, busy,
+pinned, or that still has a child block in the same tier (leaf first: a block without its
+prefix is useless, so prefixes outlive their extensions).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from .tiers.base import TierName
+
+TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
+
+
+class Priority(IntEnum):
+    """Eviction classes: ephemeral goes first (and is dropped when its lease ends),
+    pinned never goes."""
+
+    EPHEMERAL = 0
+    NORMAL = 1
+    PINNED = 2
+
+
+@dataclass(eq=False)
+class Block:
+    key: bytes
+    parent: bytes
+    model_version: str
+    namespace: str
+    tokens: bytes
+    checksum: int
+    priority: Priority
+    loc: dict[TierName, int] = field(default_factory=dict)
+    leases: int = 0
+    busy: int = 0  # in-flight reads of this block's pages (outside the store lock)
+    children: set[bytes] = field(default_factory=set)
+    dead: bool = False  # invalidated or quarantined; freed when the last lease ends
+
+    @property
+    def top_tier(self) -> TierName | None:
+        for t in TIERS:
+            if t in self.loc:
+                return t
+        return None
+
+
+class BlockTable:
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, Block] = {}
+        self._lru: dict[TierName, dict[Priority, OrderedDict[bytes, None]]] = {
+            t: {p: OrderedDict() for p in Priority} for t in TIERS
+        }
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def get(self, key: bytes) -> Block | None:
+        return self.blocks.get(key)
+
+    def add(self, block: Block) -> None:
+        assert block.key not in self.blocks and not block.loc
+        self.blocks[block.key] = block
+        parent = self.blocks.get(block.parent)
+        if parent is not None:
+            parent.children.add(block.key)
+
+    def rebuild_children(self) -> None:
+        """Recompute every child set in one pass (after loading the index, where children
+        may be read before their parents)."""
+        for b in self.blocks.values():
+            b.children.clear()
+        for b in self.blocks.values():
+            parent = self.blocks.get(b.parent)
+            if parent is not None:
+                parent.children.add(b.key)
+
+    def remove(self, block: Block) -> None:
+        """Forget a block that no tier holds any more."""
+        assert not block.loc, "remove() of a block that still has pages"
+        if self.blocks.get(block.key) is block:
+            del self.blocks[block.key]
+        parent = self.blocks.get(block.parent)
+        if parent is not None:
+            parent.children.discard(block.key)
+
+    def detach(self, block: Block) -> None:
+        """Make ``block`` unreachable (invalidated or quarantined) while its slots stay
+        allocated until the store frees them: out of the table and every LRU list."""
+        block.dead = True
+        for t in block.loc:
+            self._lru[t][block.priority].pop(block.key, None)
+        if self.blocks.get(block.key) is block:
+            del self.blocks[block.key]
+        parent = self.blocks.get(block.parent)
+        if parent is not None:
+            parent.children.discard(block.key)
+
+    def place(self, block: Block, tier: TierName, slot: int) -> None:
+        assert tier not in block.loc, f"block already in {tier.value}"
+        block.loc[tier] = slot
+        self._lru[tier][block.priority][block.key] = None
+
+    def unplace(self, block: Block, tier: TierName) -> int:
+        slot = block.loc.pop(tier)
+        self._lru[tier][block.priority].pop(block.key, None)
+        return slot
+
+    def set_priority(self, block: Block, priority: Priority) -> None:
+        for t in block.loc:
+            self._lru[t][block.priority].pop(block.key, None)
+            self._lru[t][priority][block.key] = None
+        block.priority = priority
+
+    def touch_chain(self, chain: list[Block]) -> None:
+        """Mark a prefix used. Leaf first, root last, so that in each LRU list a prefix is
+        always more recent than its extensions and eviction meets leaves first."""
+        for b in reversed(chain):
+            for t in b.loc:
+                lru = self._lru[t][b.priority]
+                if b.key in lru:
+                    lru.move_to_end(b.key)
+
+    def evictable(self, block: Block, tier: TierName) -> bool:
+        if block.leases or block.busy or block.priority == Priority.PINNED and tier == TierName.DISK:
+            return False
+        for c in block.children:
+            child = self.blocks.get(c)
+            if child is not None and tier in child.loc:
+                return False
+        return True
+
+    def victim(self, tier: TierName) -> Block | None:
+        """Least recently used evictable block of ``tier``: ephemeral, then normal, then (in
+        memory tiers only) pinned, which stays on disk."""
+        for prio in Priority:
+            for key in self._lru[tier][prio]:
+                b = self.blocks[key]
+                if self.evictable(b, tier):
+                    return b
+        return None
+
+    def in_tier(self, tier: TierName) -> int:
+        return sum(len(d) for d in self._lru[tier].values())
+
+    def check_integrity(self) -> None:
+        for t in TIERS:
+            listed = {k for d in self._lru[t].values() for k in d}
+            placed = {k for k, b in self.blocks.items() if t in b.loc}
+            assert listed == placed, f"{t.value}: LRU lists and locations disagree"
+            for prio, d in self._lru[t].items():
+                assert all(self.blocks[k].priority == prio for k in d), "block listed under the wrong priority"
+        for k, b in self.blocks.items():
+            assert b.key == k and b.leases >= 0 and b.busy >= 0
+            assert b.loc, f"block {k.hex()[:12]} has no pages in any tier"
+            for c in b.children:
+                child = self.blocks.get(c)
+                assert child is None or child.parent == k, "child set names a block of another parent"

@@ -1,0 +1,14 @@
+"""Page checksums: xxh3-64 over the page bytes, seeded by the block key.
+
+Seeding by the key means a page copied (with its checksum) under another key fails
+verification, on top of the token-id comparison every hit already makes.
+"""
+from __future__ import annotations
+
+import torch
+import xxhash
+
+
+def page_checksum(key: bytes, page: torch.Tensor) -> int:
+    data = page.detach().cpu().contiguous().view(torch.uint8).numpy()
+    return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))

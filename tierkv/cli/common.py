@@ -1,0 +1,111 @@
+"""What every tierkv command shares: the group that renders errors, ``--home``, ``--json``,
+opening the store, and printing results.
+
+This is the only place besides the command modules that reads the environment
+(``TIERKV_HOME``); library code takes every setting as an argument.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, TypeVar
+
+import click
+
+from ..config import default_home
+from ..errors import TierKVError
+from ..layout import PageLayout
+
+F = TypeVar("F", bound=Callable[..., Any])
+HOME_ENV = "TIERKV_HOME"
+
+
+class TierKVGroup(click.Group):
+    """A click group that turns a TierKVError into a one-line message (with its hint) and
+    exit status 1 instead of a traceback. Other exceptions are bugs and keep theirs."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TierKVError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+
+def home_option(f: F) -> F:
+    return click.option(
+        "--home",
+        type=click.Path(file_okay=False, path_type=Path),
+        envvar=HOME_ENV,
+        default=default_home,
+        show_default=f"${HOME_ENV}, else $XDG_DATA_HOME/tierkv or ~/.local/share/tierkv",
+        help="Store home directory.",
+    )(f)
+
+
+def json_option(f: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")(f)
+
+
+def open_store(home: Path, layout: PageLayout, **options: Any) -> Any:
+    """Open the store at ``home`` for ``layout``; ``options`` are StoreConfig fields given
+    on the command line (None means the store's default)."""
+    import tierkv
+
+    return tierkv.open(home, layout, **{k: v for k, v in options.items() if v is not None})
+
+
+def warn(message: str) -> None:
+    click.echo(f"warning: {message}", err=True)
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def print_table(rows: Iterable[tuple[str, Any]]) -> None:
+    """Two aligned columns: label, value."""
+    rows = list(rows)
+    width = max((len(label) for label, _ in rows), default=0)
+    for label, value in rows:
+        click.echo(f"{label:<{width}}  {format_value(value)}")
+
+
+def emit(as_json: bool, obj: dict[str, Any], rows: Iterable[tuple[str, Any]] | None = None) -> None:
+    """Print ``obj`` as one JSON line with ``--json``, else ``rows`` (default: obj's items)."""
+    if as_json:
+        click.echo(json.dumps(obj, sort_keys=True))
+    else:
+        print_table(rows if rows is not None else obj.items())
+
+
+def progress_bar(desc: str, enabled: bool = True) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+    """A tqdm bar on stderr (tokens, tokens/s, ETA) as a ``progress(done, total)`` callback,
+    and a function that closes it."""
+    from tqdm import tqdm
+
+    state: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if not enabled:
+            return
+        bar = state.get("bar")
+        if bar is None:
+            bar = state["bar"] = tqdm(
+                total=total, initial=done, desc=desc, unit="tok", unit_scale=True, file=sys.stderr,
+                dynamic_ncols=True, smoothing=0.1,
+            )
+        bar.total = total
+        bar.update(done - bar.n)
+
+    def close() -> None:
+        if "bar" in state:
+            state.pop("bar").close()
+
+    return update, close

@@ -1,0 +1,100 @@
+"""Store configuration: one frozen dataclass, validated when built.
+
+Only the CLI reads files and environment variables; library code takes a StoreConfig.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .layout import PageLayout
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where a store lives and how big each tier is (capacities in bytes).
+
+    ``device`` is ``"cuda:N"`` or ``"cpu"``; ``None`` picks ``cuda:0`` when CUDA is
+    available, else the CPU (so CPU-only machines run the same code paths).
+    ``write_through=True`` makes every put durable on the disk tier before it returns;
+    with ``False`` blocks reach disk when evicted from host memory or at ``close()``.
+    ``verify_on_open`` is ``"size"`` (check every indexed page's segment exists and is long
+    enough) or ``"full"`` (also re-checksum every page; reads every byte of the disk tier).
+    Every read from disk is checksummed regardless.
+    """
+
+    home: Path
+    layout: PageLayout
+    device: str | None = None
+    device_bytes: int = 256 * MiB
+    host_bytes: int = 1 * GiB
+    disk_bytes: int = 16 * GiB
+    segment_pages: int = 256
+    write_through: bool = True
+    verify_on_open: str = "size"
+    index_map_bytes: int = 1 * GiB
+    shm_dir: Path | None = None
+    odirect: bool = True
+    fsync: bool = True
+    lease_timeout_s: float = 600.0
+    prefetch_workers: int = 2
+    extra: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "home", Path(self.home))
+        if not isinstance(self.layout, PageLayout):
+            raise ValueError("layout must be a PageLayout")
+        slot = self.layout.slot_bytes
+        for name in ("device_bytes", "host_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if self.device_bytes < self.layout.page_bytes:
+            raise ValueError(
+                f"device_bytes={self.device_bytes} is below one page ({self.layout.page_bytes} bytes); "
+                "the device tier must hold at least one page"
+            )
+        for name in ("host_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if 0 < value < slot:
+                raise ValueError(f"{name}={value} is below one page slot ({slot} bytes); use 0 to disable the tier")
+        if self.segment_pages <= 0:
+            raise ValueError("segment_pages must be positive")
+        if self.verify_on_open not in ("size", "full"):
+            raise ValueError("verify_on_open must be 'size' or 'full'")
+        if self.index_map_bytes < 1 * MiB:
+            raise ValueError("index_map_bytes must be at least 1 MiB")
+        if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def device_slots(self) -> int:
+        return self.device_bytes // self.layout.page_bytes
+
+    @property
+    def host_slots(self) -> int:
+        return self.host_bytes // self.layout.slot_bytes
+
+    @property
+    def disk_slots(self) -> int:
+        return self.disk_bytes // self.layout.slot_bytes
+
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+    def with_capacities(self, **kw: int) -> "StoreConfig":
+        return replace(self, **kw)
+
+
+def default_home() -> Path:
+    """Per-user data directory; the CLI uses $TIERKV_HOME first."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "tierkv"

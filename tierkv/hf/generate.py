@@ -1,0 +1,137 @@
+"""Token generation on top of :func:`cached_prefill`: greedy, or sampling with a seed.
+
+Time to first token (``ttft_s``) runs from the call until the first new token is chosen,
+so it includes the store lookup, the restore and the suffix prefill, and excludes
+tokenization (callers tokenize before calling).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..identity import Scope
+from .model import context_length
+from .prefill import DEFAULT_CHUNK_TOKENS, cached_prefill
+
+if TYPE_CHECKING:
+    from ..store import Store
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """``temperature == 0`` is greedy decoding; otherwise softmax sampling at that
+    temperature, over the ``top_k`` most likely tokens when set, from a generator seeded
+    with ``seed`` (so a seeded run is reproducible on one device)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k <= 0:
+            raise ValueError(f"top_k must be positive, got {self.top_k}")
+
+
+GREEDY = SamplingConfig()
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """New tokens and how the request was served.
+
+    ``first_logits`` are the float32 logits the first new token was chosen from (the
+    quantity compared between cached and uncached runs).
+    """
+
+    tokens: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    stored_blocks: int
+    ttft_s: float
+    total_s: float
+    first_logits: torch.Tensor
+
+
+def _choose(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    if sampling.temperature == 0.0:
+        return int(torch.argmax(logits).item())
+    scores = logits.float() / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < scores.numel():
+        kth = torch.topk(scores, sampling.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _eos_ids(model: Any, eos_token_id: int | Sequence[int] | None) -> set[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(t) for t in eos_token_id}
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    tokens: Sequence[int],
+    *,
+    store: "Store | None" = None,
+    scope: Scope | None = None,
+    max_new_tokens: int = 32,
+    sampling: SamplingConfig = GREEDY,
+    eos_token_id: int | Sequence[int] | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    store_new: bool = True,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` after ``tokens``, restoring the prompt's longest
+    stored prefix from ``store`` (when given) and storing its new full blocks (when
+    ``store_new``). Generated tokens are not stored. Stops at an end-of-sequence token
+    (``eos_token_id``, default the model's generation config) or at the model's context.
+
+    Raises ConfigError when the prompt alone exceeds the model's context length.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = context_length(model.config)
+    if limit is not None and len(tokens) >= limit:
+        raise ConfigError(
+            f"the prompt has {len(tokens)} tokens; the model's context is {limit}",
+            hint="use a shorter prefix (materialize --max-tokens) or a shorter prompt",
+        )
+    start = time.perf_counter()
+    pre = cached_prefill(model, tokens, store=store, scope=scope, chunk_tokens=chunk_tokens, store_new=store_new)
+    assert pre.logits is not None  # cached_prefill(need_logits=True) always computes the last token
+    generator = None
+    if sampling.temperature > 0:
+        generator = torch.Generator(device=pre.logits.device).manual_seed(sampling.seed)
+    eos = _eos_ids(model, eos_token_id)
+    first_logits = pre.logits
+    next_id = _choose(first_logits, sampling, generator)
+    ttft = time.perf_counter() - start
+    new = [next_id]
+    cache = pre.cache
+    budget = max_new_tokens if limit is None else min(max_new_tokens, limit - len(tokens))
+    while len(new) < budget and next_id not in eos:
+        step = torch.tensor([[next_id]], device=model.device)
+        out = model(input_ids=step, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        next_id = _choose(out.logits[0, -1].float(), sampling, generator)
+        new.append(next_id)
+    return GenerationResult(
+        tokens=tuple(new),
+        prompt_tokens=pre.prompt_tokens,
+        cached_tokens=pre.cached_tokens,
+        stored_blocks=pre.stored_blocks,
+        ttft_s=ttft,
+        total_s=time.perf_counter() - start,
+        first_logits=first_logits,
+    )

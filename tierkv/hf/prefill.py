@@ -1,0 +1,171 @@
+"""Cached prefill: restore the longest stored prefix into a DynamicCache, compute the rest.
+
+The request's token ids are looked up in the store; the matched blocks are copied out of
+the store under a lease (released before any compute) and appended to a fresh
+``transformers.DynamicCache`` layer by layer. The remaining tokens are prefilled in chunks;
+after each chunk the blocks it completed are cut out of the cache with
+:func:`tierkv.layout.pack_pages` and put into the store, so an interrupted prefill resumes
+from its last chunk.
+
+When the caller needs logits, at least one token must go through the model: the restore
+stops one token short of the prompt's end (at most ``(n - 1) // block_size`` blocks), so a
+prompt whose length is an exact multiple of the block size recomputes its last block.
+
+The cache is a ``DynamicCache()`` built without the model config on purpose: with a config,
+transformers gives sliding-window models (Mistral) layers that drop keys older than the
+window, and those keys are exactly what the next request's restore needs. A full cache plus
+the model's sliding-window mask computes the same attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from ..errors import InvalidTokensError, PageFormatError
+from ..identity import Scope, as_token_array
+from ..layout import PageLayout, pack_pages
+from .model import layout_from_model
+
+if TYPE_CHECKING:
+    from ..store import Priority, Store
+
+DEFAULT_CHUNK_TOKENS = 2048
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill produced.
+
+    ``logits`` are the last token's logits ``[vocab]`` (float32), or None when the caller
+    did not ask for them; ``cache`` holds the KV of all ``tokens_in_cache`` tokens (the
+    whole prompt when logits were asked for). ``cached_tokens`` came from the store,
+    ``computed_tokens`` went through the model, ``stored_blocks`` were newly written.
+    """
+
+    logits: torch.Tensor | None
+    cache: Any
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    stored_blocks: int
+    tokens_in_cache: int
+
+
+def empty_cache() -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def cache_from_kv(layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device, dtype: torch.dtype) -> Any:
+    """A DynamicCache holding per-layer ``(K, V)`` tensors ``[1, Hkv, T, D]``."""
+    cache = empty_cache()
+    for layer_idx, (k, v) in enumerate(layer_kv):
+        cache.update(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype), layer_idx)
+    return cache
+
+
+def cache_layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(K, V)`` of a DynamicCache, in transformers' ``[batch, H, T, D]`` layout."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _check_layout(model: Any, layout: PageLayout) -> None:
+    mine = layout_from_model(model, layout.block_size)
+    if mine != layout:
+        raise PageFormatError(
+            f"the model's KV layout {mine.to_json()} differs from the store's {layout.to_json()}",
+            hint="open a store home made for this model (another --home)",
+        )
+
+
+def _restore(store: "Store", tokens: list[int], scope: Scope, blocks: int, model: Any) -> tuple[Any, int]:
+    """Restore at most ``blocks`` leading blocks; returns (cache, tokens restored)."""
+    if blocks == 0:
+        return empty_cache(), 0
+    bs = store.layout.block_size
+    with store.acquire(tokens[: blocks * bs], scope, max_blocks=blocks) as lease:
+        if lease.num_blocks == 0:
+            return empty_cache(), 0
+        # kv() copies out of the store, so the lease can end before any compute.
+        layer_kv = lease.kv()
+        restored = lease.num_blocks * bs
+    return cache_from_kv(layer_kv, model.device, model.dtype), restored
+
+
+@torch.inference_mode()
+def cached_prefill(
+    model: Any,
+    tokens: Sequence[int],
+    *,
+    store: "Store | None" = None,
+    scope: Scope | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    need_logits: bool = True,
+    store_new: bool = True,
+    priority: "Priority | None" = None,
+    progress: Progress | None = None,
+) -> PrefillResult:
+    """Prefill ``tokens`` (one sequence) with ``model``, reusing and extending ``store``.
+
+    Without a store this is a plain chunked prefill. With one (and its ``scope``), the
+    longest stored prefix is restored, the rest is computed ``chunk_tokens`` at a time and,
+    if ``store_new``, every block completed by a chunk is put (durably) before the next
+    chunk starts. ``need_logits=False`` (materialising a prefix) restores every stored full
+    block and computes nothing when all of them are stored. ``progress(done, total)`` is
+    called with token counts after the restore and after each chunk.
+
+    Raises InvalidTokensError for an empty or malformed prompt, PageFormatError when the
+    model's KV layout is not the store's, and whatever the store raises.
+    """
+    ids = as_token_array(tokens).astype("int64")
+    n = len(ids)
+    if n == 0:
+        raise InvalidTokensError("cannot prefill an empty prompt", hint="pass at least one token")
+    token_list = ids.tolist()
+    if store is not None:
+        if scope is None:
+            raise ValueError("cached_prefill needs a scope together with a store")
+        layout = store.layout
+        _check_layout(model, layout)
+        bs = layout.block_size
+        max_blocks = (n - 1) // bs if need_logits else n // bs
+        if not need_logits and store.lookup(token_list, scope).num_blocks >= max_blocks:
+            # Everything that can be stored is stored: no restore, no compute.
+            if progress is not None:
+                progress(max_blocks * bs, max_blocks * bs)
+            return PrefillResult(None, empty_cache(), n, max_blocks * bs, 0, 0, 0)
+        cache, pos = _restore(store, token_list, scope, max_blocks, model)
+    else:
+        layout, bs = None, 1
+        cache, pos = empty_cache(), 0
+    # Materialising (no logits) stops at the last full block: a partial tail is never stored.
+    target = n if need_logits or store is None else n // bs * bs
+    cached = pos
+    if progress is not None:
+        progress(pos, target)
+    chunk = max(bs, chunk_tokens // bs * bs)
+    input_ids = torch.from_numpy(ids).to(model.device).unsqueeze(0)
+    stored_upto = pos // bs  # blocks [0, stored_upto) are in the store
+    stored = 0
+    logits = None
+    while pos < target:
+        end = min(pos + chunk, target)
+        out = model(input_ids=input_ids[:, pos:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        pos = end
+        if store is not None and store_new and layout is not None and pos // bs > stored_upto:
+            full = pos // bs
+            pages = pack_pages(cache_layer_kv(cache), layout, stored_upto * bs, full - stored_upto)
+            kwargs = {} if priority is None else {"priority": priority}
+            result = store.put(token_list[: full * bs], pages, scope, start_block=stored_upto, **kwargs)
+            stored += result.stored
+            stored_upto = full
+        if pos == n and need_logits:
+            logits = out.logits[0, -1].float()
+        if progress is not None:
+            progress(pos, target)
+    return PrefillResult(logits, cache, n, cached, pos - cached, stored, pos)

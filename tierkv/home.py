@@ -1,0 +1,59 @@
+"""A store home directory: who owns it (one process at a time) and what it holds.
+
+    HOME/LOCK          flock-ed by the owner; holds {"pid", "host", "socket"} as JSON
+    HOME/index/        the LMDB index
+    HOME/segments/     disk-tier segment files
+
+The lock is an advisory ``flock`` on LOCK: it is released by the kernel when the owner dies,
+so a crash never leaves a home locked, and a second opener learns who holds it.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+from .errors import DaemonOwnsHomeError, StoreLockedError
+
+
+class HomeLock:
+    def __init__(self, home: Path, socket_path: str | None = None) -> None:
+        self.path = home / "LOCK"
+        home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = self.read_owner(home)
+            os.close(fd)
+            if owner.get("socket"):
+                raise DaemonOwnsHomeError(
+                    f"{home} is served by a tierkv daemon (pid {owner.get('pid')}) on socket {owner['socket']}",
+                    hint=f"use --socket {owner['socket']} (or tierkv.connect('{owner['socket']}'))",
+                ) from None
+            raise StoreLockedError(
+                f"{home} is open in another process (pid {owner.get('pid')} on {owner.get('host')})"
+            ) from None
+        self.fd = fd
+        self.write_owner(socket_path)
+
+    def write_owner(self, socket_path: str | None) -> None:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "socket": socket_path}
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps(info).encode(), 0)
+
+    @staticmethod
+    def read_owner(home: Path) -> dict:
+        try:
+            return json.loads((home / "LOCK").read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1

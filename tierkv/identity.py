@@ -1,0 +1,150 @@
+"""Block identity: a chained SHA-256 over a typed, length-prefixed encoding.
+
+    seed      = H(enc("tierkv/seed/v1"), field("model_version"), field("namespace"), field("extra", ...))
+    key[0]    = H(enc("tierkv/block/v1"), seed,     tokens[0:B],  field("block_extra", ...))
+    key[i]    = H(enc("tierkv/block/v1"), key[i-1], tokens[iB:(i+1)B], ...)
+
+Every value is written as ``type tag (1 byte) | length (8 bytes, little endian) | bytes``
+and every field carries its name, so ("ab", "c") never encodes like ("a", "bc") and a
+namespace "X" never collides with an adapter "X". Token ids are little-endian int32.
+Nothing here depends on Python's ``hash()`` or the process: keys are identical across
+processes, Python versions and ``PYTHONHASHSEED`` (pinned by test vectors).
+
+Only full blocks get keys; a trailing partial block is never stored.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .errors import InvalidTokensError
+
+KEY_BYTES = 32
+_U64 = struct.Struct("<Q")
+SEED_DOMAIN = "tierkv/seed/v1"
+BLOCK_DOMAIN = "tierkv/block/v1"
+
+
+def _item(tag: bytes, payload: bytes) -> bytes:
+    return tag + _U64.pack(len(payload)) + payload
+
+
+def enc_str(s: str) -> bytes:
+    return _item(b"s", s.encode("utf-8"))
+
+
+def enc_bytes(b: bytes) -> bytes:
+    return _item(b"b", bytes(b))
+
+
+def enc_field(name: str, value: str | bytes | Sequence[str | bytes]) -> bytes:
+    """A named field; a sequence becomes a counted list of typed items."""
+    if isinstance(value, str):
+        body = enc_str(value)
+    elif isinstance(value, (bytes, bytearray)):
+        body = enc_bytes(bytes(value))
+    else:
+        items = list(value)
+        body = _item(b"l", b"".join(enc_str(v) if isinstance(v, str) else enc_bytes(bytes(v)) for v in items))
+    return _item(b"f", enc_str(name) + body)
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray | "object") -> np.ndarray:
+    """Validate token ids and return them as a contiguous little-endian int32 array."""
+    try:
+        import torch
+
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.detach().cpu().numpy()
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidTokensError(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i4")
+    if arr.dtype.kind not in "iu":
+        raise InvalidTokensError(f"token ids must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= 2**31:
+        raise InvalidTokensError(f"token ids must lie in [0, 2**31), got min {lo} max {hi}")
+    return np.ascontiguousarray(arr, dtype="<i4")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Everything request-wide that a block key is rooted in.
+
+    ``model_version`` is the hex digest from :mod:`tierkv.model_version`; ``namespace`` is
+    the tenant salt (derived on the trusted side); ``extra_keys`` are request-wide extras
+    such as a LoRA adapter id.
+    """
+
+    model_version: str
+    namespace: str = "default"
+    extra_keys: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        try:
+            raw = bytes.fromhex(self.model_version)
+        except ValueError:
+            raw = b""
+        if len(raw) != KEY_BYTES:
+            raise ValueError(f"model_version must be 64 hex characters, got {self.model_version!r}")
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ValueError("namespace must be a non-empty string")
+        object.__setattr__(self, "extra_keys", tuple(str(x) for x in self.extra_keys))
+
+    @property
+    def model_version_bytes(self) -> bytes:
+        return bytes.fromhex(self.model_version)
+
+    @cached_property
+    def seed(self) -> bytes:
+        return hashlib.sha256(
+            enc_str(SEED_DOMAIN)
+            + enc_field("model_version", self.model_version_bytes)
+            + enc_field("namespace", self.namespace)
+            + enc_field("extra_keys", self.extra_keys)
+        ).digest()
+
+
+# Precomputed pieces of the block encoding: domain | parent | tokens item | extras item.
+_BLOCK_PREFIX = enc_str(BLOCK_DOMAIN) + b"b" + _U64.pack(KEY_BYTES)
+_NO_EXTRA = enc_field("block_extra", ())
+
+
+def iter_block_keys(
+    tokens: np.ndarray,
+    seed: bytes,
+    block_size: int,
+    block_extra: Sequence[Sequence[str | bytes]] | None = None,
+) -> Iterator[bytes]:
+    """Yield the key of each full block of ``tokens`` (an int32 array from
+    :func:`as_token_array`), lazily so that a lookup stops hashing at its first miss."""
+    n_blocks = len(tokens) // block_size
+    raw = tokens.tobytes()
+    step = block_size * 4
+    tok_head = b"t" + _U64.pack(step)
+    prev = seed
+    sha = hashlib.sha256
+    for i in range(n_blocks):
+        extra = _NO_EXTRA if block_extra is None or i >= len(block_extra) else enc_field("block_extra", block_extra[i])
+        prev = sha(_BLOCK_PREFIX + prev + tok_head + raw[i * step : (i + 1) * step] + extra).digest()
+        yield prev
+
+
+def block_keys(
+    tokens: Sequence[int] | np.ndarray,
+    scope: Scope,
+    block_size: int,
+    block_extra: Sequence[Sequence[str | bytes]] | None = None,
+) -> list[bytes]:
+    """Keys of all full blocks of ``tokens`` under ``scope``."""
+    arr = as_token_array(tokens)
+    return list(iter_block_keys(arr, scope.seed, block_size, block_extra))

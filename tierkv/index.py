@@ -1,0 +1,181 @@
+"""The durable index: LMDB databases for blocks, named manifests, store metadata and quarantine.
+
+Usage rules (py-lmdb's): one environment per process, opened after any fork; short
+transactions, always in ``with``; no buffer outlives its transaction (we copy out with
+``bytes()``); ``reader_check()`` at open clears reader slots of killed processes.
+Durability: ``sync=True, metasync=True`` (never ``sync=False`` with ``writemap``), so a
+committed transaction survives a crash. The store commits a block only after its page is
+on disk and fsynced, and deletes by committing here first.
+
+Records are a fixed little-endian struct plus the namespace and the token ids (int32), no
+pickle: see docs/format.md.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, TypeVar
+
+import lmdb
+
+from .errors import IndexFullError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+RECORD_VERSION = 1
+NO_DISK = -1
+_HEAD = struct.Struct("<B32s32sBQqdHI")
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    key: bytes
+    parent: bytes  # key of the previous block, or the scope's seed for the first block
+    model_version: str
+    namespace: str
+    priority: int
+    checksum: int
+    disk_loc: int
+    last_access: float
+    tokens: bytes  # int32 little endian, exactly block_size ids
+
+    def encode(self) -> bytes:
+        ns = self.namespace.encode()
+        head = _HEAD.pack(
+            RECORD_VERSION, self.parent, bytes.fromhex(self.model_version), self.priority,
+            self.checksum, self.disk_loc, self.last_access, len(ns), len(self.tokens) // 4,
+        )
+        return head + ns + self.tokens
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> "BlockRecord":
+        ver, parent, mv, prio, csum, loc, last, ns_len, n_tok = _HEAD.unpack_from(raw)
+        if ver != RECORD_VERSION:
+            raise ValueError(f"record version {ver}")
+        off = _HEAD.size
+        ns = raw[off : off + ns_len].decode()
+        tokens = bytes(raw[off + ns_len : off + ns_len + 4 * n_tok])
+        if len(tokens) != 4 * n_tok:
+            raise ValueError("truncated record")
+        return cls(bytes(key), bytes(parent), mv.hex(), ns, prio, csum, loc, last, tokens)
+
+
+class Index:
+    def __init__(self, path: Path, map_size: int) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.env = lmdb.open(
+            str(path), map_size=map_size, max_dbs=8, subdir=True, sync=True, metasync=True,
+            lock=True, max_readers=256,
+        )
+        self.stale_readers_cleared = self.env.reader_check()
+        self._blocks = self.env.open_db(b"blocks")
+        self._manifests = self.env.open_db(b"manifests")
+        self._meta = self.env.open_db(b"meta")
+        self._quarantine = self.env.open_db(b"quarantine")
+        self.resizes = 0
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in a write transaction; on MapFullError grow the map once and retry."""
+        for attempt in (0, 1):
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                if attempt:
+                    break
+                new = self.env.info()["map_size"] * 2
+                log.warning("index map full, growing to %d bytes", new)
+                self.env.set_mapsize(new)
+                self.resizes += 1
+        raise IndexFullError(f"the index at {self.path} is full at {self.env.info()['map_size']} bytes")
+
+    # ---- meta ------------------------------------------------------------------------
+    def get_meta(self, name: str) -> str | None:
+        with self.env.begin() as txn:
+            v = txn.get(name.encode(), db=self._meta)
+            return None if v is None else bytes(v).decode()
+
+    def put_meta(self, name: str, value: str) -> None:
+        self._write(lambda txn: txn.put(name.encode(), value.encode(), db=self._meta))
+
+    # ---- blocks ----------------------------------------------------------------------
+    def put_blocks(self, records: Iterable[BlockRecord]) -> None:
+        recs = list(records)
+
+        def put(txn: lmdb.Transaction) -> None:
+            for r in recs:
+                txn.put(r.key, r.encode(), db=self._blocks)
+
+        self._write(put)
+
+    def delete_blocks(self, keys: Iterable[bytes]) -> None:
+        ks = list(keys)
+
+        def delete(txn: lmdb.Transaction) -> None:
+            for k in ks:
+                txn.delete(k, db=self._blocks)
+
+        self._write(delete)
+
+    def get_block(self, key: bytes) -> BlockRecord | None:
+        with self.env.begin() as txn:
+            raw = txn.get(key, db=self._blocks)
+            return None if raw is None else BlockRecord.decode(key, bytes(raw))
+
+    def iter_blocks(self) -> Iterator[tuple[bytes, BlockRecord | None]]:
+        """Every stored block; ``None`` for a record that does not decode (the caller drops it)."""
+        with self.env.begin() as txn:
+            items = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._blocks)]
+        for k, v in items:
+            try:
+                yield k, BlockRecord.decode(k, v)
+            except (ValueError, struct.error):
+                yield k, None
+
+    def count_blocks(self) -> int:
+        with self.env.begin() as txn:
+            return int(txn.stat(self._blocks)["entries"])
+
+    # ---- quarantine ------------------------------------------------------------------
+    def quarantine(self, key: bytes, reason: str, delete: bool = True) -> None:
+        """Record why a block was dropped and (in the same transaction) drop it."""
+
+        def q(txn: lmdb.Transaction) -> None:
+            txn.put(key, json.dumps({"reason": reason}).encode(), db=self._quarantine)
+            if delete:
+                txn.delete(key, db=self._blocks)
+
+        self._write(q)
+
+    def quarantined(self) -> dict[str, str]:
+        with self.env.begin() as txn:
+            return {bytes(k).hex(): json.loads(bytes(v))["reason"] for k, v in txn.cursor(db=self._quarantine)}
+
+    # ---- manifests -------------------------------------------------------------------
+    def put_manifest(self, name: str, manifest: dict) -> None:
+        raw = json.dumps(manifest, sort_keys=True).encode()
+        self._write(lambda txn: txn.put(name.encode(), raw, db=self._manifests))
+
+    def get_manifest(self, name: str) -> dict | None:
+        with self.env.begin() as txn:
+            v = txn.get(name.encode(), db=self._manifests)
+            return None if v is None else json.loads(bytes(v))
+
+    def list_manifests(self) -> dict[str, dict]:
+        with self.env.begin() as txn:
+            return {bytes(k).decode(): json.loads(bytes(v)) for k, v in txn.cursor(db=self._manifests)}
+
+    def delete_manifest(self, name: str) -> bool:
+        return bool(self._write(lambda txn: txn.delete(name.encode(), db=self._manifests)))
+
+    def check_integrity(self) -> None:
+        for k, rec in self.iter_blocks():
+            assert rec is not None, f"undecodable record {k.hex()}"
+            assert rec.key == k
+
+    def close(self) -> None:
+        self.env.close()

@@ -1,0 +1,160 @@
+"""One page format for every tier.
+
+A *page* is the KV of one block of ``block_size`` tokens for all layers, as one contiguous
+tensor ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` in the model's KV dtype
+(index 0 of dim 1 is K, 1 is V). The same bytes live in the device pool, the host pool
+and the disk segments, so moving a block between tiers is one contiguous copy and a
+GPUDirect read lands straight in its slot.
+
+transformers keeps KV per layer as ``[batch, num_kv_heads, seq, head_dim]``;
+:func:`pack_pages` and :func:`unpack_pages` convert at that edge.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+
+from .errors import PageFormatError
+
+# Slots in host memory and on disk are padded to this many bytes so that O_DIRECT and
+# GPUDirect reads (which need 4 KiB alignment of offset, size and buffer) can target them.
+ALIGN = 4096
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise PageFormatError(f"unsupported KV dtype {dtype}", hint=f"use one of {sorted(DTYPES)}")
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Shape and dtype of one page; fixed per store home."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"PageLayout.{field} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"PageLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def page_bytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one page occupies in an aligned pool (host memory, disk segments)."""
+        return round_up(self.page_bytes)
+
+    def to_dict(self) -> dict[str, int | str]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PageLayout":
+        return cls(
+            num_layers=int(d["num_layers"]),
+            num_kv_heads=int(d["num_kv_heads"]),
+            head_dim=int(d["head_dim"]),
+            block_size=int(d["block_size"]),
+            dtype=str(d["dtype"]),
+        )
+
+    def check_pages(self, pages: torch.Tensor, n_blocks: int | None = None) -> None:
+        """Raise PageFormatError unless ``pages`` is ``[n, *shape]`` in this layout's dtype."""
+        if not isinstance(pages, torch.Tensor):
+            raise PageFormatError(f"pages must be a torch.Tensor, got {type(pages).__name__}")
+        if pages.dtype != self.torch_dtype:
+            raise PageFormatError(f"pages have dtype {pages.dtype}, the store holds {self.dtype}")
+        if pages.dim() != 6 or tuple(pages.shape[1:]) != self.shape:
+            raise PageFormatError(
+                f"pages have shape {tuple(pages.shape)}, expected [n, {', '.join(map(str, self.shape))}]"
+            )
+        if n_blocks is not None and pages.shape[0] != n_blocks:
+            raise PageFormatError(f"got {pages.shape[0]} pages for {n_blocks} blocks")
+
+
+def pack_pages(
+    layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    layout: PageLayout,
+    start_token: int,
+    n_blocks: int,
+    batch_index: int = 0,
+) -> torch.Tensor:
+    """Cut ``n_blocks`` pages out of per-layer ``(K, V)`` tensors in transformers' layout.
+
+    ``layer_kv[l]`` holds K and V of layer ``l`` as ``[batch, kv_heads, seq, head_dim]``;
+    tokens ``[start_token, start_token + n_blocks * block_size)`` become pages
+    ``[n_blocks, num_layers, 2, block_size, kv_heads, head_dim]`` (a new contiguous tensor).
+    """
+    if len(layer_kv) != layout.num_layers:
+        raise PageFormatError(f"got KV for {len(layer_kv)} layers, layout has {layout.num_layers}")
+    bs = layout.block_size
+    end = start_token + n_blocks * bs
+    per_layer = []
+    for k, v in layer_kv:
+        if k.shape[1] != layout.num_kv_heads or k.shape[3] != layout.head_dim or k.shape[2] < end:
+            raise PageFormatError(
+                f"layer KV of shape {tuple(k.shape)} does not match layout {layout.shape} "
+                f"for tokens [{start_token}, {end})"
+            )
+        kv = torch.stack((k[batch_index, :, start_token:end], v[batch_index, :, start_token:end]))
+        # [2, H, n*B, D] -> [2, H, n, B, D] -> [n, 2, B, H, D]
+        kv = kv.reshape(2, layout.num_kv_heads, n_blocks, bs, layout.head_dim).permute(2, 0, 3, 1, 4)
+        per_layer.append(kv)
+    pages = torch.stack(per_layer, dim=1).to(layout.torch_dtype).contiguous()
+    return pages
+
+
+def unpack_pages(pages: torch.Tensor, layout: PageLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of :func:`pack_pages`: pages ``[n, L, 2, B, H, D]`` to per-layer
+    ``(K, V)`` of shape ``[1, H, n*B, D]`` (contiguous copies)."""
+    layout.check_pages(pages)
+    n = pages.shape[0]
+    out = []
+    for layer in range(layout.num_layers):
+        # [n, 2, B, H, D] -> [2, H, n, B, D] -> [2, 1, H, n*B, D]
+        kv = pages[:, layer].permute(1, 3, 0, 2, 4).reshape(
+            2, 1, layout.num_kv_heads, n * layout.block_size, layout.head_dim
+        )
+        out.append((kv[0].contiguous(), kv[1].contiguous()))
+    return out

@@ -1,0 +1,192 @@
+"""Materialising a prefix: prefill a repository document into the store, chunk by chunk.
+
+Each chunk's full blocks are put (durably) as soon as the chunk is computed, so a run that
+dies resumes where it stopped: the next run's lookup finds the stored blocks and prefills
+only the rest, and a repeated run computes nothing. A named run records a manifest from
+which :func:`load_prefix` rebuilds exactly the same token ids later.
+
+A manifest does not hold the token ids themselves (a long prefix would make it megabytes);
+it holds the source roots and document options to re-derive them, plus the token count and
+a SHA-256 of the ids to prove the re-derivation, the model version they were made under and
+the key of the last stored block.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .document import Document, DocumentOptions, build_document
+from .errors import ConfigError, ModelVersionMismatchError, NotFoundError
+from .hf.model import LoadedModel
+from .hf.prefill import DEFAULT_CHUNK_TOKENS, Progress, cached_prefill
+from .identity import as_token_array, block_keys
+
+if TYPE_CHECKING:
+    from .store import Store
+
+MANIFEST_KIND = "prefix"
+MANIFEST_FORMAT = 1
+
+
+def tokens_sha256(tokens: Sequence[int]) -> str:
+    """SHA-256 of token ids as little-endian int32 (the encoding block keys use)."""
+    return hashlib.sha256(as_token_array(tokens).tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PrefixTokens:
+    """A document and its token ids, cut to ``max_tokens`` when that was asked for."""
+
+    document: Document
+    tokens: list[int]
+    document_tokens: int  # before any cut
+
+
+def document_tokens(
+    lm: LoadedModel,
+    paths: Sequence[str | os.PathLike[str]],
+    options: DocumentOptions = DocumentOptions(),
+    *,
+    max_tokens: int | None = None,
+    on_warning: Callable[[str], None] | None = None,
+) -> PrefixTokens:
+    """Build and tokenize the document of ``paths``.
+
+    Raises ConfigError when it is longer than the model's context and ``max_tokens`` does
+    not cut it short enough (the message gives both numbers), plus what
+    :func:`build_document` raises.
+    """
+    if max_tokens is not None and max_tokens <= 0:
+        raise ConfigError(f"--max-tokens must be positive, got {max_tokens}")
+    document = build_document(paths, options, on_warning=on_warning)
+    tokens = lm.encode_document(document.text)
+    total = len(tokens)
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens]
+    limit = lm.context_length
+    if limit is not None and len(tokens) > limit:
+        raise ConfigError(
+            f"the document has {len(tokens)} tokens; the model's context is {limit} tokens",
+            hint=f"pass --max-tokens {limit} (or fewer) to cut it, or materialise fewer files",
+        )
+    return PrefixTokens(document, tokens, total)
+
+
+@dataclass(frozen=True)
+class MaterializeResult:
+    tokens: int
+    document_tokens: int
+    cached_tokens: int  # already in the store when the run started
+    computed_tokens: int
+    stored_blocks: int
+    elapsed_s: float
+    files: int
+    skipped: int
+    manifest: dict | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.computed_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def build_manifest(lm: LoadedModel, prefix: PrefixTokens, roots: Sequence[str | os.PathLike[str]],
+                   options: DocumentOptions, max_tokens: int | None, pin: bool) -> dict:
+    bs = lm.layout.block_size
+    keys = block_keys(prefix.tokens, lm.scope(), bs)
+    return {
+        "kind": MANIFEST_KIND,
+        "format": MANIFEST_FORMAT,
+        "model_version": lm.model_version,
+        "model_dir": str(lm.model_dir.resolve()),
+        "layout": lm.layout.to_dict(),
+        "tokens": len(prefix.tokens),
+        "blocks": len(keys),
+        "last_block_key": keys[-1].hex() if keys else None,
+        "tokens_sha256": tokens_sha256(prefix.tokens),
+        "document_sha256": prefix.document.sha256,
+        "roots": [str(Path(r).resolve()) for r in roots],
+        "options": options.to_dict(),
+        "max_tokens": max_tokens,
+        "sources": [{"path": f.path, "sha256": f.sha256, "bytes": f.size} for f in prefix.document.files],
+        "pinned": pin,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def materialize(
+    store: "Store",
+    lm: LoadedModel,
+    paths: Sequence[str | os.PathLike[str]],
+    options: DocumentOptions = DocumentOptions(),
+    *,
+    name: str | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    max_tokens: int | None = None,
+    pin: bool = False,
+    progress: Progress | None = None,
+    on_warning: Callable[[str], None] | None = None,
+) -> MaterializeResult:
+    """Prefill the document of ``paths`` into ``store`` and, with ``name``, save its manifest
+    (after the blocks are durable, so a manifest never names blocks that were not stored).
+    ``pin`` stores the prefix's blocks as PINNED. ``progress(done, total)`` gets token counts.
+    """
+    from .store import Priority
+
+    start = time.perf_counter()
+    prefix = document_tokens(lm, paths, options, max_tokens=max_tokens, on_warning=on_warning)
+    scope = lm.scope()
+    priority = Priority.PINNED if pin else None
+    result = cached_prefill(
+        lm.model, prefix.tokens, store=store, scope=scope, chunk_tokens=chunk_tokens,
+        need_logits=False, priority=priority, progress=progress,
+    )
+    if pin and result.cached_tokens:
+        # Blocks stored by an earlier, unpinned run keep their priority unless raised here.
+        store.set_priority(prefix.tokens, scope, Priority.PINNED)
+    manifest = None
+    if name is not None:
+        manifest = build_manifest(lm, prefix, paths, options, max_tokens, pin)
+        store.save_manifest(name, manifest)
+    return MaterializeResult(
+        tokens=len(prefix.tokens),
+        document_tokens=prefix.document_tokens,
+        cached_tokens=result.cached_tokens,
+        computed_tokens=result.computed_tokens,
+        stored_blocks=result.stored_blocks,
+        elapsed_s=time.perf_counter() - start,
+        files=len(prefix.document.files),
+        skipped=len(prefix.document.skipped),
+        manifest=manifest,
+    )
+
+
+def load_prefix(
+    store: "Store", lm: LoadedModel, name: str, *, on_warning: Callable[[str], None] | None = None
+) -> list[int]:
+    """Token ids of the prefix materialised as ``name``, re-derived from its sources.
+
+    Raises NotFoundError for an unknown name or a manifest that is not a prefix,
+    ModelVersionMismatchError when it was made under another model version, and ConfigError
+    when its sources changed since (the re-derived ids do not hash the same).
+    """
+    manifest = store.get_manifest(name)
+    if manifest.get("kind") != MANIFEST_KIND:
+        raise NotFoundError(f"manifest {name!r} is not a materialised prefix", hint="list prefixes with `tierkv ls`")
+    if manifest.get("model_version") != lm.model_version:
+        raise ModelVersionMismatchError(
+            f"prefix {name!r} was made under model version {str(manifest.get('model_version'))[:16]}…, "
+            f"the model in {lm.model_dir} is {lm.model_version[:16]}…"
+        )
+    options = DocumentOptions.from_dict(manifest.get("options", {}))
+    prefix = document_tokens(lm, manifest["roots"], options, max_tokens=manifest.get("max_tokens"), on_warning=on_warning)
+    if tokens_sha256(prefix.tokens) != manifest.get("tokens_sha256"):
+        raise ConfigError(
+            f"the sources of prefix {name!r} changed since it was materialised",
+            hint=f"run `tierkv materialize ... --name {name}` again",
+        )
+    return prefix.tokens

@@ -1,0 +1,222 @@
+"""Store operations: pinning, named manifests, invalidation, scrubbing, statistics and
+the integrity check. A mixin of :class:`tierkv.store.Store`: it uses the store's lock, block
+table, tiers and index, and the placement helpers (``_retire``, ``_quarantine``,
+``_flush_to_disk``) defined there.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from .blocks import TIERS, Block, BlockTable, Priority
+from .checksum import page_checksum
+from .errors import NotFoundError
+from .identity import as_token_array
+from .index import BlockRecord
+from .results import InvalidateResult, VerifyResult
+from .tiers import TierName
+
+if TYPE_CHECKING:
+    from .config import StoreConfig
+    from .identity import Scope
+    from .index import Index
+    from .layout import PageLayout
+    from .stats import Counters
+    from .tiers import DiskTier, MemoryTier
+
+DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
+
+
+class StoreOperations:
+    config: "StoreConfig"
+    layout: "PageLayout"
+    table: BlockTable
+    index: "Index"
+    device: "MemoryTier"
+    host: "MemoryTier"
+    disk: "DiskTier"
+    stats_counters: "Counters"
+    _lock: threading.RLock
+    _dead: list[Block]
+
+    # Provided by Store (declared for readers and type checkers).
+    def _check_usable(self) -> None: ...
+    def _match(self, arr: np.ndarray, scope: "Scope", block_extra: Sequence[Sequence[str | bytes]] | None) -> list[Block]: ...
+    def _quarantine(self, b: Block, reason: str) -> None: ...
+    def _retire(self, b: Block) -> int: ...
+    def _flush_to_disk(self, b: Block) -> None: ...
+    def _record(self, b: Block, disk_loc: int) -> "BlockRecord": ...
+
+    def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
+        """Set the priority of the cached prefix of ``tokens`` (pin/unpin); returns the
+        number of blocks changed. Pinned blocks are written to disk if they are not yet."""
+        self._check_usable()
+        arr = as_token_array(tokens)
+        with self._lock:
+            chain = self._match(arr, scope, None)
+            return self._set_priority_blocks(chain, priority)
+
+    def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
+        """Same as :meth:`set_priority` for the chain ending at ``last_key`` (from a manifest)."""
+        self._check_usable()
+        with self._lock:
+            chain: list[Block] = []
+            b = self.table.get(last_key)
+            while b is not None:
+                chain.append(b)
+                b = self.table.get(b.parent)
+            return self._set_priority_blocks(chain[::-1], priority)
+
+    def _set_priority_blocks(self, chain: list[Block], priority: Priority) -> int:
+        records = []
+        for b in chain:
+            self.table.set_priority(b, priority)
+            if DISK in b.loc:
+                records.append(self._record(b, b.loc[DISK]))
+            elif priority == Priority.PINNED:
+                self._flush_to_disk(b)  # write-through for pinned prefixes
+        if records:
+            self.index.put_blocks(records)
+        return len(chain)
+
+    def save_manifest(self, name: str, manifest: dict) -> None:
+        """Record a named prefix (JSON-able dict) durably."""
+        self._check_usable()
+        if not name or "/" in name or len(name) > 200:
+            raise ValueError(f"bad manifest name {name!r}: 1-200 characters, no '/'")
+        self.index.put_manifest(name, manifest)
+
+    def get_manifest(self, name: str) -> dict:
+        self._check_usable()
+        m = self.index.get_manifest(name)
+        if m is None:
+            known = ", ".join(sorted(self.index.list_manifests())) or "none"
+            raise NotFoundError(f"no prefix named {name!r} (known: {known})")
+        return m
+
+    def list_manifests(self) -> dict[str, dict]:
+        self._check_usable()
+        return self.index.list_manifests()
+
+    def delete_manifest(self, name: str) -> bool:
+        self._check_usable()
+        return self.index.delete_manifest(name)
+
+    def chain_residency(self, last_key: bytes) -> dict[str, int]:
+        """Blocks of the chain ending at ``last_key`` present in each tier."""
+        with self._lock:
+            out = {t.value: 0 for t in TIERS}
+            out["blocks"] = 0
+            b = self.table.get(last_key)
+            while b is not None:
+                out["blocks"] += 1
+                for t in b.loc:
+                    out[t.value] += 1
+                b = self.table.get(b.parent)
+            return out
+
+    # ---- operations ------------------------------------------------------------------
+    def invalidate(self, *, model_version: str | None = None, namespace: str | None = None,
+                   dry_run: bool = False) -> InvalidateResult:
+        """Remove every block of ``model_version`` and/or ``namespace`` from every tier.
+        Leased blocks become unreachable at once and are freed when their lease ends.
+        Idempotent; segments left empty are deleted (disk space returned)."""
+        self._check_usable()
+        if model_version is None and namespace is None:
+            raise ValueError("invalidate needs model_version or namespace")
+        with self._lock:
+            victims = [
+                b for b in self.table.blocks.values()
+                if (model_version is None or b.model_version == model_version)
+                and (namespace is None or b.namespace == namespace)
+            ]
+            size = sum(self.layout.slot_bytes if t == DISK else self.layout.page_bytes for b in victims for t in b.loc)
+            if dry_run:
+                return InvalidateResult(len(victims), size, dry_run=True)
+            # One index transaction for all (index first), then the slots.
+            self.index.delete_blocks(b.key for b in victims if DISK in b.loc)
+            for b in victims:
+                self._retire(b)
+        return InvalidateResult(len(victims), size)
+
+    def verify(self, repair: bool = False) -> VerifyResult:
+        """Re-read and checksum every disk page; with ``repair`` quarantine the bad ones."""
+        self._check_usable()
+        with self._lock:
+            targets = [(b, b.loc[DISK]) for b in self.table.blocks.values() if DISK in b.loc]
+            for b, _ in targets:
+                b.busy += 1
+        bad: list[Block] = []
+        try:
+            for b, loc in targets:
+                try:
+                    ok = page_checksum(b.key, self.disk.read_page(loc)) == b.checksum
+                except OSError:
+                    ok = False
+                if not ok:
+                    bad.append(b)
+        finally:
+            with self._lock:
+                for b, _ in targets:
+                    b.busy -= 1
+                if repair:
+                    for b in bad:
+                        if not b.dead:
+                            self._quarantine(b, "page checksum mismatch (verify)")
+        return VerifyResult(len(targets), tuple(b.key.hex() for b in bad), repair)
+
+    def stats(self) -> dict[str, object]:
+        """Per-tier occupancy and counters (JSON-able)."""
+        with self._lock:
+            tiers: dict[str, dict[str, object]] = {}
+            for t, tier in ((DEVICE, self.device), (HOST, self.host)):
+                tiers[t.value] = {
+                    "blocks": tier.slots.num_used, "used_bytes": tier.used_bytes,
+                    "capacity_bytes": tier.capacity_bytes, **tier.describe(),
+                }
+            tiers["disk"] = {
+                "blocks": self.disk.num_used, "used_bytes": self.disk.used_bytes,
+                "capacity_bytes": self.disk.capacity_bytes, **self.disk.describe(),
+            }
+            by_mv: dict[str, int] = {}
+            by_ns: dict[str, int] = {}
+            for b in self.table.blocks.values():
+                by_mv[b.model_version] = by_mv.get(b.model_version, 0) + 1
+                by_ns[b.namespace] = by_ns.get(b.namespace, 0) + 1
+            return {
+                "home": str(self.config.home),
+                "layout": self.layout.to_dict(),
+                "blocks": len(self.table),
+                "leased_blocks": sum(1 for b in self.table.blocks.values() if b.leases),
+                "tiers": tiers,
+                "disk_read_path": self.disk.read_path,
+                "model_versions": by_mv,
+                "namespaces": by_ns,
+                "index_resizes": self.index.resizes,
+                "stale_readers_cleared": self.index.stale_readers_cleared,
+                **self.stats_counters.as_dict(),
+            }
+
+    def check_integrity(self) -> None:
+        """Recompute every total from its source of truth; AssertionError on a mismatch."""
+        with self._lock:
+            self.table.check_integrity()
+            self.device.check_integrity()
+            self.host.check_integrity()
+            self.disk.check_integrity()
+            for t, tier in ((DEVICE, self.device), (HOST, self.host)):
+                placed = {b.loc[t] for b in self.table.blocks.values() if t in b.loc}
+                placed |= {b.loc[t] for b in self._dead if t in b.loc}
+                assert placed == tier.slots.used_slots(), f"{t.value}: slot owners disagree with the allocator"
+            disk_blocks = {b.key: b.loc[DISK] for b in self.table.blocks.values() if DISK in b.loc}
+            assert len(set(disk_blocks.values())) == len(disk_blocks), "two blocks share a disk slot"
+            assert self.disk.num_used == len(disk_blocks) + sum(1 for b in self._dead if DISK in b.loc)
+            indexed = {k: rec for k, rec in self.index.iter_blocks()}
+            assert set(indexed) == set(disk_blocks), "index entries and disk-resident blocks differ"
+            for k, rec in indexed.items():
+                assert rec is not None and rec.disk_loc == disk_blocks[k], f"index location of {k.hex()[:12]} is stale"
+            self.index.check_integrity()
+

@@ -1,0 +1,67 @@
+"""Counters behind ``Store.stats()`` and the Prometheus metrics (updated under the store lock)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+def _per_tier() -> dict[str, int]:
+    return {"device": 0, "host": 0, "disk": 0}
+
+
+@dataclass
+class Counters:
+    lookups: int = 0
+    lookup_blocks: int = 0  # full blocks asked for
+    hits: dict[str, int] = field(default_factory=_per_tier)  # blocks found, by the tier found in
+    acquires: int = 0
+    acquire_hits: dict[str, int] = field(default_factory=_per_tier)
+    evictions: dict[str, int] = field(default_factory=_per_tier)
+    promoted_bytes: int = 0
+    demoted_bytes: int = 0
+    quarantined: int = 0
+    token_mismatch: int = 0
+    puts: int = 0
+    blocks_stored: int = 0
+    lookup_seconds: float = 0.0
+    _recent: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def record_lookup(self, blocks_asked: int, tiers: tuple[str, ...], seconds: float) -> None:
+        self.lookups += 1
+        self.lookup_blocks += blocks_asked
+        for t in tiers:
+            self.hits[t] += 1
+        self.lookup_seconds += seconds
+        self._recent.append(time.monotonic())
+
+    def record_acquire(self, tiers: tuple[str, ...]) -> None:
+        self.acquires += 1
+        for t in tiers:
+            self.acquire_hits[t] += 1
+
+    def lookups_per_s(self, window_s: float = 10.0) -> float:
+        now = time.monotonic()
+        n = sum(1 for t in self._recent if now - t <= window_s)
+        return n / window_s
+
+    def as_dict(self) -> dict[str, object]:
+        hit_blocks = sum(self.hits.values())
+        return {
+            "lookups": self.lookups,
+            "lookup_blocks": self.lookup_blocks,
+            "hits": dict(self.hits),
+            "hit_rate": (hit_blocks / self.lookup_blocks) if self.lookup_blocks else 0.0,
+            "hit_rate_by_tier": {t: (n / self.lookup_blocks if self.lookup_blocks else 0.0) for t, n in self.hits.items()},
+            "acquires": self.acquires,
+            "acquire_hits": dict(self.acquire_hits),
+            "evictions": dict(self.evictions),
+            "promoted_bytes": self.promoted_bytes,
+            "demoted_bytes": self.demoted_bytes,
+            "quarantined": self.quarantined,
+            "token_mismatch": self.token_mismatch,
+            "puts": self.puts,
+            "blocks_stored": self.blocks_stored,
+            "lookups_per_s": self.lookups_per_s(),
+            "mean_lookup_ms": (1000 * self.lookup_seconds / self.lookups) if self.lookups else 0.0,
+        }

@@ -1,0 +1,288 @@
+"""The disk (NVMe) tier: page slots in preallocated safetensors segment files.
+
+A location is ``segment_id << 20 | index``. The tier hands out and takes back slots and moves
+bytes; it never decides what to evict (the store's manager does). A segment belongs to one
+model version; when its last page is freed the file is deleted, so invalidating a model
+version gives its disk space back to the file system.
+
+Faults: an OSError while writing or syncing marks the tier *degraded* for
+``DEGRADED_RETRY_S`` (puts then skip the disk and say so) and surfaces as DiskWriteError.
+After a failed fsync the data is treated as lost; the slot is never reported durable.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import DiskWriteError, LayoutMismatchError
+from ..layout import PageLayout
+from .base import TierName
+from .diskio import BounceBuffer, pread_full, probe_kvikio, probe_odirect
+from .segments import SegmentFormatError, SegmentHeader, create_segment, read_header
+
+log = logging.getLogger(__name__)
+SEG_SHIFT = 20
+SEG_RE = re.compile(r"^seg-(\d{6})\.safetensors$")
+DEGRADED_RETRY_S = 30.0
+
+
+def location(seg_id: int, index: int) -> int:
+    return (seg_id << SEG_SHIFT) | index
+
+
+def split_location(loc: int) -> tuple[int, int]:
+    return loc >> SEG_SHIFT, loc & ((1 << SEG_SHIFT) - 1)
+
+
+@dataclass
+class _Segment:
+    header: SegmentHeader
+    path: Path
+    used: set[int] = field(default_factory=set)
+
+
+class DiskTier:
+    name = TierName.DISK
+
+    def __init__(
+        self,
+        directory: Path,
+        layout: PageLayout,
+        capacity_bytes: int,
+        segment_pages: int,
+        *,
+        odirect: bool = True,
+        fsync: bool = True,
+    ) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.layout = layout
+        cap_slots = capacity_bytes // layout.slot_bytes
+        self.segment_pages = max(1, min(segment_pages, cap_slots or 1))
+        self.max_segments = cap_slots // self.segment_pages
+        self.fsync = fsync
+        self._segs: dict[int, _Segment] = {}
+        self._fd_lock = threading.Lock()
+        self._read_fds: dict[int, int] = {}
+        self._local = threading.local()
+        self.degraded_reason: str | None = None
+        self._degraded_until = 0.0
+        self.odirect = odirect and probe_odirect(self.dir)
+        self._kvikio, kv_path = probe_kvikio()
+        self.read_path = kv_path or ("posix-odirect" if self.odirect else "posix-buffered")
+        log.info("disk tier %s: read path %s", self.dir, self.read_path)
+        self._scan()
+
+    # ---- layout of files -------------------------------------------------------------
+    def _path(self, seg_id: int) -> Path:
+        return self.dir / f"seg-{seg_id:06d}.safetensors"
+
+    def _scan(self) -> None:
+        for p in sorted(self.dir.iterdir()):
+            if p.suffix == ".tmp":
+                p.unlink(missing_ok=True)  # a segment whose creation never finished
+                continue
+            m = SEG_RE.match(p.name)
+            if not m:
+                continue
+            try:
+                header = read_header(p)
+            except SegmentFormatError as e:
+                log.warning("quarantining damaged segment: %s", e)
+                p.rename(p.with_name(p.name + ".bad"))
+                continue
+            if header.layout != self.layout:
+                raise LayoutMismatchError(f"segment {p} holds layout {header.layout}, the store uses {self.layout}")
+            self._segs[int(m.group(1))] = _Segment(header, p)
+
+    # ---- slots ---------------------------------------------------------------------
+    @property
+    def capacity_slots(self) -> int:
+        return self.max_segments * self.segment_pages
+
+    @property
+    def num_used(self) -> int:
+        return sum(len(s.used) for s in self._segs.values())
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_slots * self.layout.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.num_used * self.layout.page_bytes
+
+    def file_bytes(self) -> int:
+        return sum(s.header.file_bytes() for s in self._segs.values())
+
+    def claim(self, loc: int, model_version: str) -> bool:
+        """Mark ``loc`` used while rebuilding from the index; False if it cannot hold a page
+        of ``model_version`` (segment missing, retagged, or too short)."""
+        seg_id, index = split_location(loc)
+        seg = self._segs.get(seg_id)
+        if seg is None or seg.header.model_version != model_version or index >= seg.header.segment_pages:
+            return False
+        if index in seg.used:
+            return False
+        try:
+            size = seg.path.stat().st_size
+        except OSError:
+            return False
+        if size < seg.header.data_offset + (index + 1) * self.layout.slot_bytes:
+            return False
+        seg.used.add(index)
+        return True
+
+    def alloc(self, model_version: str) -> int | None:
+        """A free slot in a segment of ``model_version``; creates or retags a segment when
+        needed. None when the tier is full. Raises DiskWriteError if a segment cannot be made."""
+        for seg_id, seg in sorted(self._segs.items()):
+            if seg.header.model_version == model_version and len(seg.used) < min(seg.header.segment_pages, self.segment_pages):
+                index = min(set(range(seg.header.segment_pages)) - seg.used)
+                seg.used.add(index)
+                return location(seg_id, index)
+        header = SegmentHeader(self.layout, model_version, self.segment_pages)
+        for seg_id in range(self.max_segments):
+            if seg_id not in self._segs:
+                self._guard_io(create_segment, self._path(seg_id), header)
+                self._segs[seg_id] = _Segment(header, self._path(seg_id), {0})
+                return location(seg_id, 0)
+        return None
+
+    def reclaim_empty(self) -> int:
+        """Delete segments no index entry points to (after the claims at open)."""
+        empty = [seg_id for seg_id, seg in self._segs.items() if not seg.used]
+        for seg_id in empty:
+            self._drop_segment(seg_id)
+        return len(empty)
+
+    def _drop_segment(self, seg_id: int) -> None:
+        with self._fd_lock:
+            fd = self._read_fds.pop(seg_id, None)
+            if fd is not None:
+                os.close(fd)
+        self._segs.pop(seg_id).path.unlink(missing_ok=True)
+
+    def free(self, loc: int) -> None:
+        seg_id, index = split_location(loc)
+        seg = self._segs.get(seg_id)
+        if seg is None or index not in seg.used:
+            raise ValueError(f"disk location {loc:#x} freed but not in use")
+        seg.used.remove(index)
+        if not seg.used:
+            # Last page gone: give the space back (the index no longer points here).
+            self._drop_segment(seg_id)
+
+    # ---- bytes ---------------------------------------------------------------------
+    def _offset(self, loc: int) -> tuple[_Segment, int, int]:
+        seg_id, index = split_location(loc)
+        seg = self._segs[seg_id]
+        return seg, seg_id, seg.header.data_offset + index * self.layout.slot_bytes
+
+    @property
+    def degraded(self) -> bool:
+        if self.degraded_reason and time.monotonic() >= self._degraded_until:
+            log.info("disk tier: retrying after degradation (%s)", self.degraded_reason)
+            self.degraded_reason = None
+        return self.degraded_reason is not None
+
+    def _guard_io(self, fn, *args):  # type: ignore[no-untyped-def]
+        try:
+            return fn(*args)
+        except OSError as e:
+            reason = errno.errorcode.get(e.errno or 0, str(e))
+            self.degraded_reason = reason
+            self._degraded_until = time.monotonic() + DEGRADED_RETRY_S
+            log.error("disk tier degraded: %s", e)
+            raise DiskWriteError(f"disk tier write failed: {e}") from e
+
+    def write_pages(self, items: list[tuple[int, torch.Tensor]]) -> None:
+        """Write pages (CPU tensors of one page each) and make them durable (fdatasync per
+        segment). Only after this returns may the index point at them."""
+        self._guard_io(self._write_pages, items)
+
+    def _write_pages(self, items: list[tuple[int, torch.Tensor]]) -> None:
+        touched: dict[int, int] = {}
+        try:
+            for loc, page in items:
+                seg, seg_id, off = self._offset(loc)
+                if seg_id not in touched:
+                    touched[seg_id] = os.open(seg.path, os.O_WRONLY)
+                data = page.detach().contiguous().view(torch.uint8).numpy()
+                n = os.pwrite(touched[seg_id], data, off)
+                if n != data.nbytes:
+                    raise OSError(errno.EIO, f"short write {n} of {data.nbytes}")
+            if self.fsync:
+                for fd in touched.values():
+                    os.fdatasync(fd)
+        finally:
+            for fd in touched.values():
+                os.close(fd)
+
+    def _read_fd(self, seg_id: int) -> int:
+        with self._fd_lock:
+            fd = self._read_fds.get(seg_id)
+            if fd is None:
+                flags = os.O_RDONLY | (os.O_DIRECT if self.odirect else 0)
+                fd = os.open(self._segs[seg_id].path, flags)
+                self._read_fds[seg_id] = fd
+            return fd
+
+    def read_into(self, loc: int, buf: memoryview) -> None:
+        """Read the slot at ``loc`` into an aligned buffer of ``slot_bytes`` (host memory)."""
+        _, seg_id, off = self._offset(loc)
+        pread_full(self._read_fd(seg_id), buf, off)
+
+    def read_page(self, loc: int) -> torch.Tensor:
+        """The page at ``loc`` as a new CPU tensor in the layout's shape and dtype."""
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            bounce = self._local.bounce = BounceBuffer(self.layout.slot_bytes)
+        self.read_into(loc, memoryview(bounce.mm))
+        page_u8 = bounce.tensor[: self.layout.page_bytes].clone()
+        return page_u8.view(self.layout.torch_dtype).view(self.layout.shape)
+
+    @property
+    def reads_to_device(self) -> bool:
+        return self._kvikio is not None
+
+    def read_to_device(self, loc: int, dest: torch.Tensor) -> None:
+        """kvikio path: read straight into a contiguous CUDA page ``dest``."""
+        seg, _, off = self._offset(loc)
+        assert self._kvikio is not None and dest.is_cuda and dest.is_contiguous()
+        with self._kvikio.CuFile(str(seg.path), "r") as f:  # type: ignore[attr-defined]
+            n = f.pread(dest, self.layout.page_bytes, off).get()
+        if n != self.layout.page_bytes:
+            raise OSError(errno.EIO, f"short kvikio read: {n} of {self.layout.page_bytes}")
+
+    def segment_files(self) -> list[Path]:
+        return [s.path for s in self._segs.values()]
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "read_path": self.read_path,
+            "segments": len(self._segs),
+            "segment_pages": self.segment_pages,
+            "file_bytes": self.file_bytes(),
+            "degraded": self.degraded_reason,
+        }
+
+    def check_integrity(self) -> None:
+        for seg_id, seg in self._segs.items():
+            assert seg.path.exists(), f"segment {seg_id} missing on disk"
+            assert all(0 <= i < seg.header.segment_pages for i in seg.used), "slot outside segment"
+            assert seg.used, f"empty segment {seg_id} not reclaimed"
+
+    def close(self) -> None:
+        with self._fd_lock:
+            for fd in self._read_fds.values():
+                os.close(fd)
+            self._read_fds.clear()

@@ -1,0 +1,96 @@
+"""How page bytes move between disk segments and memory.
+
+One interface, three paths, chosen once at open and reported in stats:
+- ``kvikio-gds`` / ``kvikio-compat``: CUDA present and kvikio importable: ``CuFile.pread``
+  straight into a device-pool slot (compat mode means kvikio bounces through host memory,
+  which we log because it is slower than plain POSIX into pinned memory);
+- ``posix-odirect``: ``os.preadv`` on an O_DIRECT descriptor into a 4 KiB-aligned buffer
+  (a host-tier slot or a bounce buffer), so cold reads bypass and do not pollute the page cache;
+- ``posix-buffered``: the file system refused O_DIRECT (tmpfs, some overlays).
+Writes are buffered ``pwrite`` followed by one ``fdatasync`` per segment per put.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def probe_odirect(directory: Path) -> bool:
+    """Whether this file system accepts O_DIRECT reads of 4 KiB at offset 0."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / ".odirect-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        try:
+            buf = mmap.mmap(-1, 4096)
+            os.preadv(fd, [buf], 0)
+            buf.close()
+        finally:
+            os.close(fd)
+        return True
+    except OSError as e:
+        log.info("O_DIRECT unavailable in %s (%s); using buffered reads", directory, e)
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def probe_kvikio() -> tuple[object | None, str]:
+    """(kvikio module or None, path name). kvikio needs a CUDA driver for any I/O."""
+    if not torch.cuda.is_available():
+        return None, ""
+    try:
+        import kvikio  # type: ignore[import-not-found]
+        import kvikio.defaults  # type: ignore[import-not-found]
+    except Exception as e:  # ImportError, or a missing libcufile raising OSError
+        log.info("kvikio not importable (%s); disk reads go through POSIX", e)
+        return None, ""
+    compat = _kvikio_compat(kvikio)
+    return kvikio, "kvikio-compat" if compat else "kvikio-gds"
+
+
+def _kvikio_compat(kvikio: object) -> bool:
+    defaults = getattr(kvikio, "defaults")
+    for name in ("is_compat_mode_preferred", "compat_mode"):
+        fn = getattr(defaults, name, None)
+        if callable(fn):
+            try:
+                value = fn()
+                # Newer kvikio returns a CompatMode enum: ON / OFF / AUTO.
+                return bool(value) if isinstance(value, bool) else str(value).upper().endswith("ON")
+            except Exception:
+                continue
+    return True
+
+
+class BounceBuffer:
+    """A reusable page-aligned anonymous mapping for O_DIRECT transfers."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.mm = mmap.mmap(-1, max(nbytes, 1))
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+
+def pread_full(fd: int, buf: memoryview | mmap.mmap, offset: int) -> None:
+    """Read exactly len(buf) bytes at ``offset``; a short read is an EIO (torn segment)."""
+    n = os.preadv(fd, [buf], offset)
+    if n != len(buf):
+        raise OSError(errno.EIO, f"short read: {n} of {len(buf)} bytes at offset {offset}")

@@ -1,0 +1,99 @@
+"""Memory tiers: the device pool and the host pool, each one tensor of page slots.
+
+``pool`` has shape ``[slots, num_layers, 2, block_size, num_kv_heads, head_dim]`` so that
+attention kernels can read ``pool[slot, layer, 0|1]`` in place. On CUDA the device pool is
+one contiguous CUDA tensor. Everything else lives in a :class:`SharedRegion` with slots
+padded to 4 KiB (for O_DIRECT reads straight into a slot, and so that a client process can
+map the same bytes); the host pool is page-locked when CUDA is present.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..layout import PageLayout
+from .base import SlotAllocator, TierName
+from .shm import SharedRegion
+
+
+class MemoryTier:
+    def __init__(
+        self, name: TierName, layout: PageLayout, capacity_bytes: int, device: str, shm_dir: Path, pin: bool = False
+    ) -> None:
+        self.name = name
+        self.layout = layout
+        self.device = torch.device(device)
+        self.region: SharedRegion | None = None
+        if self.device.type == "cuda":
+            self.stride_bytes = layout.page_bytes
+            slots = capacity_bytes // self.stride_bytes
+            self._pool = torch.empty((slots, *layout.shape), dtype=layout.torch_dtype, device=self.device)
+        else:
+            # The host pool pads slots to 4 KiB so O_DIRECT can read straight into one; the
+            # CPU stand-in for the device pool is packed like the CUDA one.
+            self.stride_bytes = layout.slot_bytes if name == TierName.HOST else layout.page_bytes
+            slots = capacity_bytes // self.stride_bytes
+            self.region = SharedRegion.create(shm_dir, f"tierkv-{name.value}", slots * self.stride_bytes)
+            if pin:
+                self.region.pin()
+            self._pool = self._view_pool(self.region, layout, slots)
+        self.slots = SlotAllocator(slots)
+
+    def _view_pool(self, region: SharedRegion, layout: PageLayout, slots: int) -> torch.Tensor:
+        """The region's bytes seen as ``[slots, *layout.shape]`` with this tier's slot stride."""
+        assert region.bytes is not None
+        itemsize = layout.torch_dtype.itemsize
+        flat = region.bytes.view(layout.torch_dtype) if slots else torch.empty(0, dtype=layout.torch_dtype)
+        inner = torch.empty(layout.shape).stride()
+        return flat.as_strided((slots, *layout.shape), (self.stride_bytes // itemsize, *inner))
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self._pool
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slots.capacity * self.layout.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.slots.num_used * self.layout.page_bytes
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.region and self.region.pinned)
+
+    def page(self, slot: int) -> torch.Tensor:
+        """A view of the page in ``slot`` (valid while the caller holds the block)."""
+        return self._pool[slot]
+
+    def slot_buffer(self, slot: int) -> memoryview:
+        """The aligned bytes of ``slot`` for direct reads (shared-memory tiers only)."""
+        if self.region is None or self.region.bytes is None:
+            raise TypeError(f"the {self.name.value} tier is not host memory")
+        start = slot * self.stride_bytes
+        return memoryview(self.region._mmap)[start : start + self.stride_bytes]
+
+    def write(self, slot: int, page: torch.Tensor) -> None:
+        self._pool[slot].copy_(page, non_blocking=self.pinned)
+
+    def read(self, slot: int) -> torch.Tensor:
+        return self._pool[slot].clone()
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "kind": "cuda" if self.device.type == "cuda" else ("pinned-shm" if self.pinned else "shm"),
+            "shm_path": str(self.region.path) if self.region else None,
+            "stride_bytes": self.stride_bytes,
+            "slots": self.slots.capacity,
+        }
+
+    def check_integrity(self) -> None:
+        self.slots.check_integrity()
+        assert self._pool.shape[0] == self.slots.capacity
+
+    def close(self) -> None:
+        self._pool = torch.empty(0)
+        if self.region is not None:
+            self.region.close()

@@ -1,0 +1,87 @@
+"""Shared-memory regions: files under /dev/shm mapped with mmap.
+
+The host tier (and, without CUDA, the device tier) lives in such a region so that a second
+process (a daemon's client) can map the same bytes by path. The creator unlinks the file on
+close; a mapping outlives the unlink, so clients that still hold it keep valid memory.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def default_shm_dir() -> Path:
+    p = Path("/dev/shm")
+    return p if p.is_dir() and os.access(p, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+class SharedRegion:
+    """``nbytes`` of page-aligned memory backed by a file that other processes can map."""
+
+    def __init__(self, path: Path, nbytes: int, mm: mmap.mmap, owner: bool) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self._mmap = mm
+        self.owner = owner
+        self.pinned = False
+        # torch.frombuffer keeps the mmap exported; we drop the tensor before closing.
+        self.bytes: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, directory: Path, prefix: str, nbytes: int) -> "SharedRegion":
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, nbytes, mm, owner=True)
+
+    @classmethod
+    def attach(cls, path: Path, nbytes: int) -> "SharedRegion":
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise ValueError(f"shared region {path} holds {size} bytes, expected {nbytes}")
+            mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, nbytes, mm, owner=False)
+
+    def pin(self) -> bool:
+        """Page-lock the region for fast, asynchronous host<->GPU copies (CUDA only)."""
+        if not torch.cuda.is_available() or self.nbytes == 0 or self.bytes is None:
+            return False
+        rc = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 0)
+        self.pinned = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
+        if not self.pinned:
+            log.warning("cudaHostRegister failed (%s); host tier copies will be synchronous", rc)
+        return self.pinned
+
+    def close(self) -> None:
+        if self.bytes is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+            self.pinned = False
+        self.bytes = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A tensor view still exports the buffer; the mapping is released with it.
+            log.debug("shared region %s still referenced at close", self.path)
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
