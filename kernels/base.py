@@ -53,11 +53,14 @@ class TileConfig:
             raise ValueError("TileConfig.target_programs and min_split_tokens must be >= 1")
 
 
-def default_tiles(device: torch.device, head_dim: int = 128) -> TileConfig:
+def default_tiles(device: torch.device, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
     """Tiles for ``device``: GPU sizes for bandwidth, tiny ones for the CPU interpreter."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return TileConfig(block_n=64 if head_dim <= 128 else 32, block_m=64, min_rows=16,
+        # Rows of 256 bytes keep a K and a V tile at 16 KiB each, so the pipelined loads
+        # fit shared memory on any recent GPU; wider rows (fp32, head_dim 256) halve block_n.
+        row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+        return TileConfig(block_n=64 if row_bytes <= 256 else 32, block_m=64, min_rows=16,
                           target_programs=2 * sms, min_split_tokens=256, dot_fp32=False)
     return TileConfig(block_n=16, block_m=16, min_rows=1, target_programs=1,
                       min_split_tokens=16, dot_fp32=True)
@@ -111,16 +114,23 @@ def check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torc
         raise KernelInputError(f"{name} is on {t.device} but q is on {device}")
 
 
-def checked_max_len(starts: torch.Tensor, ends: torch.Tensor, capacity: int) -> int:
-    """Largest ``end - start``, after checking ``0 <= start <= end <= capacity`` (one sync)."""
+class RangeStats(NamedTuple):
+    longest: int  # largest end - start
+    total: int  # sum of end - start
+
+
+def checked_ranges(starts: torch.Tensor, ends: torch.Tensor, capacity: int) -> RangeStats:
+    """Length stats of ranges ``[start, end)`` after checking ``0 <= start <= end <= capacity``.
+
+    Costs one device-to-host sync.
+    """
     if ends.numel() == 0:
-        return 0
+        return RangeStats(0, 0)
     lengths = ends.long() - starts.long()
-    stats = torch.stack([lengths.max(), lengths.min(), starts.long().min(), ends.long().max()]).tolist()
-    longest, shortest, lowest, highest = (int(x) for x in stats)
+    stats = torch.stack([lengths.max(), lengths.min(), lengths.sum(), starts.long().min(), ends.long().max()])
+    longest, shortest, total, lowest, highest = (int(x) for x in stats.tolist())
     if shortest < 0 or lowest < 0:
-        raise KernelInputError("every token range needs 0 <= kv_start <= seq_len")
+        raise KernelInputError("every token range needs 0 <= start <= end")
     if highest > capacity:
         raise KernelInputError(f"a token range ending at {highest} does not fit a block table of {capacity} tokens")
-    return longest
-
+    return RangeStats(longest, total)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .base import (
     LOG2E, AttentionOutput, KernelInputError, TileConfig, check_index,
-    check_pool_and_query, checked_max_len, choose_splits, default_tiles,
+    check_pool_and_query, checked_ranges, choose_splits, default_tiles,
 )
 from .merge import merge_partials
 from .paged_decode import attend_pages, launch_partials
@@ -74,7 +74,7 @@ class CascadePlan:
     suffix_lens: torch.Tensor
     suffix_splits: int
     suffix_tokens_per_split: int
-    max_suffix_len: int
+    suffix_tokens: int  # sum of suffix lengths: tokens the suffix pass reads per KV head
     num_requests: int
     num_q_heads: int
     num_kv_heads: int
@@ -98,7 +98,7 @@ def _plan_level(level: SharedLevel, n: int, group: int, block_size: int, tiles: 
     lens_cpu, owner_cpu = lens.cpu().long(), owner.cpu().long()
     if n and (owner_cpu.min() < 0 or owner_cpu.max() >= num_groups):
         raise KernelInputError(f"group_of_request must lie in [0, {num_groups})")
-    longest = checked_max_len(torch.zeros_like(lens_cpu), lens_cpu, table.shape[1] * block_size)
+    longest = checked_ranges(torch.zeros_like(lens_cpu), lens_cpu, table.shape[1] * block_size).longest
     members = torch.bincount(owner_cpu, minlength=num_groups)
     group_start = torch.zeros(num_groups + 1, dtype=torch.int64)
     group_start[1:] = torch.cumsum(members, 0)
@@ -154,16 +154,16 @@ def plan_cascade(
     check_index("suffix_lens", suffix_lens, (n,), device)
     start = suffix_start if suffix_start is not None else torch.zeros_like(suffix_lens)
     check_index("suffix_start", start, (n,), device)
-    tiles = tiles or default_tiles(device, pool.shape[5])
+    tiles = tiles or default_tiles(device, pool.shape[5], pool.dtype)
     group = num_q_heads // num_kv_heads
     level_plans = tuple(
         _plan_level(level, n, group, block_size, tiles, num_kv_heads, device, num_splits) for level in levels
     )
-    longest = checked_max_len(start, suffix_lens, suffix_tables.shape[1] * block_size)
-    splits, per_split = choose_splits(longest, n * num_kv_heads, tiles, num_splits)
+    stats = checked_ranges(start, suffix_lens, suffix_tables.shape[1] * block_size)
+    splits, per_split = choose_splits(stats.longest, n * num_kv_heads, tiles, num_splits)
     return CascadePlan(
         levels=level_plans, suffix_tables=suffix_tables, suffix_start=start, suffix_lens=suffix_lens,
-        suffix_splits=splits, suffix_tokens_per_split=per_split, max_suffix_len=longest,
+        suffix_splits=splits, suffix_tokens_per_split=per_split, suffix_tokens=stats.total,
         num_requests=n, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         block_size=block_size, tiles=tiles,
     )

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .base import (
     LOG2E, AttentionOutput, KernelInputError, TileConfig, check_index, check_pool_and_query,
-    checked_max_len, choose_splits, default_tiles,
+    checked_ranges, choose_splits, default_tiles,
 )
 from .merge import merge_partials
 
@@ -168,8 +168,8 @@ def paged_decode_attention(
     starts = kv_start if kv_start is not None else torch.zeros_like(seq_lens)
     check_index("kv_start", starts, (n,), q.device)
     if max_kv_len is None:
-        max_kv_len = checked_max_len(starts, seq_lens, block_tables.shape[1] * pool.shape[3])
-    tiles = tiles or default_tiles(q.device, q.shape[2])
+        max_kv_len = checked_ranges(starts, seq_lens, block_tables.shape[1] * pool.shape[3]).longest
+    tiles = tiles or default_tiles(q.device, q.shape[2], q.dtype)
     splits, per_split = choose_splits(max_kv_len, n * pool.shape[4], tiles, num_splits)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
     out = torch.empty_like(q)

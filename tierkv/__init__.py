@@ -21,14 +21,42 @@ from .store import Store
 __version__ = "0.1.0"
 
 
-def open(home: str | os.PathLike[str], layout: PageLayout, **options: Any) -> Store:  # noqa: A001
+def open(home: str | os.PathLike[str], layout: PageLayout | None = None, **options: Any) -> Store:  # noqa: A001
     """Open (creating if needed) the store at ``home`` for pages of ``layout``.
 
-    ``options`` are :class:`StoreConfig` fields (``device``, ``device_bytes``, ``host_bytes``,
-    ``disk_bytes``, ``write_through``, ...). Raises LayoutMismatchError when the home holds
-    another layout, StoreLockedError when another process has it open.
+    ``layout=None`` opens an existing home with the layout it was created with (operations
+    tools do this). ``options`` are :class:`StoreConfig` fields (``device``, ``device_bytes``,
+    ``host_bytes``, ``disk_bytes``, ``write_through``, ...). Raises LayoutMismatchError when
+    the home holds another layout, StoreLockedError when another process has it open,
+    NotFoundError when ``layout`` is None and the home holds no store.
     """
+    if layout is None:
+        layout = home_layout(home)
     return Store(StoreConfig(home=Path(home), layout=layout, **options))
+
+
+def home_layout(home: str | os.PathLike[str]) -> PageLayout:
+    """The page layout an existing home was created with (read without opening the store)."""
+    import json
+
+    import lmdb
+
+    from .errors import NotFoundError
+
+    path = Path(home) / "index"
+    if not (path / "data.mdb").exists():
+        raise NotFoundError(f"{home} holds no tierkv store", hint="materialise a prefix first, or check --home")
+    # Read-only and without LMDB's lock file, so this works beside a running owner.
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=8, subdir=True)
+    try:
+        meta = env.open_db(b"meta", create=False)
+        with env.begin() as txn:
+            raw = txn.get(b"layout", db=meta)
+    finally:
+        env.close()
+    if raw is None:
+        raise NotFoundError(f"{home} holds no page layout")
+    return PageLayout.from_dict(json.loads(bytes(raw)))
 
 
 def connect(socket_path: str | os.PathLike[str], **options: Any) -> Any:
@@ -40,5 +68,5 @@ def connect(socket_path: str | os.PathLike[str], **options: Any) -> Any:
 
 __all__ = [
     "InvalidateResult", "Lease", "LookupResult", "PageLayout", "Priority", "PutResult", "Scope", "Store",
-    "StoreConfig", "TierKVError", "VerifyResult", "block_keys", "connect", "open",
+    "StoreConfig", "TierKVError", "VerifyResult", "block_keys", "connect", "home_layout", "open",
 ]

@@ -98,7 +98,9 @@ class Scope:
             raise ValueError(f"model_version must be 64 hex characters, got {self.model_version!r}")
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ValueError("namespace must be a non-empty string")
-        object.__setattr__(self, "extra_keys", tuple(str(x) for x in self.extra_keys))
+        extra = (self.extra_keys,) if isinstance(self.extra_keys, str) else self.extra_keys
+        # A bare string is one key, not a sequence of one-character keys ("ab" != ("a", "b")).
+        object.__setattr__(self, "extra_keys", tuple(str(x) for x in extra))
 
     @property
     def model_version_bytes(self) -> bytes:

@@ -79,13 +79,16 @@ class Index:
         self.resizes = 0
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """Run ``fn`` in a write transaction; on MapFullError grow the map once and retry."""
+        """Run ``fn`` in a write transaction. The first MapFullError of this environment's
+        life doubles the map and retries; after that the index is full (IndexFullError):
+        ``index_map_bytes`` is the configured size limit, and growing without bound would
+        turn a runaway writer into a full disk."""
         for attempt in (0, 1):
             try:
                 with self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
-                if attempt:
+                if attempt or self.resizes:
                     break
                 new = self.env.info()["map_size"] * 2
                 log.warning("index map full, growing to %d bytes", new)

@@ -1,7 +1,7 @@
 """Store operations: pinning, named manifests, invalidation, scrubbing, statistics and
 the integrity check. A mixin of :class:`tierkv.store.Store`: it uses the store's lock, block
 table, tiers and index, and the placement helpers (``_retire``, ``_quarantine``,
-``_flush_to_disk``) defined there.
+``_flush_to_disk``) of :class:`tierkv.placement.Placement`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .blocks import TIERS, Block, BlockTable, Priority
 from .checksum import page_checksum
 from .errors import NotFoundError
 from .identity import as_token_array
-from .index import BlockRecord
+from .placement import Placement
 from .results import InvalidateResult, VerifyResult
 from .tiers import TierName
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
-class StoreOperations:
+class StoreOperations(Placement):
     config: "StoreConfig"
     layout: "PageLayout"
     table: BlockTable
@@ -42,13 +42,10 @@ class StoreOperations:
     _lock: threading.RLock
     _dead: list[Block]
 
-    # Provided by Store (declared for readers and type checkers).
+    # Provided by Store (declared for readers and type checkers); the placement helpers
+    # (_retire, _quarantine, _flush_to_disk, _record, _unbusy) come from Placement.
     def _check_usable(self) -> None: ...
     def _match(self, arr: np.ndarray, scope: "Scope", block_extra: Sequence[Sequence[str | bytes]] | None) -> list[Block]: ...
-    def _quarantine(self, b: Block, reason: str) -> None: ...
-    def _retire(self, b: Block) -> int: ...
-    def _flush_to_disk(self, b: Block) -> None: ...
-    def _record(self, b: Block, disk_loc: int) -> "BlockRecord": ...
 
     def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
         """Set the priority of the cached prefix of ``tokens`` (pin/unpin); returns the
@@ -118,6 +115,25 @@ class StoreOperations:
                 b = self.table.get(b.parent)
             return out
 
+    def chain_tokens(self, last_key: bytes) -> tuple[np.ndarray, str, str]:
+        """Token ids, model version and namespace of the stored chain ending at ``last_key``
+        (for export, and for pinning a named prefix). Raises NotFoundError when any block of
+        the chain is missing."""
+        self._check_usable()
+        with self._lock:
+            parts: list[bytes] = []
+            b = self.table.get(last_key)
+            if b is None:
+                raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
+            mv, ns = b.model_version, b.namespace
+            while b is not None:
+                parts.append(b.tokens)
+                prev = b.parent
+                b = self.table.get(prev)
+            # The walk ends at the scope seed; a missing middle block would end it early,
+            # which the caller detects by re-keying the tokens (the last key must match).
+            return np.frombuffer(b"".join(reversed(parts)), dtype="<i4").copy(), mv, ns
+
     # ---- operations ------------------------------------------------------------------
     def invalidate(self, *, model_version: str | None = None, namespace: str | None = None,
                    dry_run: bool = False) -> InvalidateResult:
@@ -139,7 +155,7 @@ class StoreOperations:
             # One index transaction for all (index first), then the slots.
             self.index.delete_blocks(b.key for b in victims if DISK in b.loc)
             for b in victims:
-                self._retire(b)
+                self._retire(b, index_done=True)
         return InvalidateResult(len(victims), size)
 
     def verify(self, repair: bool = False) -> VerifyResult:
@@ -160,12 +176,12 @@ class StoreOperations:
                     bad.append(b)
         finally:
             with self._lock:
-                for b, _ in targets:
-                    b.busy -= 1
                 if repair:
                     for b in bad:
                         if not b.dead:
                             self._quarantine(b, "page checksum mismatch (verify)")
+                for b, _ in targets:
+                    self._unbusy(b)  # frees blocks invalidated while they were being read
         return VerifyResult(len(targets), tuple(b.key.hex() for b in bad), repair)
 
     def stats(self) -> dict[str, object]:

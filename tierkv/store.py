@@ -24,10 +24,10 @@ import torch
 from .blocks import Block, BlockTable, Priority
 from .checksum import page_checksum
 from .config import StoreConfig
-from .errors import DiskWriteError, ForkedStoreError, LayoutMismatchError, LeaseError, NotFoundError
+from .errors import ForkedStoreError, LayoutMismatchError, LeaseError, NotFoundError
 from .home import HomeLock
 from .identity import Scope, as_token_array, iter_block_keys
-from .index import NO_DISK, BlockRecord, Index
+from .index import NO_DISK, Index
 from .layout import PageLayout
 from .operations import StoreOperations
 from .results import Lease, LookupResult, PutResult
@@ -75,6 +75,11 @@ class Store(StoreOperations):
             self._load_index()
             self._executor = ThreadPoolExecutor(max(1, config.prefetch_workers), thread_name_prefix="tierkv-prefetch")
         except BaseException:
+            # Close what was opened: the LMDB environment (opening it twice in one process
+            # breaks its locking) and the shared-memory files (nothing else unlinks them).
+            for part in ("device", "host", "disk", "index"):
+                if hasattr(self, part):
+                    getattr(self, part).close()
             self._home_lock.release()
             raise
         log.info(
@@ -99,6 +104,9 @@ class Store(StoreOperations):
         for key, rec in self.index.iter_blocks():
             if rec is None:
                 self._quarantine_key(key, "undecodable index record")
+                continue
+            if rec.priority not in set(Priority) or len(rec.tokens) != 4 * self.layout.block_size:
+                self._quarantine_key(key, "index record out of range")
                 continue
             if rec.disk_loc == NO_DISK or not self.disk.claim(rec.disk_loc, rec.model_version):
                 self._quarantine_key(key, "page missing or segment truncated")
@@ -151,100 +159,6 @@ class Store(StoreOperations):
             self.stats_counters.record_lookup(len(arr) // self.layout.block_size, tiers, time.perf_counter() - t0)
         return LookupResult(len(chain) * self.layout.block_size, tuple(b.key for b in chain), tiers)
 
-    # ---- allocation, eviction, demotion (held: the lock) ------------------------------
-    def _tier(self, t: TierName) -> MemoryTier:
-        return self.device if t == DEVICE else self.host
-
-    def _alloc_mem(self, t: TierName) -> int | None:
-        tier = self._tier(t)
-        slot = tier.slots.alloc()
-        while slot is None:
-            victim = self.table.victim(t)
-            if victim is None:
-                return None
-            self._evict(victim, t)
-            slot = tier.slots.alloc()
-        return slot
-
-    def _alloc_disk(self, model_version: str) -> int | None:
-        loc = self.disk.alloc(model_version)
-        while loc is None:
-            victim = self.table.victim(DISK)
-            if victim is None:
-                return None
-            self._evict(victim, DISK)
-            loc = self.disk.alloc(model_version)
-        return loc
-
-    def _evict(self, b: Block, t: TierName) -> None:
-        """Take ``b`` out of tier ``t``, demoting it one tier down when nothing below holds it."""
-        self.stats_counters.evictions[t.value] += 1
-        if t == DEVICE and HOST not in b.loc and DISK not in b.loc and self.host.slots.capacity:
-            self._demote(b, DEVICE, HOST)
-        elif t == DEVICE and HOST not in b.loc and DISK in b.loc and self.host.slots.capacity and b.priority != Priority.EPHEMERAL:
-            self._demote(b, DEVICE, HOST)
-        elif t == HOST and DISK not in b.loc and b.priority != Priority.EPHEMERAL:
-            self._flush_to_disk(b)
-        if t == DISK:
-            # Index first, then the slot: a crash in between leaves an unreferenced slot,
-            # which the next open reclaims.
-            self.index.delete_blocks([b.key])
-        self._free(b, t)
-
-    def _demote(self, b: Block, src: TierName, dst: TierName) -> None:
-        slot = self._alloc_mem(dst)
-        if slot is None:
-            return
-        self._tier(dst).write(slot, self._tier(src).page(b.loc[src]))
-        self.table.place(b, dst, slot)
-        self.stats_counters.demoted_bytes += self.layout.page_bytes
-
-    def _free(self, b: Block, t: TierName) -> None:
-        slot = self.table.unplace(b, t)
-        if t == DISK:
-            self.disk.free(slot)
-        else:
-            self._tier(t).slots.free(slot)
-        if not b.loc:
-            self.table.remove(b)
-
-    def _retire(self, b: Block) -> int:
-        """Make ``b`` unreachable now (index first); free its pages now, or when its last
-        lease or in-flight read ends. Returns the bytes freed now."""
-        if DISK in b.loc:
-            self.index.delete_blocks([b.key])
-        self.table.detach(b)
-        if b.leases or b.busy:
-            self._dead.append(b)
-            return 0
-        return self._free_detached(b)
-
-    def _free_detached(self, b: Block) -> int:
-        freed = 0
-        for t, slot in list(b.loc.items()):
-            freed += self.layout.slot_bytes if t == DISK else self.layout.page_bytes
-            if t == DISK:
-                self.disk.free(slot)
-            else:
-                self._tier(t).slots.free(slot)
-        b.loc.clear()
-        return freed
-
-    def _quarantine_key(self, key: bytes, reason: str) -> None:
-        log.warning("quarantined block %s: %s", key.hex()[:16], reason)
-        self.index.quarantine(key, reason)
-        self.stats_counters.quarantined += 1
-
-    def _quarantine(self, b: Block, reason: str) -> None:
-        self._quarantine_key(b.key, reason)
-        self._retire(b)  # the index entry is already gone; _retire's delete is a no-op
-
-    def _record(self, b: Block, disk_loc: int) -> BlockRecord:
-        return BlockRecord(
-            key=b.key, parent=b.parent, model_version=b.model_version, namespace=b.namespace,
-            priority=int(b.priority), checksum=b.checksum, disk_loc=disk_loc, last_access=time.time(), tokens=b.tokens,
-        )
-
     # ---- acquire / release -------------------------------------------------------------
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None) -> Lease:
@@ -266,6 +180,10 @@ class Store(StoreOperations):
             # Lease block by block: blocks further along the chain are not leased yet, so
             # making room may evict them; the lease stops where the device tier is full.
             for i, b in enumerate(chain):
+                if b.dead or not b.loc:
+                    # Making room for an earlier block evicted this one from every tier.
+                    chain = chain[:i]
+                    break
                 b.leases += 1
                 if DEVICE in b.loc:
                     continue
@@ -273,9 +191,7 @@ class Store(StoreOperations):
                     waits.append((i, self._promoting[b.key]))
                     continue
                 slot = self._alloc_mem(DEVICE)
-                if slot is None or b.dead:
-                    if slot is not None:
-                        self.device.slots.free(slot)
+                if slot is None:
                     self._release_blocks([b])
                     chain = chain[:i]
                     break
@@ -301,52 +217,44 @@ class Store(StoreOperations):
     def _promote(self, plan: list[tuple[int, Block, int, TierName]]) -> int | None:
         """Copy planned pages into their device slots, outside the lock (the blocks are
         leased and busy, so nothing moves them). Returns the chain position of the first
-        block that failed (quarantined), or None."""
-        outcomes: list[tuple[int, Block, int, str | None]] = []
-        for i, b, slot, src in plan:
-            err: str | None = None
-            try:
-                if src == HOST:
-                    self.device.write(slot, self.host.page(b.loc[HOST]))
-                else:
-                    page = self.disk.read_page(b.loc[DISK])
-                    if page_checksum(b.key, page) != b.checksum:
-                        err = "page checksum mismatch on read"
+        block that failed (a bad page is quarantined), or None. Whatever happens, every
+        planned block is settled and its waiters woken, so no other thread hangs."""
+        outcomes: dict[int, str | None] = {}
+        try:
+            for i, b, slot, src in plan:
+                try:
+                    if src == HOST:
+                        self.device.write(slot, self.host.page(b.loc[HOST]))
+                    elif (target := self.device.direct_target(slot)) is not None:
+                        # One read straight into the device slot (shared memory), verified in
+                        # place: a bad page is never visible, since the slot is not placed.
+                        self.disk.read_into(b.loc[DISK], target)
+                        if page_checksum(b.key, self.device.page(slot)) != b.checksum:
+                            raise OSError("page checksum mismatch on read")
                     else:
+                        page = self.disk.read_page(b.loc[DISK])
+                        if page_checksum(b.key, page) != b.checksum:
+                            raise OSError("page checksum mismatch on read")
                         self.device.write(slot, page)
-            except OSError as e:
-                err = f"read failed: {e}"
-            outcomes.append((i, b, slot, err))
-        first_bad: int | None = None
-        with self._lock:
-            for i, b, slot, err in outcomes:
-                b.busy -= 1
-                if err is None and not b.dead:
-                    self.table.place(b, DEVICE, slot)
-                    self.stats_counters.promoted_bytes += self.layout.page_bytes
-                else:
-                    self.device.slots.free(slot)
-                    if err is not None:
-                        self._quarantine(b, err)
-                    first_bad = i if first_bad is None else min(first_bad, i)
-                self._promoting.pop(b.key).set()
+                    outcomes[i] = None
+                except OSError as e:
+                    outcomes[i] = f"read failed: {e}"
+        finally:
+            first_bad: int | None = None
+            with self._lock:
+                for i, b, slot, src in plan:
+                    err = outcomes.get(i, "")  # "" = never attempted (interrupted)
+                    if err is None and not b.dead:
+                        self.table.place(b, DEVICE, slot)
+                        self.stats_counters.promoted_bytes += self.layout.page_bytes
+                    else:
+                        self.device.slots.free(slot)
+                        if err and not b.dead:
+                            self._quarantine(b, err)
+                        first_bad = i if first_bad is None else min(first_bad, i)
+                    self._unbusy(b)
+                    self._promoting.pop(b.key).set()
         return first_bad
-
-    def _release_blocks(self, blocks: list[Block]) -> None:
-        """Drop one lease from each block (held: the lock); free retired blocks whose last
-        lease this was; drop ephemeral blocks when their lease ends."""
-        for b in blocks:
-            if b.leases <= 0:
-                raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
-            b.leases -= 1
-            if b.leases or b.busy:
-                continue
-            if b.dead:
-                if b in self._dead:
-                    self._dead.remove(b)
-                    self._free_detached(b)
-            elif b.priority == Priority.EPHEMERAL:
-                self._retire(b)
 
     def release(self, lease: Lease) -> None:
         """End a lease; its blocks become evictable again. Releasing twice is an error."""
@@ -400,16 +308,18 @@ class Store(StoreOperations):
                     checksum=page_checksum(keys[i], page), priority=priority,
                 )
                 new.append(b)
-            durable = durable_wanted and bool(self.disk.capacity_slots) and not self.disk.degraded
-            if durable:
-                for b in new:
-                    loc = self._alloc_disk(b.model_version)
-                    if loc is None:
-                        durable = False
-                        break
-                    disk_plan.append((loc, b))
+            try:
+                if durable_wanted and self.disk.capacity_slots and not self.disk.degraded:
+                    for b in new:
+                        loc = self._alloc_disk(b.model_version)
+                        if loc is None:
+                            break  # disk full of pinned/leased blocks: the rest stays in memory
+                        disk_plan.append((loc, b))
+            except BaseException:
+                self._abort_put(new, disk_plan)
+                raise
         try:
-            if durable and disk_plan:
+            if disk_plan:
                 items = [(loc, page_of[b.key].detach().cpu()) for loc, b in disk_plan]
                 # Order matters: pages written and fsynced, then the index commit, then we ack.
                 with self._io_lock:
@@ -417,35 +327,54 @@ class Store(StoreOperations):
                     self.index.put_blocks(self._record(b, loc) for loc, b in disk_plan)
         except BaseException:
             with self._lock:
-                for loc, _ in disk_plan:
-                    self.disk.free(loc)
-                self._writing.difference_update(b.key for b in new)
+                self._abort_put(new, disk_plan)
             raise
         with self._lock:
-            for loc, b in disk_plan:
-                self.table.add(b)
-                self.table.place(b, DISK, loc)
-            for b in new:
-                if self.table.get(b.key) is None:
-                    self.table.add(b)
-                slot = self._alloc_mem(DEVICE)
-                if slot is None:
-                    slot_host = self._alloc_mem(HOST)
-                    if slot_host is not None:
-                        self.host.write(slot_host, page_of[b.key])
-                        self.table.place(b, HOST, slot_host)
-                else:
-                    self.device.write(slot, page_of[b.key])
-                    self.table.place(b, DEVICE, slot)
-                if not b.loc:
-                    self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
-                self._writing.discard(b.key)
-            chain = [blk for k in keys if (blk := self.table.get(k)) is not None]
-            self.table.touch_chain(chain)
+            self._place_new(keys, new, disk_plan, page_of)
             self.stats_counters.puts += 1
             self.stats_counters.blocks_stored += len(new)
             all_durable = all((blk := self.table.get(k)) is not None and DISK in blk.loc for k in keys[start_block:])
         return PutResult(stored=len(new), skipped=n - len(new), durable=all_durable)
+
+    def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]]) -> None:
+        """Undo a failed put (held: the lock): its disk slots and its claim on the keys."""
+        for loc, _ in disk_plan:
+            self.disk.free(loc)
+        self._writing.difference_update(b.key for b in new)
+
+    def _place_new(self, keys: list[bytes], new: list[Block], disk_plan: list[tuple[int, Block]],
+                   page_of: dict[bytes, torch.Tensor]) -> None:
+        """Enter a put's blocks in the table and copy them into memory (held: the lock).
+
+        The request's whole chain is held busy meanwhile, so that making room evicts other
+        blocks, never this prefix; once the device tier has no room left, the rest of the
+        blocks go to the host tier, so a prefix never sits below its own extensions."""
+        for loc, b in disk_plan:
+            self.table.add(b)
+            self.table.place(b, DISK, loc)
+        for b in new:
+            if self.table.get(b.key) is None:
+                self.table.add(b)
+        chain = [blk for k in keys if (blk := self.table.get(k)) is not None]
+        for blk in chain:
+            blk.busy += 1
+        try:
+            tiers = [DEVICE, HOST]
+            for b in new:
+                while tiers:
+                    slot = self._alloc_mem(tiers[0])
+                    if slot is not None:
+                        self._tier(tiers[0]).write(slot, page_of[b.key])
+                        self.table.place(b, tiers[0], slot)
+                        break
+                    tiers.pop(0)
+                if not b.loc:
+                    self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
+        finally:
+            for blk in chain:
+                self._unbusy(blk)
+            self._writing.difference_update(b.key for b in new)
+        self.table.touch_chain([blk for blk in chain if self.table.get(blk.key) is blk])
 
     def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:
@@ -476,26 +405,6 @@ class Store(StoreOperations):
             self.disk.close()
             self.index.close()
             self._home_lock.release()
-
-    def _flush_to_disk(self, b: Block) -> None:
-        """Write a memory-only block to disk (write-back on eviction from host, pinning, or
-        close). Held: the lock; the disk I/O runs under it because the caller needs the
-        result before it can go on. A failure leaves the block in memory only."""
-        if not self.disk.capacity_slots or self.disk.degraded:
-            return
-        src = DEVICE if DEVICE in b.loc else HOST
-        page = self._tier(src).page(b.loc[src]).cpu()
-        loc = self._alloc_disk(b.model_version)
-        if loc is None:
-            return
-        try:
-            self.disk.write_pages([(loc, page)])
-            self.index.put_blocks([self._record(b, loc)])
-        except DiskWriteError:
-            self.disk.free(loc)
-            return
-        self.table.place(b, DISK, loc)
-        self.stats_counters.demoted_bytes += self.layout.page_bytes
 
     def __enter__(self) -> "Store":
         return self

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import click
 
+from .. import __version__
 from . import main_job
 from .common import TierKVGroup
 
 
 @click.group(cls=TierKVGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="tierkv", message="tierkv %(version)s")
+@click.version_option(version=__version__, prog_name="tierkv")
 def main() -> None:
     """tierkv: a tiered KV-cache store for LLM serving."""
 
@@ -17,3 +18,9 @@ def main() -> None:
 main_job.register(main)
 
 __all__ = ["main"]
+
+from . import ops  # noqa: E402  (operations commands: tierkv/cli/ops.py)
+ops.register(main)
+
+from . import serve  # noqa: E402  (the daemon: tierkv/cli/serve.py)
+serve.register(main)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import DiskWriteError, LayoutMismatchError
@@ -209,17 +210,33 @@ class DiskTier:
         segment). Only after this returns may the index point at them."""
         self._guard_io(self._write_pages, items)
 
+    def _bounce(self) -> BounceBuffer:
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            bounce = self._local.bounce = BounceBuffer(self.layout.slot_bytes)
+        return bounce
+
     def _write_pages(self, items: list[tuple[int, torch.Tensor]]) -> None:
         touched: dict[int, int] = {}
+        page_bytes = self.layout.page_bytes
         try:
             for loc, page in items:
                 seg, seg_id, off = self._offset(loc)
                 if seg_id not in touched:
-                    touched[seg_id] = os.open(seg.path, os.O_WRONLY)
-                data = page.detach().contiguous().view(torch.uint8).numpy()
-                n = os.pwrite(touched[seg_id], data, off)
-                if n != data.nbytes:
-                    raise OSError(errno.EIO, f"short write {n} of {data.nbytes}")
+                    # O_DIRECT: the pages bypass (and do not evict) the page cache; the
+                    # whole padded slot is written from an aligned buffer as it requires.
+                    touched[seg_id] = os.open(seg.path, os.O_WRONLY | (os.O_DIRECT if self.odirect else 0))
+                src = page.detach().contiguous().view(torch.uint8).reshape(-1)
+                if self.odirect:
+                    bounce = self._bounce()
+                    np.copyto(bounce.tensor[:page_bytes].numpy(), src.numpy())
+                    data: object = memoryview(bounce.mm)
+                    want = self.layout.slot_bytes
+                else:
+                    data, want = src.numpy(), page_bytes
+                n = os.pwrite(touched[seg_id], data, off)  # type: ignore[arg-type]
+                if n != want:
+                    raise OSError(errno.EIO, f"short write {n} of {want}")
             if self.fsync:
                 for fd in touched.values():
                     os.fdatasync(fd)
@@ -237,17 +254,17 @@ class DiskTier:
             return fd
 
     def read_into(self, loc: int, buf: memoryview) -> None:
-        """Read the slot at ``loc`` into an aligned buffer of ``slot_bytes`` (host memory)."""
+        """Read ``len(buf)`` bytes of the slot at ``loc`` into ``buf``; with O_DIRECT the
+        buffer's address and length must be 4 KiB multiples (a full slot, or a whole page
+        whose size is a 4 KiB multiple)."""
         _, seg_id, off = self._offset(loc)
         pread_full(self._read_fd(seg_id), buf, off)
 
     def read_page(self, loc: int) -> torch.Tensor:
         """The page at ``loc`` as a new CPU tensor in the layout's shape and dtype."""
-        bounce = getattr(self._local, "bounce", None)
-        if bounce is None:
-            bounce = self._local.bounce = BounceBuffer(self.layout.slot_bytes)
+        bounce = self._bounce()
         self.read_into(loc, memoryview(bounce.mm))
-        page_u8 = bounce.tensor[: self.layout.page_bytes].clone()
+        page_u8 = torch.from_numpy(bounce.tensor[: self.layout.page_bytes].numpy().copy())
         return page_u8.view(self.layout.torch_dtype).view(self.layout.shape)
 
     @property

@@ -78,7 +78,8 @@ class BounceBuffer:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.mm = mmap.mmap(-1, max(nbytes, 1))
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self.mm = mmap.mmap(-1, max(nbytes, 1), flags)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
 
     def close(self) -> None:

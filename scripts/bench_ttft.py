@@ -1,0 +1,235 @@
+"""Time to first token of a long shared prefix: recompute vs tierkv vs saving the cache by hand.
+
+One random-init Llama (default: ~135M parameters, 30 layers, hidden 576, 9 heads, 3 KV heads,
+SmolLM-like), a 4,096-token prefix and a 64-token question, side by side in one run:
+
+1. recompute: prefill prefix + question from nothing;
+2. tierkv, disk tier, cold: the store is closed and reopened (memory tiers empty) and the
+   segment files are dropped from the page cache (posix_fadvise DONTNEED; the store also
+   reads with O_DIRECT where the file system allows), then restore + question prefill;
+3. tierkv, memory tiers: the same request again, pages already promoted (on a CPU-only machine
+   the device tier is host RAM, so this is the host-memory restore);
+4. torch.save / torch.load of the per-layer (K, V) tensors (file dropped from the page cache);
+5. safetensors save_file / load_file of the same tensors (file dropped from the page cache).
+
+"restore" is lookup + read + copy into a transformers DynamicCache; "ttft" adds the question's
+prefill and choosing the first token. Ratios are tierkv / recompute (lower is better); speedups
+are other / tierkv-disk restore (higher is better). Medians over ``--runs``.
+
+    python scripts/bench_ttft.py --json            # full size (minutes on a few CPU cores)
+    python scripts/bench_ttft.py --small --json    # a quick run
+
+The last line printed with ``--json`` is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def median_of(runs: int, fn: Callable[[], float]) -> float:
+    return statistics.median(fn() for _ in range(runs))
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(args.device).eval()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small", action="store_true", help="4 layers, hidden 256, 1,024-token prefix")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prefix-tokens", type=int, default=None)
+    ap.add_argument("--question-tokens", type=int, default=64)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--home", type=Path, default=None, help="store home (default: a temporary directory)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    shape = dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=8192, prefix=1024) if args.small \
+        else dict(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, prefix=4096)
+    for k, v in shape.items():
+        setattr(args, k, v)
+    args.prefix = args.prefix_tokens or args.prefix
+
+    import tierkv
+    from safetensors.torch import load_file, save_file
+
+    from tierkv.hf import cache_from_kv, cache_layer_kv, cached_prefill, generate, layout_from_model
+    from tierkv.identity import Scope
+    from tierkv.model_version import model_version_from_parts
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    model = build_model(args)
+    params = sum(p.numel() for p in model.parameters())
+    layout = layout_from_model(model, 16)
+    scope = Scope(model_version_from_parts(weights="bench_ttft:random-seed-0", config=[json.dumps(model.config.to_dict(),
+                  sort_keys=True, default=str)], tokenizer=[], layout=layout))
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, args.vocab, (args.prefix,), generator=g).tolist()
+    tokens = prefix + torch.randint(0, args.vocab, (args.question_tokens,), generator=g).tolist()
+    tmp = tempfile.TemporaryDirectory(prefix="bench-ttft-")
+    work = Path(tmp.name)
+    home = args.home or work / "home"
+    store_opts = dict(device_bytes=layout.page_bytes * (len(tokens) // 16 + 8), host_bytes=1 << 30,
+                      disk_bytes=max(1 << 30, 2 * layout.slot_bytes * (len(tokens) // 16 + 8)))
+    log(f"model: {params / 1e6:.0f}M parameters, {args.layers} layers; prefix {args.prefix} + question "
+        f"{args.question_tokens} tokens; page {layout.page_bytes} bytes; device {args.device}")
+
+    with torch.inference_mode():
+        model(torch.tensor([tokens[:16]], device=args.device))  # first-call overheads
+    reference = generate(model, tokens, max_new_tokens=1)
+    diffs: list[float] = []
+
+    def recompute() -> float:
+        r = generate(model, tokens, max_new_tokens=1)
+        return r.ttft_s
+
+    log("recompute ...")
+    ttft_recompute = median_of(args.runs, recompute)
+
+    log("materialising the prefix into the store ...")
+    with tierkv.open(home, layout, **store_opts) as store:
+        t0 = time.perf_counter()
+        cached_prefill(model, prefix, store=store, scope=scope, need_logits=False)
+        materialize_s = time.perf_counter() - t0
+    segments = sorted((home / "segments").glob("*"))
+
+    def restore(store: Any) -> tuple[Any, int]:
+        with store.acquire(prefix, scope) as lease:
+            kv = lease.kv()
+            n = lease.tokens_matched
+        return cache_from_kv(kv, model.device, model.dtype), n
+
+    def cold_store() -> Any:
+        drop_page_cache([p for p in segments if p.is_file()])
+        return tierkv.open(home, layout, **store_opts)
+
+    def disk_restore() -> float:
+        with cold_store() as store:
+            t0 = time.perf_counter()
+            _, n = restore(store)
+            assert n == len(prefix) // 16 * 16, n
+            return time.perf_counter() - t0
+
+    def disk_ttft() -> float:
+        with cold_store() as store:
+            r = generate(model, tokens, store=store, scope=scope, max_new_tokens=1, store_new=False)
+            diffs.append((r.first_logits - reference.first_logits).abs().max().item())
+            return r.ttft_s
+
+    log("tierkv disk tier (cold) ...")
+    restore_disk = median_of(args.runs, disk_restore)
+    ttft_disk = median_of(args.runs, disk_ttft)
+
+    log("tierkv memory tiers ...")
+    with tierkv.open(home, layout, **store_opts) as store:
+        restore(store)  # promote once
+        tiers = store.lookup(prefix, scope).tiers
+
+        def mem_restore() -> float:
+            t0 = time.perf_counter()
+            restore(store)
+            return time.perf_counter() - t0
+
+        def mem_ttft() -> float:
+            r = generate(model, tokens, store=store, scope=scope, max_new_tokens=1, store_new=False)
+            diffs.append((r.first_logits - reference.first_logits).abs().max().item())
+            return r.ttft_s
+
+        restore_host = median_of(args.runs, mem_restore)
+        ttft_host = median_of(args.runs, mem_ttft)
+
+    log("torch.save / safetensors baselines ...")
+    full = cached_prefill(model, prefix)
+    layer_kv = [(k.contiguous().cpu(), v.contiguous().cpu()) for k, v in cache_layer_kv(full.cache)]
+    pt, st = work / "cache.pt", work / "cache.safetensors"
+    torch.save(layer_kv, pt)
+    save_file({f"{kind}{i}": t for i, kv in enumerate(layer_kv) for kind, t in zip("kv", kv)}, str(st))
+
+    def load_pt() -> Any:
+        return cache_from_kv(torch.load(pt, weights_only=True), model.device, model.dtype)
+
+    def load_st() -> Any:
+        d = load_file(str(st))
+        return cache_from_kv([(d[f"k{i}"], d[f"v{i}"]) for i in range(args.layers)], model.device, model.dtype)
+
+    def timed_restore(load: Callable[[], Any], path: Path) -> float:
+        drop_page_cache([path])
+        t0 = time.perf_counter()
+        load()
+        return time.perf_counter() - t0
+
+    def timed_ttft(load: Callable[[], Any], path: Path) -> float:
+        drop_page_cache([path])
+        t0 = time.perf_counter()
+        cache = load()
+        with torch.inference_mode():
+            out = model(torch.tensor([tokens[len(prefix):]], device=model.device), past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        int(torch.argmax(logits))
+        elapsed = time.perf_counter() - t0
+        diffs.append((logits - reference.first_logits).abs().max().item())
+        return elapsed
+
+    restore_pt = median_of(args.runs, lambda: timed_restore(load_pt, pt))
+    restore_st = median_of(args.runs, lambda: timed_restore(load_st, st))
+    ttft_pt = median_of(args.runs, lambda: timed_ttft(load_pt, pt))
+    ttft_st = median_of(args.runs, lambda: timed_ttft(load_st, st))
+    tmp.cleanup()
+
+    result = {
+        "model_params_m": round(params / 1e6, 1), "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+        "kv_heads": args.kv_heads, "prefix_tokens": args.prefix, "question_tokens": args.question_tokens,
+        "runs": args.runs, "device": args.device, "torch_threads": torch.get_num_threads(),
+        "kv_bytes": layout.page_bytes * (args.prefix // 16), "materialize_s": round(materialize_s, 3),
+        "memory_tiers_hit": sorted(set(tiers)),
+        "ttft_recompute_s": ttft_recompute, "ttft_disk_s": ttft_disk, "ttft_host_s": ttft_host,
+        "ttft_torch_load_s": ttft_pt, "ttft_safetensors_s": ttft_st,
+        "restore_disk_s": restore_disk, "restore_host_s": restore_host,
+        "restore_torch_load_s": restore_pt, "restore_safetensors_s": restore_st,
+        "ttft_ratio_disk_vs_recompute": ttft_disk / ttft_recompute,
+        "ttft_ratio_host_vs_recompute": ttft_host / ttft_recompute,
+        "restore_speedup_vs_torch_load": restore_pt / restore_disk,
+        "restore_speedup_vs_safetensors": restore_st / restore_disk,
+        "logits_max_abs_diff": max(diffs),
+    }
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        for k, v in result.items():
+            print(f"{k:32} {v:.4g}" if isinstance(v, float) else f"{k:32} {v}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

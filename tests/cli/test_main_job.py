@@ -1,0 +1,108 @@
+"""The main-job commands end to end through click: materialize, generate, model-version,
+quickstart, and how bad input is reported (a message and exit status 1, no traceback)."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from helpers import tiny_models
+from tierkv.cli import main
+from tierkv.hf import version_of
+
+
+def run(*args: str, ok: bool = True) -> object:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if ok:
+        assert result.exit_code == 0, result.output + repr(result.exception)
+    else:
+        assert result.exit_code == 1, result.output
+        assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+        assert result.stderr.startswith("Error: ")
+    return result
+
+
+def run_json(*args: str) -> dict:
+    lines = run(*args, "--json").stdout.strip().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+def test_materialize_then_generate_with_and_without_cache(llama_dir, repo, tmp_path):
+    home = tmp_path / "home"
+    made = run_json("materialize", repo, "--model", llama_dir, "--home", home, "--name", "repo", "--no-progress",
+                    "--chunk-tokens", "64")
+    assert made["stored_blocks"] == made["tokens"] // 16 > 0 and made["computed_tokens"] > 0
+    again = run_json("materialize", repo, "--model", llama_dir, "--home", home, "--name", "repo", "--no-progress")
+    assert again["computed_tokens"] == 0 and again["stored_blocks"] == 0
+    ask = ("--model", llama_dir, "--prompt", "store the block", "--max-new-tokens", "5")
+    warm = run_json("generate", *ask, "--home", home, "--prefix", "repo")
+    assert {"text", "tokens", "prompt_tokens", "cached_tokens", "ttft_s", "total_s"} <= set(warm)
+    assert warm["cached_tokens"] == made["tokens"] // 16 * 16 and warm["prompt_tokens"] > made["tokens"]
+    cold_home = tmp_path / "never-created"
+    cold = run_json("generate", *ask, "--home", cold_home, "--prefix-from", repo, "--no-cache")
+    assert cold["cached_tokens"] == 0 and cold["tokens"] == warm["tokens"]
+    assert cold["prompt_tokens"] == warm["prompt_tokens"]
+    assert not cold_home.exists()  # --no-cache never opened the store
+    via_paths = run_json("generate", *ask, "--home", home, "--prefix-from", repo)
+    assert via_paths["cached_tokens"] >= warm["cached_tokens"] and via_paths["tokens"] == warm["tokens"]
+    human = run("generate", *ask, "--home", home, "--prefix", "repo").stdout
+    assert "cached tokens" in human and "TTFT s" in human
+
+
+def test_model_version_command(llama_dir):
+    layout, version = version_of(llama_dir)
+    assert run("model-version", llama_dir).stdout.strip() == version
+    out = run_json("model-version", llama_dir, "--block-size", "32")
+    assert out["model_version"] != version and out["layout"]["block_size"] == 32
+
+
+def test_bad_input_is_reported_without_traceback(llama_dir, repo, tmp_path):
+    home = tmp_path / "home"
+    assert "does not exist" in run("model-version", tmp_path / "nope", ok=False).stderr
+    (tmp_path / "not-a-model").mkdir()
+    assert "no config.json" in run("generate", "--model", tmp_path / "not-a-model", "--prompt", "x",
+                                   "--no-cache", ok=False).stderr
+    mismatched = tiny_models.save_model_dir(tmp_path / "small-vocab", "llama", vocab_size=50)
+    assert "embeds only 50" in run("generate", "--model", mismatched, "--prompt", "x", "--no-cache", ok=False).stderr
+    (tmp_path / "empty-repo").mkdir()
+    assert "no text files" in run("materialize", tmp_path / "empty-repo", "--model", llama_dir, "--home", home,
+                                  ok=False).stderr
+    run("materialize", repo, "--model", llama_dir, "--home", home, "--name", "repo", "--no-progress")
+    assert "repo2" in run("generate", "--model", llama_dir, "--home", home, "--prefix", "repo2", "--prompt", "x",
+                          ok=False).stderr
+    # Same layout, other weights: the prefix belongs to another model version.
+    other = tiny_models.save_model_dir(tmp_path / "other", "llama", seed=9)
+    assert "model version" in run("generate", "--model", other, "--home", home, "--prefix", "repo", "--prompt", "x",
+                                  ok=False).stderr
+    usage = CliRunner().invoke(main, ["generate", "--model", str(llama_dir), "--prefix", "repo", "--no-cache",
+                                      "--prompt", "x"])
+    assert usage.exit_code == 2 and "--prefix-from" in usage.stderr
+    # Nothing above damaged the store: the prefix still serves from cache.
+    warm = run_json("generate", "--model", llama_dir, "--home", home, "--prefix", "repo", "--prompt", "x",
+                    "--max-new-tokens", "1")
+    assert warm["cached_tokens"] > 0
+
+
+def test_quickstart_with_a_user_model(llama_dir, tmp_path):
+    out = run_json("quickstart", "--model", llama_dir, "--home", tmp_path / "home", "--max-tokens", "200",
+                   "--max-new-tokens", "3")
+    assert out["identical"] is True and out["cached_tokens"] == 192 and out["prefix_tokens"] == 200
+    assert out["ttft_cold_s"] > 0 and out["ttft_warm_s"] > 0
+
+
+def test_quickstart_builds_its_model_once(tmp_path, monkeypatch):
+    import tierkv.quickstart as qs
+
+    tiny = qs.TinyModelSpec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                            vocab_size=300, context=512)
+    monkeypatch.setattr(qs, "ensure_quickstart_model", functools.partial(qs.ensure_quickstart_model, spec=tiny))
+    home = tmp_path / "home"
+    first = run("quickstart", "--home", home, "--max-tokens", "128", "--max-new-tokens", "2")
+    assert "building the quickstart model" in first.stderr and "identical tokens  yes" in first.stdout
+    config = (home / "quickstart" / "model" / "config.json").read_text()
+    second = run_json("quickstart", "--home", home, "--max-tokens", "128", "--max-new-tokens", "2")
+    assert (home / "quickstart" / "model" / "config.json").read_text() == config
+    assert second["cached_tokens"] == 112 and second["identical"] is True

@@ -1,0 +1,227 @@
+"""The main job: ``materialize`` a repository as a prefix, ``generate`` after it,
+``model-version`` of a model directory, and the ``quickstart`` demo.
+
+Each command parses its options, calls the library (tierkv.hf, tierkv.materialize,
+tierkv.quickstart) and prints a table, or one JSON object with ``--json``.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from ..document import DEFAULT_MAX_FILE_BYTES, DocumentOptions
+from ..hf import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_TOKENS, DTYPE_CHOICES, LoadedModel, SamplingConfig, generate
+from ..hf import load_model as _load_model
+from ..hf import version_of
+from ..model_version import default_memo_path
+from .common import emit, home_option, json_option, open_store, progress_bar, warn
+
+
+def model_options(required: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(f: Callable[..., Any]) -> Callable[..., Any]:
+        f = click.option("--model", "model_dir", type=click.Path(path_type=Path), required=required,
+                         help="Local Hugging Face model directory (nothing is downloaded).")(f)
+        f = click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True,
+                         help="Dtype to run the model (and store its KV) in; auto = the checkpoint's.")(f)
+        f = click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True,
+                         help="Tokens per block; part of the store's page layout.")(f)
+        f = click.option("--device", default=None, help="Torch device for the model [default: cuda if available, else cpu].")(f)
+        return f
+    return deco
+
+
+def document_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--include", multiple=True, help="Keep only files whose path matches this glob (repeatable).")(f)
+    f = click.option("--exclude", multiple=True, help="Drop files whose path matches this glob (repeatable).")(f)
+    f = click.option("--max-file-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_FILE_BYTES, show_default=True,
+                     help="Skip files larger than this.")(f)
+    f = click.option("--no-gitignore", is_flag=True, help="Do not honour .gitignore files.")(f)
+    f = click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+                     help="Cut the document to its first N tokens (needed when it exceeds the model's context).")(f)
+    return f
+
+
+def _doc_options(include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool) -> DocumentOptions:
+    return DocumentOptions(include=include, exclude=exclude, max_file_bytes=max_file_bytes, gitignore=not no_gitignore)
+
+
+def _device(device: str | None) -> str:
+    if device:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None) -> LoadedModel:
+    return _load_model(model_dir, dtype=dtype, block_size=block_size, device=_device(device), memo_path=default_memo_path())
+
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@model_options()
+@document_options
+@click.option("--name", default=None, help="Record a manifest under this name (for `generate --prefix NAME`).")
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=DEFAULT_CHUNK_TOKENS, show_default=True,
+              help="Tokens per prefill chunk; each chunk's full blocks are stored when it completes.")
+@click.option("--pin", is_flag=True, help="Store the prefix's blocks as pinned (never evicted).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@home_option
+@json_option
+def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size: int, device: str | None,
+                include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
+                max_tokens: int | None, name: str | None, chunk_tokens: int, pin: bool, no_progress: bool,
+                home: Path, as_json: bool) -> None:
+    """Prefill the files and trees PATHS into the store as one prefix document.
+
+    Resumable: an interrupted run continues from its last stored chunk, and a repeated
+    run does no work."""
+    from ..materialize import materialize as run
+
+    lm = load_model(model_dir, dtype, block_size, device)
+    progress, close_bar = progress_bar("prefill", enabled=not no_progress)
+    with open_store(home, lm.layout) as store:
+        try:
+            result = run(store, lm, list(paths), _doc_options(include, exclude, max_file_bytes, no_gitignore),
+                         name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens, pin=pin,
+                         progress=progress, on_warning=warn)
+        finally:
+            close_bar()
+    summary = {
+        "name": name, "model_version": lm.model_version, "tokens": result.tokens,
+        "document_tokens": result.document_tokens, "cached_tokens": result.cached_tokens,
+        "computed_tokens": result.computed_tokens, "stored_blocks": result.stored_blocks,
+        "files": result.files, "skipped_files": result.skipped, "elapsed_s": round(result.elapsed_s, 3),
+        "tokens_per_s": round(result.tokens_per_s, 1), "pinned": pin,
+    }
+    rows = [("prefix", name or "(unnamed)"), ("files", result.files), ("skipped files", result.skipped),
+            ("tokens", result.tokens), ("already stored", result.cached_tokens), ("computed", result.computed_tokens),
+            ("blocks stored", result.stored_blocks), ("elapsed s", result.elapsed_s), ("tokens/s", result.tokens_per_s)]
+    if result.tokens < result.document_tokens:
+        rows.append(("cut from", result.document_tokens))
+    emit(as_json, summary, rows)
+
+
+@click.command(name="generate")
+@model_options()
+@click.option("--prefix", "prefix_name", default=None, help="Start the request with the prefix materialised as NAME.")
+@click.option("--prefix-from", "prefix_paths", multiple=True, type=click.Path(path_type=Path),
+              help="Start the request with the document of these files/trees (repeatable).")
+@document_options
+@click.option("--prompt", required=True, help="Text that follows the prefix (tokenized on its own).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=1), default=None, help="Sample among the k most likely tokens.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for sampling.")
+@click.option("--no-cache", is_flag=True, help="Recompute everything; the store is not even opened.")
+@home_option
+@json_option
+def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | None, prefix_name: str | None,
+                 prefix_paths: tuple[Path, ...], include: tuple[str, ...], exclude: tuple[str, ...],
+                 max_file_bytes: int, no_gitignore: bool, max_tokens: int | None, prompt: str,
+                 max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool,
+                 home: Path, as_json: bool) -> None:
+    """Generate text after a prefix, restoring what the store holds of it."""
+    from ..materialize import document_tokens, load_prefix
+
+    if prefix_name and prefix_paths:
+        raise click.UsageError("pass --prefix NAME or --prefix-from PATH, not both")
+    if prefix_name and no_cache:
+        raise click.UsageError("--no-cache does not open the store, so it cannot read prefix NAME; use --prefix-from PATH")
+    lm = load_model(model_dir, dtype, block_size, device)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, seed=seed)
+    opts = _doc_options(include, exclude, max_file_bytes, no_gitignore)
+
+    def request(store: Any) -> list[int]:
+        if prefix_name:
+            return load_prefix(store, lm, prefix_name, on_warning=warn) + lm.encode_prompt(prompt)
+        if prefix_paths:
+            prefix = document_tokens(lm, list(prefix_paths), opts, max_tokens=max_tokens, on_warning=warn).tokens
+            return prefix + lm.encode_prompt(prompt)
+        return lm.encode_document(prompt)
+
+    if no_cache:
+        tokens = request(None)
+        result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling)
+    else:
+        with open_store(home, lm.layout) as store:
+            tokens = request(store)
+            result = generate(lm.model, tokens, store=store, scope=lm.scope(), max_new_tokens=max_new_tokens,
+                              sampling=sampling)
+    text = lm.decode(list(result.tokens))
+    out = {
+        "text": text, "tokens": list(result.tokens), "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens, "new_tokens": len(result.tokens), "stored_blocks": result.stored_blocks,
+        "ttft_s": round(result.ttft_s, 6), "total_s": round(result.total_s, 6), "model_version": lm.model_version,
+    }
+    if not as_json:
+        click.echo(text)
+    emit(as_json, out, None if as_json else [
+        ("prompt tokens", result.prompt_tokens), ("cached tokens", result.cached_tokens),
+        ("new tokens", len(result.tokens)), ("TTFT s", result.ttft_s), ("total s", result.total_s)])
+
+
+@click.command(name="model-version")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True)
+@json_option
+def model_version_cmd(model_dir: Path, dtype: str, block_size: int, as_json: bool) -> None:
+    """Print the model-version hash of MODEL_DIR (weights, config, tokenizer, KV layout)."""
+    layout, version = version_of(model_dir, dtype=dtype, block_size=block_size, memo_path=default_memo_path())
+    if as_json:
+        emit(True, {"model_version": version, "layout": layout.to_dict(), "model_dir": str(model_dir)})
+    else:
+        click.echo(version)
+
+
+@click.command()
+@model_options(required=False)
+@click.option("--question", default=None, help="Question asked after the prefix.")
+@click.option("--max-tokens", type=click.IntRange(min=64), default=4096, show_default=True, help="Prefix length cap.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@home_option
+@json_option
+def quickstart(model_dir: Path | None, dtype: str, block_size: int, device: str | None, question: str | None,
+               max_tokens: int, max_new_tokens: int, home: Path, as_json: bool) -> None:
+    """Build a small model (once), materialise tierkv's own source as a prefix and answer a
+    question with and without the cache. With --model, uses your model and --home."""
+    from ..quickstart import DEFAULT_QUESTION, ensure_quickstart_model, run_quickstart
+
+    setup_start = time.perf_counter()
+    store_home = home
+    if model_dir is None:
+        # The demo keeps its own store: its layout would clash with a user's model in HOME.
+        demo_dir = home / "quickstart"
+        if not (demo_dir / "model" / "config.json").is_file():
+            click.echo(f"building the quickstart model under {demo_dir} (once) ...", err=True)
+        model_dir, _ = ensure_quickstart_model(demo_dir)
+        store_home = demo_dir / "store"
+    lm = load_model(model_dir, dtype, block_size, device)
+    setup_s = time.perf_counter() - setup_start
+    progress, close_bar = progress_bar("materialise tierkv source", enabled=not as_json)
+    with open_store(store_home, lm.layout) as store:
+        try:
+            r = run_quickstart(store, lm, question=question or DEFAULT_QUESTION, max_tokens=max_tokens,
+                               max_new_tokens=max_new_tokens, progress=progress)
+        finally:
+            close_bar()
+    out = {
+        "model_dir": str(model_dir), "store_home": str(store_home), "setup_s": round(setup_s, 3),
+        "prefix_tokens": r.prefix_tokens, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+        "materialize_s": round(r.materialize_s, 3), "ttft_cold_s": round(r.ttft_cold_s, 4),
+        "ttft_warm_s": round(r.ttft_warm_s, 4), "speedup": round(r.speedup, 1), "identical": r.identical,
+        "text": r.text,
+    }
+    emit(as_json, out, [
+        ("tokens cached", r.cached_tokens), ("prompt tokens", r.prompt_tokens),
+        ("TTFT cold (recompute)", f"{r.ttft_cold_s * 1000:.0f} ms"), ("TTFT warm (tierkv)", f"{r.ttft_warm_s * 1000:.0f} ms"),
+        ("speedup", f"{r.speedup:.1f}x"), ("identical tokens", r.identical)])
+
+
+def register(group: click.Group) -> None:
+    for command in (materialize, generate_cmd, model_version_cmd, quickstart):
+        group.add_command(command)

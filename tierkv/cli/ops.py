@@ -1,0 +1,413 @@
+"""Operations commands: ``invalidate``, ``stats``, ``ls``, ``pin``/``unpin``, ``verify``,
+``gc``, ``export`` and ``import``.
+
+Each command opens its target with :func:`open_target` (the home directly, or a running
+daemon with ``--socket``), calls the library and prints a table, or one JSON object with
+``--json``. The logic lives in the library (tierkv.operations, tierkv.gc, tierkv.bundle).
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import click
+
+from ..blocks import Priority
+from ..errors import DaemonUnavailableError
+from ..identity import Scope
+from ..model_version import default_memo_path
+from .common import emit, format_value, home_option, json_option, print_table, warn
+
+F = TypeVar("F", bound=Callable[..., Any])
+SOCKET_ENV = "TIERKV_SOCKET"
+# Operations need the disk tier only: keep the memory tiers in (sparse) host memory, so an
+# ops command neither initialises CUDA nor takes GPU memory from a serving process.
+OPS_STORE_OPTIONS: dict[str, Any] = {"device": "cpu", "host_bytes": 0}
+
+
+def socket_option(f: F) -> F:
+    return click.option(
+        "--socket", "socket_path", type=click.Path(dir_okay=False, path_type=Path), envvar=SOCKET_ENV, default=None,
+        help=f"Go through the tierkv daemon listening here instead of opening --home [env {SOCKET_ENV}].",
+    )(f)
+
+
+def open_target(home: Path, socket_path: Path | None, **options: Any) -> Any:
+    """A :class:`~tierkv.Store` on ``home`` (opened with its own layout), or, with
+    ``socket_path``, a client of the daemon serving it (same API). ``options`` are StoreConfig
+    fields for a home opened here. Raises NotFoundError for a home without a store,
+    DaemonOwnsHomeError when a daemon holds the home, DaemonUnavailableError when the
+    daemon cannot be reached or this tierkv has no daemon client."""
+    import tierkv
+
+    if socket_path is not None:
+        try:
+            return tierkv.connect(socket_path)
+        except ModuleNotFoundError as e:
+            if "tierkv.daemon" not in str(e):
+                raise
+            raise DaemonUnavailableError(
+                f"--socket {socket_path}: this tierkv has no daemon client (tierkv.daemon.client)",
+                hint="drop --socket and stop the daemon to use --home directly, or upgrade tierkv",
+            ) from None
+    return tierkv.open(home, None, **{**OPS_STORE_OPTIONS, **options})
+
+
+@contextlib.contextmanager
+def target(home: Path, socket_path: Path | None, **options: Any) -> Iterator[Any]:
+    t = open_target(home, socket_path, **options)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def target_options(f: F) -> F:
+    return home_option(socket_option(json_option(f)))
+
+
+# ---- formatting ------------------------------------------------------------------------
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def print_columns(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """An aligned table with a header row (numbers right-aligned)."""
+    cells = [[format_value(v) if not isinstance(v, str) else v for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(not isinstance(row[i], str) for row in rows) and bool(rows) for i in range(len(headers))]
+
+    def line(vals: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
+
+    click.echo(line(headers))
+    for r in cells:
+        click.echo(line(r))
+
+
+def short(hex_str: str | None, n: int = 12) -> str:
+    return (hex_str or "-")[:n]
+
+
+def _model_version_of(model_dir: Path, home: Path, store: Any) -> str:
+    """Model version of ``model_dir`` under the layout of the store (or home) it is used with."""
+    from ..model_version import model_version
+
+    import tierkv
+
+    layout = getattr(store, "layout", None) or tierkv.home_layout(home)
+    return model_version(model_dir, layout, memo_path=default_memo_path())
+
+
+def _check_model_version(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        Scope(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model-version") from None
+    return value.lower()
+
+
+# ---- invalidate ------------------------------------------------------------------------
+@click.command()
+@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Model directory whose blocks to remove (its version under the home's page layout).")
+@click.option("--model-version", default=None, help="Model-version hash (64 hex) whose blocks to remove.")
+@click.option("--namespace", default=None, help="Namespace whose blocks to remove (with a model: only that model's).")
+@click.option("--dry-run", is_flag=True, help="Report what would be removed; change nothing.")
+@target_options
+def invalidate(model_dir: Path | None, model_version: str | None, namespace: str | None, dry_run: bool,
+               home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Remove every block of a model version and/or namespace from every tier.
+
+    Index entries go first, then pages; segment files left empty are deleted. Idempotent."""
+    if model_dir is not None and model_version is not None:
+        raise click.UsageError("pass --model or --model-version, not both")
+    if model_dir is None and model_version is None and namespace is None:
+        raise click.UsageError("pass --model DIR, --model-version HEX or --namespace NS")
+    model_version = _check_model_version(model_version)
+    with target(home, socket_path) as store:
+        if model_dir is not None:
+            model_version = _model_version_of(model_dir, home, store)
+        r = store.invalidate(model_version=model_version, namespace=namespace, dry_run=dry_run)
+    out = {"model_version": model_version, "namespace": namespace, "removed_blocks": r.removed_blocks,
+           "freed_bytes": r.freed_bytes, "dry_run": r.dry_run}
+    verb = "would remove" if dry_run else "removed"
+    emit(as_json, out, [("model version", model_version or "(any)"), ("namespace", namespace or "(any)"),
+                        (f"blocks {verb}", r.removed_blocks), ("bytes freed" if not dry_run else "bytes to free",
+                                                               fmt_bytes(r.freed_bytes))])
+
+
+# ---- stats -----------------------------------------------------------------------------
+@click.command()
+@target_options
+def stats(home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Per-tier capacity, use and hit rate; traffic between tiers; evictions; quarantine.
+
+    Counters describe the process that holds the store: a running daemon with --socket, or,
+    without it, the store just opened here (only the disk tier and totals are meaningful)."""
+    with target(home, socket_path) as store:
+        s = store.stats()
+    if as_json:
+        emit(True, s)
+        return
+    tiers = s["tiers"]
+    hit_rate = s.get("hit_rate_by_tier", {})
+    evictions = s.get("evictions", {})
+    print_columns(
+        ["tier", "blocks", "used", "capacity", "use %", "hit rate", "evictions"],
+        [[t, tiers[t]["blocks"], fmt_bytes(tiers[t]["used_bytes"]), fmt_bytes(tiers[t]["capacity_bytes"]),
+          f"{100 * tiers[t]['used_bytes'] / tiers[t]['capacity_bytes']:.1f}" if tiers[t]["capacity_bytes"] else "-",
+          f"{100 * hit_rate.get(t, 0.0):.1f}%", evictions.get(t, 0)]
+         for t in ("device", "host", "disk")],
+    )
+    click.echo("")
+    print_table([
+        ("blocks", s.get("blocks", 0)), ("leased blocks", s.get("leased_blocks", 0)),
+        ("lookups", s.get("lookups", 0)), ("hit rate", f"{100 * s.get('hit_rate', 0.0):.1f}%"),
+        ("lookups/s", s.get("lookups_per_s", 0.0)), ("mean lookup ms", s.get("mean_lookup_ms", 0.0)),
+        ("promoted", fmt_bytes(s.get("promoted_bytes", 0))), ("demoted", fmt_bytes(s.get("demoted_bytes", 0))),
+        ("quarantined", s.get("quarantined", 0)), ("token mismatches", s.get("token_mismatch", 0)),
+        ("disk read path", s.get("disk_read_path", "-")), ("home", s.get("home", str(home))),
+    ])
+
+
+# ---- ls --------------------------------------------------------------------------------
+def prefix_rows(store: Any) -> list[dict[str, Any]]:
+    rows = []
+    for name, m in sorted(store.list_manifests().items()):
+        last = m.get("last_block_key")
+        resident = store.chain_residency(bytes.fromhex(last)) if last else {"blocks": 0, "device": 0, "host": 0, "disk": 0}
+        rows.append({
+            "name": name, "kind": m.get("kind"), "tokens": m.get("tokens"), "blocks": m.get("blocks"),
+            "model_version": m.get("model_version"), "namespace": m.get("namespace", "default"),
+            "pinned": bool(m.get("pinned")), "resident": resident,
+            "complete": bool(last) and resident["blocks"] == m.get("blocks"),
+            "created_at": m.get("created_at"),
+        })
+    return rows
+
+
+@click.command(name="ls")
+@target_options
+def ls(home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Named prefixes (token count, model version, pinned, blocks per tier), then the model
+    versions and namespaces in the store with their block counts."""
+    with target(home, socket_path) as store:
+        prefixes = prefix_rows(store)
+        s = store.stats()
+    out = {"prefixes": prefixes, "model_versions": s["model_versions"], "namespaces": s["namespaces"],
+           "blocks": s.get("blocks", 0)}
+    if as_json:
+        emit(True, out)
+        return
+    if prefixes:
+        print_columns(
+            ["prefix", "tokens", "model", "pinned", "blocks", "device", "host", "disk", "complete"],
+            [[p["name"], p["tokens"] or 0, short(p["model_version"]), p["pinned"], p["blocks"] or 0,
+              p["resident"]["device"], p["resident"]["host"], p["resident"]["disk"], p["complete"]]
+             for p in prefixes],
+        )
+    else:
+        click.echo("no named prefixes (materialise one with `tierkv materialize ... --name NAME`)")
+    click.echo("")
+    print_columns(["model version", "blocks"], [[short(mv), n] for mv, n in sorted(s["model_versions"].items())])
+    click.echo("")
+    print_columns(["namespace", "blocks"], [[ns, n] for ns, n in sorted(s["namespaces"].items())])
+
+
+# ---- pin / unpin -----------------------------------------------------------------------
+def _set_pinned(name: str, pinned: bool, home: Path, socket_path: Path | None, as_json: bool) -> None:
+    with target(home, socket_path) as store:
+        manifest = store.get_manifest(name)
+        last = manifest.get("last_block_key")
+        changed = 0
+        if last:
+            changed = store.set_priority_from(bytes.fromhex(last), Priority.PINNED if pinned else Priority.NORMAL)
+        # Blocks first, manifest second: the manifest never claims a pin the blocks lack.
+        manifest["pinned"] = pinned
+        store.save_manifest(name, manifest)
+    expected = manifest.get("blocks") or 0
+    if changed < expected:
+        warn(f"only {changed} of the {expected} blocks of {name!r} are stored; "
+             f"run `tierkv materialize ... --name {name}` to complete it")
+    emit(as_json, {"name": name, "pinned": pinned, "blocks": changed, "expected_blocks": expected},
+         [("prefix", name), ("pinned", pinned), ("blocks changed", changed)])
+
+
+@click.command()
+@click.argument("name")
+@target_options
+def pin(name: str, home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Pin the prefix NAME: its blocks are written to disk and never evicted from it."""
+    _set_pinned(name, True, home, socket_path, as_json)
+
+
+@click.command()
+@click.argument("name")
+@target_options
+def unpin(name: str, home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Unpin the prefix NAME: its blocks become evictable again (normal priority)."""
+    _set_pinned(name, False, home, socket_path, as_json)
+
+
+# ---- verify ----------------------------------------------------------------------------
+@click.command()
+@click.option("--repair", is_flag=True, help="Quarantine blocks whose page is corrupt (they are dropped from the index).")
+@target_options
+@click.pass_context
+def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Re-read every disk page and check its checksum, then check the index against the tiers.
+
+    Exits 1 when corruption was found and not repaired, or the integrity check fails."""
+    with target(home, socket_path) as store:
+        r = store.verify(repair=repair)
+        integrity_error: str | None = None
+        check = getattr(store, "check_integrity", None)
+        if check is not None:
+            try:
+                check()
+            except AssertionError as e:
+                integrity_error = str(e) or "integrity check failed"
+    out = {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": bool(r.repaired and r.corrupt),
+           "integrity_checked": check is not None, "integrity_error": integrity_error}
+    ok = (not r.corrupt or repair) and integrity_error is None
+    out["ok"] = ok
+    if as_json:
+        emit(True, out)
+    else:
+        print_table([("pages checked", r.checked), ("corrupt", len(r.corrupt)),
+                     ("quarantined", len(r.corrupt) if repair else 0),
+                     ("index consistent", "not checked" if check is None else integrity_error or "yes")])
+        for key in r.corrupt:
+            click.echo(f"  corrupt block {key}")
+        if r.corrupt and not repair:
+            click.echo("run `tierkv verify --repair` to quarantine the corrupt blocks", err=True)
+    if not ok:
+        ctx.exit(1)
+
+
+# ---- gc --------------------------------------------------------------------------------
+@click.command()
+@click.option("--keep-model", "keep_models", multiple=True, type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Keep every block of this model directory's version (repeatable).")
+@click.option("--keep-model-version", "keep_versions", multiple=True, help="Keep every block of this model version (repeatable).")
+@click.option("--keep-namespace", "keep_namespaces", multiple=True, help="Keep every block of this namespace (repeatable).")
+@click.option("--dry-run", is_flag=True, help="Report what would be removed; change nothing.")
+@target_options
+def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_namespaces: tuple[str, ...], dry_run: bool,
+       home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Remove blocks no named prefix or --keep-* option refers to; delete named prefixes
+    whose blocks are all gone.
+
+    A block is kept when its (model version, namespace) is a named prefix's, or its model
+    version or namespace is given with --keep-*. Everything else goes, so pass
+    --keep-model for the model you serve."""
+    from ..gc import collect
+
+    versions = [v for v in (_check_model_version(v) for v in keep_versions) if v]
+    with target(home, socket_path) as store:
+        versions += [_model_version_of(d, home, store) for d in keep_models]
+        r = collect(store, versions, keep_namespaces, dry_run=dry_run)
+    out = {
+        "dry_run": dry_run, "removed_blocks": r.removed_blocks, "freed_bytes": r.freed_bytes,
+        "removed": [{"model_version": x.model_version, "namespace": x.namespace, "blocks": x.blocks,
+                     "freed_bytes": x.freed_bytes} for x in r.removed],
+        "deleted_manifests": list(r.deleted_manifests), "kept_model_versions": sorted(set(versions)),
+        "kept_namespaces": sorted(keep_namespaces), "kept_scopes": [list(s) for s in r.kept_scopes],
+    }
+    if as_json:
+        emit(True, out)
+        return
+    verb = "would remove" if dry_run else "removed"
+    if r.removed:
+        print_columns(["model version", "namespace", "blocks", "bytes"],
+                      [[short(x.model_version), x.namespace or "(all)", x.blocks, fmt_bytes(x.freed_bytes)]
+                       for x in r.removed])
+        click.echo("")
+    print_table([(f"blocks {verb}", r.removed_blocks), ("bytes", fmt_bytes(r.freed_bytes)),
+                 (f"prefixes {'to delete' if dry_run else 'deleted'}", ", ".join(r.deleted_manifests) or "none")])
+
+
+# ---- export / import -------------------------------------------------------------------
+def _segment_bytes(home: Path) -> int:
+    return sum(p.stat().st_size for p in (home / "segments").glob("seg-*.safetensors"))
+
+
+@click.command(name="export")
+@click.argument("name")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Bundle file to write (zstd-compressed).")
+@target_options
+def export_cmd(name: str, output: Path, home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Write the prefix NAME (token ids, pages, checksums, manifest) to a portable bundle."""
+    from ..bundle import export_prefix
+
+    options: dict[str, Any] = {}
+    if socket_path is None:
+        # Export leases the whole prefix at once: size the (host-memory) device tier to
+        # hold every page the home stores, which bounds any prefix in it.
+        options["device_bytes"] = max(256 << 20, _segment_bytes(home))
+    with target(home, socket_path, **options) as store:
+        r = export_prefix(store, name, output)
+    emit(as_json, {"name": r.name, "path": str(r.path), "tokens": r.tokens, "blocks": r.blocks,
+                   "model_version": r.model_version, "namespace": r.namespace, "file_bytes": r.file_bytes},
+         [("prefix", r.name), ("file", str(r.path)), ("tokens", r.tokens), ("blocks", r.blocks),
+          ("model version", short(r.model_version)), ("file size", fmt_bytes(r.file_bytes))])
+
+
+@click.command(name="import")
+@click.argument("bundle", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--name", default=None, help="Name for the prefix [default: the exported name].")
+@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Refuse the bundle unless it was made under this model directory's version.")
+@click.option("--force", is_flag=True, help="Import despite another --model version, or over another prefix of that name.")
+@target_options
+def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bool, home: Path,
+               socket_path: Path | None, as_json: bool) -> None:
+    """Check the bundle BUNDLE completely, then store its pages and its named prefix.
+
+    A home that does not exist yet is created with the bundle's page layout."""
+    import tierkv
+
+    from ..bundle import check_compatible, import_bundle, verify_bundle
+    from ..model_version import model_version
+
+    # Everything is checked before a home is created or touched: the whole file, then the
+    # layout and model version.
+    header = verify_bundle(bundle)
+    expected = model_version(model_dir, header.layout, memo_path=default_memo_path()) if model_dir else None
+    if socket_path is None:
+        exists = (home / "index" / "data.mdb").exists()
+        check_compatible(header, tierkv.home_layout(home) if exists else header.layout, expected, force)
+        store_cm = contextlib.closing(tierkv.open(home, header.layout, **OPS_STORE_OPTIONS))
+    else:
+        store_cm = target(home, socket_path)
+    with store_cm as store:
+        r = import_bundle(store, bundle, name=name, force=force, model_version=expected, verified=header)
+    for w in r.warnings:
+        warn(w)
+    if expected is not None and expected != r.model_version:
+        warn(f"imported under model version {short(r.model_version)}, not --model's {short(expected)} (--force)")
+    emit(as_json, {"name": r.name, "tokens": r.tokens, "blocks": r.blocks, "stored_blocks": r.stored,
+                   "skipped_blocks": r.skipped, "durable": r.durable, "model_version": r.model_version,
+                   "namespace": r.namespace, "replaced_manifest": r.replaced_manifest},
+         [("prefix", r.name), ("tokens", r.tokens), ("blocks stored", r.stored),
+          ("blocks already present", r.skipped), ("durable", r.durable), ("model version", short(r.model_version))])
+
+
+COMMANDS = (invalidate, stats, ls, pin, unpin, verify, gc, export_cmd, import_cmd)
+
+
+def register(group: click.Group) -> None:
+    for command in COMMANDS:
+        group.add_command(command)
+
+
+__all__ = ["COMMANDS", "open_target", "register", "target"]

@@ -1,0 +1,64 @@
+"""``tierkv serve``: run the daemon that owns a home and serves clients on a Unix socket.
+
+Thin: parse flags, read the config file and the environment (flags > file > env), hand a
+DaemonConfig to :class:`tierkv.daemon.server.Daemon`. See docs/operations.md.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import TierKVError
+from ..daemon.config import DaemonConfig, merge, read_config_file
+
+
+def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
+    file_values = read_config_file(config_file) if config_file else {}
+    return merge(flags, file_values, os.environ)
+
+
+@click.command("serve")
+@click.option("--home", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Store home (default: config file, then $TIERKV_HOME, then ~/.local/share/tierkv).")
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Unix socket (default: config file, $TIERKV_SOCKET, $XDG_RUNTIME_DIR/tierkv/tierkv.sock).")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="TOML config file (keys as in docs/operations.md); SIGHUP re-reads it.")
+@click.option("--layout", default=None,
+              help="Page layout for a new home: num_layers=..,num_kv_heads=..,head_dim=..,block_size=..,dtype=.. "
+                   "(an existing home's own layout is used; a different one is an error).")
+@click.option("--device", default=None, help="cuda:N or cpu (default: cuda:0 when available).")
+@click.option("--device-bytes", default=None, help="Device tier capacity (e.g. 8GiB).")
+@click.option("--host-bytes", default=None, help="Host (shared-memory) tier capacity.")
+@click.option("--disk-bytes", default=None, help="Disk tier capacity.")
+@click.option("--staging-bytes", default=None, help="Shared staging region for pages clients put.")
+@click.option("--lease-timeout", "lease_timeout_s", type=float, default=None,
+              help="Seconds a lease may go without renew before the daemon releases it (default 600).")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.option("--pid-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Default: <socket>.pid next to the socket.")
+@click.option("--shm-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory of the shared-memory tier files (default /dev/shm).")
+@click.option("--namespace-per-uid/--no-namespace-per-uid", default=None,
+              help="Prefix each client's namespace with its uid (isolates users sharing a daemon).")
+@click.option("--log-level", default="INFO", show_default=True)
+def serve(config_file: Path | None, log_level: str, socket_path: Path | None, **flags: Any) -> None:
+    """Run the tierkv daemon: the only process that opens HOME; clients use tierkv.connect(SOCKET)."""
+    from ..daemon.server import Daemon
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    flags["socket"] = socket_path
+    try:
+        cfg = _build(flags, config_file)
+        reload = (lambda: _build(flags, config_file)) if config_file else None
+        Daemon(cfg, reload=reload).run()
+    except TierKVError as exc:  # also when run as `python -m tierkv.daemon.server`, outside the group
+        raise click.ClickException(str(exc)) from exc
+
+
+def register(group: click.Group) -> None:
+    group.add_command(serve)

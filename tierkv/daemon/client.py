@@ -1,0 +1,359 @@
+"""A client of ``tierkv serve`` with the embedded store's API: ``tierkv.connect(socket)``.
+
+Control messages go through the socket; page bytes never do. At connect the client maps
+the daemon's shared-memory tiers (the device tier on CPU, the host tier, and a staging
+region) with :meth:`SharedRegion.attach` and builds the same pool view the daemon has, so
+``lease.page(i)`` is a view of the daemon's slot and ``lease.pages()`` copies straight out
+of shared memory. New pages are written into staging slots the daemon hands out, then
+committed; the daemon stores them with ``Store.put``.
+
+On CUDA the daemon shares its device pool through a CUDA IPC handle instead
+(:func:`_cuda_pool`); that path is UNTESTED here (no GPU in CI).
+
+Thread safety: one socket, a send lock and a reader thread that matches replies to
+requests by id, so several threads may call one client at once.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .. import errors
+from ..blocks import Priority
+from ..errors import DaemonUnavailableError, LeaseError, ProtocolError, TierKVError
+from ..identity import Scope, as_token_array
+from ..layout import PageLayout
+from ..results import InvalidateResult, Lease, LookupResult, PutResult, VerifyResult
+from ..tiers.shm import SharedRegion
+from . import messages as m
+from .protocol import VERSION, Frame, Op, encode_frame, read_frame_sync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RemoteLease(Lease):
+    """A lease held by the daemon for this client; same attributes as :class:`Lease`.
+    It ends at :meth:`release`, when the client disconnects, or after the daemon's lease
+    timeout without :meth:`renew`; using it after that raises LeaseError."""
+
+    lease_id: int = 0
+    timeout_s: float = 600.0
+    renewed_at: float = field(default_factory=time.monotonic)
+
+    def _check(self) -> None:
+        super()._check()
+        if time.monotonic() - self.renewed_at > self.timeout_s:
+            raise LeaseError(f"lease {self.lease_id} expired ({self.timeout_s:g} s without renew); its pages may "
+                             "have been reused", hint="call lease.renew() while holding a lease for long")
+
+    def renew(self) -> None:
+        self._check()
+        self.store.renew(self)  # type: ignore[attr-defined]
+
+
+def _error_from(reply: m.ErrorReply) -> Exception:
+    cls = getattr(errors, reply.error, None)
+    if isinstance(cls, type) and issubclass(cls, TierKVError):
+        return cls(reply.message, hint=reply.hint or None)
+    if reply.error in ("ValueError", "KeyError", "TypeError"):
+        return ValueError(reply.message)
+    if reply.error in ("BadHeaderError", "FatalFrameError"):
+        return ProtocolError(reply.message)
+    return TierKVError(f"daemon error {reply.error}: {reply.message}", hint=reply.hint or None)
+
+
+def _pool_view(region: SharedRegion, layout: PageLayout, slots: int, stride_bytes: int) -> torch.Tensor:
+    """The region seen as ``[slots, *layout.shape]`` with the daemon's slot stride."""
+    assert region.bytes is not None
+    if not slots:
+        return torch.empty((0, *layout.shape), dtype=layout.torch_dtype)
+    inner = torch.empty(layout.shape).stride()
+    flat = region.bytes.view(layout.torch_dtype)
+    return flat.as_strided((slots, *layout.shape), (stride_bytes // layout.torch_dtype.itemsize, *inner))
+
+
+def _cuda_pool(info: dict[str, Any], layout: PageLayout) -> torch.Tensor:
+    """Open the daemon's CUDA device pool from its IPC handle. UNTESTED (needs a GPU)."""
+    parts = [bytes.fromhex(p["b"]) if isinstance(p, dict) else p for p in info["storage"]]
+    storage = torch.UntypedStorage._new_shared_cuda(*parts)
+    t = torch.empty(0, dtype=layout.torch_dtype, device=f"cuda:{parts[0]}")
+    t.set_(storage, 0, (info["slots"], *layout.shape), None)  # type: ignore[call-overload]
+    return t
+
+
+class Client:
+    """Connected to a daemon; same methods as :class:`tierkv.Store` (data stays in shm)."""
+
+    def __init__(self, socket_path: Path, timeout: float = 60.0, connect_timeout: float = 5.0) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout = timeout
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(connect_timeout)
+        try:
+            self._sock.connect(str(self.socket_path))
+        except OSError as e:
+            self._sock.close()
+            raise DaemonUnavailableError(f"no tierkv daemon on {self.socket_path}: {e.strerror or e}") from None
+        self._sock.settimeout(None)
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future] = {}
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        self._failure: Exception | None = None
+        self._leases: dict[int, RemoteLease] = {}
+        self._reader = threading.Thread(target=self._read_loop, name="tierkv-client-reader", daemon=True)
+        self._reader.start()
+        self._regions: list[SharedRegion] = []
+        try:
+            self._setup(self._call(Op.HELLO, m.Hello(VERSION, os.getpid())))
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, hello: dict[str, Any]) -> None:
+        self.layout = PageLayout.from_dict(hello["layout"])
+        self.daemon_pid = int(hello["daemon_pid"])
+        self.lease_timeout_s = float(hello["lease_timeout_s"])
+        self.stage_quota = int(hello["stage_quota"])
+        regions = {}
+        for name in ("device", "host", "staging"):
+            info = hello.get(name)
+            if info:
+                r = SharedRegion.attach(Path(info["path"]), int(info["nbytes"]))
+                self._regions.append(r)
+                regions[name] = _pool_view(r, self.layout, int(info["slots"]), int(info["stride_bytes"]))
+        if "device" in regions:
+            self.device_pool = regions["device"]
+        elif hello.get("device_ipc"):
+            self.device_pool = _cuda_pool(hello["device_ipc"], self.layout)
+        else:
+            raise ProtocolError("the daemon shares no device pool this client can map")
+        self.host_pool = regions.get("host")
+        self.staging_pool = regions["staging"]
+
+    # ---- transport ---------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                frame = read_frame_sync(self._sock)
+                self._deliver(frame)
+        except (OSError, ConnectionError, TierKVError) as e:
+            if not self._closed:
+                log.debug("connection to %s lost: %s", self.socket_path, e)
+            self._fail_all(e)
+
+    def _deliver(self, frame: Frame) -> None:
+        if frame.is_error:
+            reply = m.ErrorReply.decode(frame.header, frame.payload)
+            if frame.request_id == 0:  # about the connection, not a request: it is closing
+                self._failure = DaemonUnavailableError(f"the daemon closed the connection: {reply.message}",
+                                                       hint=reply.hint or None)
+                return
+            exc = _error_from(reply)
+        with self._pending_lock:
+            fut = self._pending.pop(frame.request_id, None)
+        if fut is None:
+            return
+        if frame.is_error:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(frame.header)
+
+    def _fail_all(self, cause: Exception) -> None:
+        exc = self._failure or DaemonUnavailableError(f"connection to the daemon on {self.socket_path} was lost ({cause})")
+        self._failure = exc
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(exc)
+
+    def _call_async(self, op: Op, msg: Any) -> Future:
+        if self._closed:
+            raise DaemonUnavailableError("the client is closed", hint="connect again with tierkv.connect()")
+        if self._failure is not None:
+            raise self._failure
+        header, payload = msg.encode()
+        rid = next(self._ids)
+        fut: Future = Future()
+        with self._pending_lock:
+            self._pending[rid] = fut
+        frame = encode_frame(op, rid, header, payload)
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame)
+        except OSError as e:
+            with self._pending_lock:
+                self._pending.pop(rid, None)
+            raise DaemonUnavailableError(f"cannot reach the daemon on {self.socket_path}: {e}") from None
+        return fut
+
+    def _call(self, op: Op, msg: Any) -> dict[str, Any]:
+        return self._call_async(op, msg).result(timeout=self.timeout)
+
+    @staticmethod
+    def _req(tokens: Any, scope: Scope, block_extra: Any = None, max_blocks: int | None = None) -> m.PrefixRequest:
+        return m.PrefixRequest(m.WireScope(scope.model_version, scope.namespace, scope.extra_keys),
+                               as_token_array(tokens), block_extra, max_blocks)
+
+    # ---- data path -------------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+               block_extra: Sequence[Sequence[str | bytes]] | None = None) -> LookupResult:
+        r = self._call(Op.LOOKUP, self._req(tokens, scope, block_extra))
+        return LookupResult(int(r["tokens_matched"]), tuple(bytes.fromhex(k) for k in r["keys"]), tuple(r["tiers"]))
+
+    def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+                block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None) -> RemoteLease:
+        r = self._call(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks))
+        slots = tuple(int(s) for s in r["slots"])
+        if any(not 0 <= s < self.device_pool.shape[0] for s in slots):
+            raise ProtocolError(f"daemon returned device slots outside the pool of {self.device_pool.shape[0]}")
+        lease = RemoteLease(store=self, layout=self.layout, keys=tuple(bytes.fromhex(k) for k in r["keys"]),
+                            slots=slots, pool=self.device_pool, lease_id=int(r["lease_id"]), timeout_s=self.lease_timeout_s)
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        if lease.store is not self or not isinstance(lease, RemoteLease):
+            raise LeaseError("lease released on a client that did not issue it")
+        if lease.released:
+            raise LeaseError("lease released twice")
+        lease.released = True
+        self._leases.pop(lease.lease_id, None)
+        self._call(Op.RELEASE, m.LeaseRef(lease.lease_id))
+
+    def renew(self, lease: RemoteLease) -> None:
+        """Restart the lease's idle timeout."""
+        self._call(Op.RENEW, m.LeaseRef(lease.lease_id))
+        lease.renewed_at = time.monotonic()
+
+    def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
+            start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
+            priority: Priority = Priority.NORMAL) -> PutResult:
+        """Same as :meth:`Store.put`. Pages go through staging slots in shared memory, in
+        chunks of at most the daemon's per-connection quota."""
+        self.layout.check_pages(pages)
+        arr = as_token_array(tokens)
+        ws = m.WireScope(scope.model_version, scope.namespace, scope.extra_keys)
+        n = int(pages.shape[0])
+        bs = self.layout.block_size
+        stored = skipped = 0
+        durable = True
+        for off in range(0, max(n, 1), self.stage_quota):
+            k = min(self.stage_quota, n - off)
+            slots: list[int] = []
+            if k > 0:
+                slots = [int(s) for s in self._call(Op.STAGE, m.Stage(k))["slots"]]
+                try:
+                    self._write_staging(slots, pages[off : off + k])
+                except BaseException:
+                    self._call(Op.UNSTAGE, m.Unstage(tuple(slots)))
+                    raise
+            end = len(arr) if k <= 0 else min(len(arr), (start_block + off + k) * bs)
+            r = self._call(Op.COMMIT, m.Commit(ws, arr[:end], tuple(slots), start_block + off,
+                                               block_extra, int(priority)))
+            stored += int(r["stored"])
+            skipped += int(r["skipped"])
+            durable = durable and bool(r["durable"])
+        return PutResult(stored, skipped, durable)
+
+    def _write_staging(self, slots: list[int], pages: torch.Tensor) -> None:
+        if any(not 0 <= s < self.staging_pool.shape[0] for s in slots):
+            raise ProtocolError("daemon returned staging slots outside the staging region")
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            self.staging_pool[slots[0] : slots[0] + len(slots)].copy_(pages)
+        else:
+            for i, s in enumerate(slots):
+                self.staging_pool[s].copy_(pages[i])
+
+    def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+                 block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future:
+        """Future of the number of tokens now warm on the device tier (nothing stays leased)."""
+        inner = self._call_async(Op.PREFETCH, self._req(tokens, scope, block_extra))
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(int(f.result()["tokens_warm"]))
+
+        inner.add_done_callback(done)
+        return out
+
+    # ---- operations ----------------------------------------------------------------------------
+    def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
+        ws = m.WireScope(scope.model_version, scope.namespace, scope.extra_keys)
+        return int(self._call(Op.SET_PRIORITY, m.SetPriority(ws, as_token_array(tokens), int(priority)))["count"])
+
+    def save_manifest(self, name: str, manifest: dict) -> None:
+        self._call(Op.SAVE_MANIFEST, m.ManifestRequest(name, manifest))
+
+    def get_manifest(self, name: str) -> dict:
+        return self._call(Op.GET_MANIFEST, m.ManifestRequest(name))["manifest"]
+
+    def list_manifests(self) -> dict[str, dict]:
+        return self._call(Op.LIST_MANIFESTS, m.Empty())["manifests"]
+
+    def delete_manifest(self, name: str) -> bool:
+        return bool(self._call(Op.DELETE_MANIFEST, m.ManifestRequest(name))["deleted"])
+
+    def invalidate(self, *, model_version: str | None = None, namespace: str | None = None,
+                   dry_run: bool = False) -> InvalidateResult:
+        r = self._call(Op.INVALIDATE, m.Invalidate(model_version, namespace, dry_run))
+        return InvalidateResult(int(r["removed_blocks"]), int(r["freed_bytes"]), bool(r["dry_run"]))
+
+    def verify(self, repair: bool = False) -> VerifyResult:
+        r = self._call(Op.VERIFY, m.Verify(repair))
+        return VerifyResult(int(r["checked"]), tuple(r["corrupt"]), bool(r["repaired"]))
+
+    def stats(self) -> dict[str, object]:
+        return self._call(Op.STATS, m.Empty())["stats"]
+
+    def ping(self) -> None:
+        self._call(Op.PING, m.Empty())
+
+    def check_integrity(self) -> None:
+        """Client-side state: connected, reader alive, leases consistent, daemon answering."""
+        assert not self._closed and self._failure is None, f"client is not connected ({self._failure})"
+        assert self._reader.is_alive(), "reply reader thread died"
+        assert all(not le.released and le.store is self for le in self._leases.values()), "released lease tracked"
+        self.ping()
+
+    def close(self) -> None:
+        """Disconnect; the daemon releases every lease this client still holds."""
+        if self._closed:
+            return
+        self._closed = True
+        for lease in self._leases.values():
+            lease.released = True
+        self._leases.clear()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        if self._reader.is_alive() and threading.current_thread() is not self._reader:
+            self._reader.join(timeout=5)
+        for r in self._regions:
+            r.close()
+        self._regions.clear()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

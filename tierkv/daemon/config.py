@@ -1,0 +1,190 @@
+"""Daemon configuration: one frozen dataclass, and the merge of its three sources.
+
+Precedence: command-line flags beat the TOML config file, which beats the environment
+(``TIERKV_HOME``, ``TIERKV_SOCKET``) and built-in defaults. Only the CLI reads the file and
+the environment; it hands the values to :func:`merge` as plain mappings.
+
+The page layout is fixed per home. When the home already exists its layout comes from the
+home's index (:func:`peek_layout`, a read-only look at the LMDB ``meta`` database); a layout
+given by flag or file must then agree. A new home needs one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..config import MiB, GiB, default_home
+from ..errors import ConfigError, LayoutMismatchError
+from ..layout import PageLayout
+
+SOCKET_ENV = "TIERKV_SOCKET"
+HOME_ENV = "TIERKV_HOME"
+
+
+def default_socket() -> Path:
+    """``$XDG_RUNTIME_DIR/tierkv/tierkv.sock`` (a per-user 0700 directory), else
+    ``/tmp/tierkv-<uid>/tierkv.sock`` (the daemon creates the directory 0700)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "tierkv" if runtime else Path(f"/tmp/tierkv-{os.getuid()}")
+    return base / "tierkv.sock"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything ``tierkv serve`` needs. Capacities are bytes; times are seconds."""
+
+    home: Path
+    socket: Path
+    layout: PageLayout | None = None
+    device: str | None = None
+    device_bytes: int = 256 * MiB
+    host_bytes: int = 1 * GiB
+    disk_bytes: int = 16 * GiB
+    write_through: bool = True
+    metrics_port: int | None = None  # Prometheus text endpoint on 127.0.0.1; None: off
+    pid_file: Path | None = None  # default: next to the socket, "<socket>.pid"
+    lease_timeout_s: float = 600.0  # a lease not renewed for this long is released
+    staging_bytes: int = 256 * MiB  # shared region clients write new pages into
+    client_staging_bytes: int = 64 * MiB  # per-connection quota of staging
+    max_connections: int = 256
+    max_inflight: int = 32  # concurrent requests per connection
+    workers: int = 8  # threads that run store calls (the event loop never does)
+    namespace_per_uid: bool = False  # prefix every namespace with "uid<N>/" (trusted side)
+    allowed_uids: tuple[int, ...] = ()  # peers besides the daemon's own uid
+    shm_dir: Path | None = None
+    extra: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "home", Path(self.home))
+        object.__setattr__(self, "socket", Path(self.socket))
+        if len(os.fsencode(self.socket)) >= 108:
+            raise ValueError(f"socket path {self.socket} is longer than the 107 bytes AF_UNIX allows")
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "client_staging_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if not self.lease_timeout_s > 0:
+            raise ValueError("lease_timeout_s must be positive")
+        for name in ("max_connections", "max_inflight", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+    @property
+    def resolved_pid_file(self) -> Path:
+        return self.pid_file or self.socket.with_name(self.socket.name + ".pid")
+
+
+def parse_size(value: int | str) -> int:
+    """``1073741824``, ``"1GiB"``, ``"512MiB"``, ``"64k"`` -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    s = str(value).strip().lower().replace("ib", "").replace("b", "")
+    mult = {"k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}.get(s[-1:], 1)
+    try:
+        return int(float(s[:-1] if s[-1:] in "kmgt" else s) * mult)
+    except ValueError:
+        raise ConfigError(f"cannot read size {value!r}", hint="write sizes like 1073741824, 512MiB or 4GiB") from None
+
+
+def parse_layout(value: str | Mapping[str, Any]) -> PageLayout:
+    """A layout from a mapping, JSON, or ``num_layers=32,num_kv_heads=8,head_dim=128[,block_size=16,dtype=bfloat16]``."""
+    if isinstance(value, str):
+        s = value.strip()
+        if s.startswith("{"):
+            value = json.loads(s)
+        else:
+            value = dict(kv.split("=", 1) for kv in s.split(",") if kv)
+    d = dict(value)
+    try:
+        return PageLayout(
+            num_layers=int(d["num_layers"]), num_kv_heads=int(d["num_kv_heads"]), head_dim=int(d["head_dim"]),
+            block_size=int(d.get("block_size", 16)), dtype=str(d.get("dtype", "float32")),
+        )
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"bad layout {value!r}: {e}",
+                          hint="give num_layers, num_kv_heads, head_dim (and block_size, dtype)") from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The TOML file as a flat dict of DaemonConfig fields (``[layout]`` becomes ``layout``)."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    data = dict(raw.pop("daemon", {}))
+    data.update(raw)
+    known = {f.name for f in fields(DaemonConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown keys in {path}: {', '.join(unknown)}", hint=f"known keys: {', '.join(sorted(known))}")
+    return data
+
+
+_SIZES = ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "client_staging_bytes")
+_PATHS = ("home", "socket", "pid_file", "shm_dir")
+
+
+def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping[str, str]) -> DaemonConfig:
+    """Flags (None = not given) over the config file over the environment and defaults."""
+    values: dict[str, Any] = {"home": env.get(HOME_ENV) or default_home(), "socket": env.get(SOCKET_ENV) or default_socket()}
+    values.update({k: v for k, v in file_values.items() if v is not None})
+    values.update({k: v for k, v in flags.items() if v is not None})
+    for k in _SIZES:
+        if k in values:
+            values[k] = parse_size(values[k])
+    for k in _PATHS:
+        if values.get(k) is not None:
+            values[k] = Path(values[k]).expanduser()
+    if values.get("layout") is not None and not isinstance(values["layout"], PageLayout):
+        values["layout"] = parse_layout(values["layout"])
+    if "allowed_uids" in values:
+        values["allowed_uids"] = tuple(int(u) for u in values["allowed_uids"])
+    try:
+        return DaemonConfig(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def peek_layout(home: Path) -> PageLayout | None:
+    """The layout recorded in ``home``'s index, read without taking the home (read-only,
+    no LMDB lock table), or None for a new home. Runs before the store opens the index,
+    never while this process holds it open."""
+    index = home / "index"
+    if not (index / "data.mdb").exists():
+        return None
+    import lmdb
+
+    env = lmdb.open(str(index), readonly=True, lock=False, max_dbs=8, subdir=True)
+    try:
+        try:
+            meta = env.open_db(b"meta", create=False)
+        except lmdb.NotFoundError:
+            return None
+        with env.begin(db=meta) as txn:
+            raw = txn.get(b"layout")
+            text = None if raw is None else bytes(raw).decode()
+    finally:
+        env.close()
+    return None if text is None else PageLayout.from_dict(json.loads(text))
+
+
+def resolve_layout(config: DaemonConfig) -> DaemonConfig:
+    """``config`` with the layout the home holds; ConfigError when none is known,
+    LayoutMismatchError when the one given disagrees with the home's."""
+    stored = peek_layout(config.home)
+    if stored is None:
+        if config.layout is None:
+            raise ConfigError(f"{config.home} holds no store yet, so the page layout is unknown",
+                              hint="pass --layout num_layers=..,num_kv_heads=..,head_dim=..,block_size=..,dtype=..")
+        return config
+    if config.layout is not None and config.layout != stored:
+        raise LayoutMismatchError(f"{config.home} holds pages of layout {stored.to_json()}, "
+                                  f"the daemon was given {config.layout.to_json()}")
+    return replace(config, layout=stored)

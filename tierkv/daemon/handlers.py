@@ -1,0 +1,212 @@
+"""What the daemon does for each request: decode the message, run the store call in a
+worker thread (the event loop never waits on the store lock or the disk), encode the reply.
+
+Handlers run on the event loop; the lease and staging tables are touched only there.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import torch
+
+from ..blocks import Priority
+from ..errors import CapacityError, LeaseError, ProtocolError
+from ..identity import Scope
+from ..store import Store
+from . import messages as m
+from .leases import LeaseTable, StagingSlots
+from .protocol import VERSION, Op
+
+if TYPE_CHECKING:
+    from .config import DaemonConfig
+    from .server import Connection
+
+log = logging.getLogger(__name__)
+MAX_LEASES_PER_CONNECTION = 4096
+Reply = tuple[dict[str, Any], bytes]
+
+
+def region_info(tier: Any) -> dict[str, Any] | None:
+    """How a client maps a memory tier: shm path, bytes, slot stride and count."""
+    if tier.region is None:
+        return None
+    return {"path": str(tier.region.path), "nbytes": tier.region.nbytes, "stride_bytes": tier.stride_bytes,
+            "slots": tier.slots.capacity}
+
+
+def cuda_ipc_info(tier: Any) -> dict[str, Any] | None:
+    """The device pool as a CUDA IPC handle (``storage._share_cuda_()``), for clients on the
+    same GPU. UNTESTED here (no GPU in CI); the CPU path shares the pool as shm instead."""
+    if tier.region is not None or tier.pool.device.type != "cuda":
+        return None
+    parts = tier.pool.untyped_storage()._share_cuda_()
+    wire = [{"b": p.hex()} if isinstance(p, bytes) else p for p in parts]
+    return {"storage": wire, "slots": tier.slots.capacity, "stride_bytes": tier.stride_bytes}
+
+
+class Handlers:
+    def __init__(self, store: Store, config: "DaemonConfig", staging_pool: torch.Tensor, staging_path: str) -> None:
+        self.store = store
+        self.config = config
+        self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="tierkv-daemon")
+        self.leases = LeaseTable(config.lease_timeout_s)
+        self.staging_pool = staging_pool
+        self.staging_path = staging_path
+        page = store.layout.page_bytes
+        self.staging = StagingSlots(staging_pool.shape[0], max(1, config.client_staging_bytes // page))
+        self.table: dict[int, tuple[type, Callable[[Connection, Any], Awaitable[Reply]]]] = {
+            Op.HELLO: (m.Hello, self.hello), Op.LOOKUP: (m.PrefixRequest, self.lookup),
+            Op.ACQUIRE: (m.PrefixRequest, self.acquire), Op.RELEASE: (m.LeaseRef, self.release),
+            Op.RENEW: (m.LeaseRef, self.renew), Op.STAGE: (m.Stage, self.stage), Op.UNSTAGE: (m.Unstage, self.unstage),
+            Op.COMMIT: (m.Commit, self.commit), Op.PREFETCH: (m.PrefixRequest, self.prefetch),
+            Op.SET_PRIORITY: (m.SetPriority, self.set_priority), Op.SAVE_MANIFEST: (m.ManifestRequest, self.save_manifest),
+            Op.GET_MANIFEST: (m.ManifestRequest, self.get_manifest), Op.LIST_MANIFESTS: (m.Empty, self.list_manifests),
+            Op.DELETE_MANIFEST: (m.ManifestRequest, self.delete_manifest), Op.INVALIDATE: (m.Invalidate, self.invalidate),
+            Op.VERIFY: (m.Verify, self.verify), Op.STATS: (m.Empty, self.stats), Op.PING: (m.Empty, self.ping),
+        }
+
+    async def run(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kw))
+
+    # ---- scope: derived on the trusted side ------------------------------------------------
+    def namespace_for(self, conn: "Connection", namespace: str) -> str:
+        """The namespace the store sees. With ``namespace_per_uid`` every peer uid gets its
+        own prefix, so tenants under different uids can neither hit nor probe each other."""
+        return f"uid{conn.creds.uid}/{namespace}" if self.config.namespace_per_uid else namespace
+
+    def scope(self, conn: "Connection", ws: m.WireScope) -> Scope:
+        return Scope(ws.model_version, self.namespace_for(conn, ws.namespace), ws.extra_keys)
+
+    # ---- handlers -----------------------------------------------------------------------------
+    async def hello(self, conn: "Connection", msg: m.Hello) -> Reply:
+        conn.client_pid = msg.pid
+        st = self.store
+        return {
+            "protocol": VERSION, "daemon_pid": os.getpid(), "layout": st.layout.to_dict(),
+            "device": region_info(st.device), "host": region_info(st.host), "device_ipc": cuda_ipc_info(st.device),
+            "staging": {"path": self.staging_path, "nbytes": self.staging_pool.numel() * self.staging_pool.element_size(),
+                        "stride_bytes": st.layout.page_bytes, "slots": self.staging_pool.shape[0]},
+            "stage_quota": self.staging.quota, "lease_timeout_s": self.leases.timeout_s,
+            "namespace_per_uid": self.config.namespace_per_uid,
+        }, b""
+
+    async def lookup(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
+        r = await self.run(self.store.lookup, msg.tokens, self.scope(conn, msg.scope), msg.block_extra)
+        return {"tokens_matched": r.tokens_matched, "keys": [k.hex() for k in r.keys], "tiers": list(r.tiers)}, b""
+
+    async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
+        if self.leases.count(conn.id) >= MAX_LEASES_PER_CONNECTION:
+            raise CapacityError(f"this connection holds {MAX_LEASES_PER_CONNECTION} leases", hint="release some first")
+        lease = await self.run(self.store.acquire, msg.tokens, self.scope(conn, msg.scope), msg.block_extra, msg.max_blocks)
+        held = self.leases.add(conn.id, lease)
+        return {"lease_id": held.lease_id, "keys": [k.hex() for k in lease.keys], "slots": list(lease.slots)}, b""
+
+    async def release(self, conn: "Connection", msg: m.LeaseRef) -> Reply:
+        lease = self.leases.take(conn.id, msg.lease_id)
+        if lease is None:
+            raise LeaseError(f"lease {msg.lease_id} is not held by this connection (released, or expired after "
+                             f"{self.leases.timeout_s:g} s without renew)")
+        await self.run(self.store.release, lease)
+        return {}, b""
+
+    async def renew(self, conn: "Connection", msg: m.LeaseRef) -> Reply:
+        if not self.leases.renew(conn.id, msg.lease_id):
+            raise LeaseError(f"lease {msg.lease_id} is not held by this connection (released or expired)")
+        return {}, b""
+
+    async def stage(self, conn: "Connection", msg: m.Stage) -> Reply:
+        slots = self.staging.alloc(conn.id, msg.count)
+        if slots is None:
+            raise CapacityError(f"no {msg.count} staging slots free (quota {self.staging.quota} per connection)",
+                                hint="put fewer blocks at once, or raise client_staging_bytes / staging_bytes")
+        return {"slots": slots}, b""
+
+    async def unstage(self, conn: "Connection", msg: m.Unstage) -> Reply:
+        self.staging.free(conn.id, msg.slots)
+        return {}, b""
+
+    async def commit(self, conn: "Connection", msg: m.Commit) -> Reply:
+        if not self.staging.owns(conn.id, msg.slots):
+            raise ProtocolError("commit names staging slots this connection does not hold")
+        try:
+            idx = torch.tensor(msg.slots, dtype=torch.long)
+            # A private copy: the checksum and the stored bytes must be the same bytes even
+            # if the client scribbles on its staging slots while the put runs.
+            pages = await self.run(self.staging_pool.index_select, 0, idx)
+            r = await self.run(self.store.put, msg.tokens, pages, self.scope(conn, msg.scope),
+                               start_block=msg.start_block, block_extra=msg.block_extra, priority=Priority(msg.priority))
+        finally:
+            self.staging.free(conn.id, msg.slots)
+        return {"stored": r.stored, "skipped": r.skipped, "durable": r.durable}, b""
+
+    async def prefetch(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
+        fut = await self.run(self.store.prefetch, msg.tokens, self.scope(conn, msg.scope), msg.block_extra)
+        return {"tokens_warm": await asyncio.wrap_future(fut)}, b""
+
+    async def set_priority(self, conn: "Connection", msg: m.SetPriority) -> Reply:
+        n = await self.run(self.store.set_priority, msg.tokens, self.scope(conn, msg.scope), Priority(msg.priority))
+        return {"count": n}, b""
+
+    async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
+        if msg.manifest is None:
+            raise ProtocolError("save_manifest needs a manifest object")
+        await self.run(self.store.save_manifest, msg.name, msg.manifest)
+        return {}, b""
+
+    async def get_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
+        return {"manifest": await self.run(self.store.get_manifest, msg.name)}, b""
+
+    async def list_manifests(self, conn: "Connection", msg: m.Empty) -> Reply:
+        return {"manifests": await self.run(self.store.list_manifests)}, b""
+
+    async def delete_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
+        return {"deleted": bool(await self.run(self.store.delete_manifest, msg.name))}, b""
+
+    async def invalidate(self, conn: "Connection", msg: m.Invalidate) -> Reply:
+        ns = None if msg.namespace is None else self.namespace_for(conn, msg.namespace)
+        r = await self.run(self.store.invalidate, model_version=msg.model_version, namespace=ns, dry_run=msg.dry_run)
+        return {"removed_blocks": r.removed_blocks, "freed_bytes": r.freed_bytes, "dry_run": r.dry_run}, b""
+
+    async def verify(self, conn: "Connection", msg: m.Verify) -> Reply:
+        r = await self.run(self.store.verify, msg.repair)
+        return {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": r.repaired}, b""
+
+    async def stats(self, conn: "Connection", msg: m.Empty) -> Reply:
+        s = await self.run(self.store.stats)
+        s["daemon"] = self.daemon_stats()
+        return {"stats": s}, b""
+
+    async def ping(self, conn: "Connection", msg: m.Empty) -> Reply:
+        return {}, b""
+
+    def daemon_stats(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "leases": len(self.leases), "staging_slots_used": self.staging.slots.num_used,
+                "staging_slots": self.staging.slots.capacity}
+
+    # ---- ending leases ------------------------------------------------------------------------
+    async def release_all(self, leases: list) -> None:
+        """Release store leases taken out of the table (dead connection, timeout)."""
+        for lease in leases:
+            try:
+                await self.run(self.store.release, lease)
+            except Exception:  # noqa: BLE001 - one bad lease must not keep the others pinned
+                log.exception("releasing a reclaimed lease failed")
+
+    async def end_connection(self, conn: "Connection") -> int:
+        leases = self.leases.take_connection(conn.id)
+        self.staging.free_connection(conn.id)
+        await self.release_all(leases)
+        return len(leases)
+
+    async def expire_leases(self) -> int:
+        expired = self.leases.take_expired()
+        for h, _ in expired:
+            log.warning("lease %d of connection %d expired after %.0f s without renew; released",
+                        h.lease_id, h.conn_id, self.leases.timeout_s)
+        await self.release_all([lease for _, lease in expired])
+        return len(expired)

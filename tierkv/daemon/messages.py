@@ -1,0 +1,304 @@
+"""One small dataclass per message, each with explicit ``encode() -> (header, payload)`` and
+``decode(header, payload)``. Decoding checks every field's type and bound and raises
+ProtocolError; nothing here trusts the peer. Token ids are the payload (int32 LE).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import ProtocolError
+from .protocol import MAX_TOKENS
+
+MAX_NAME = 200
+MAX_STR = 4096
+MAX_LIST = 1 << 16
+Header = dict[str, Any]
+
+
+def _get(h: Header, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if name not in h:
+        if default is ...:
+            raise ProtocolError(f"message field {name!r} is missing")
+        return default
+    v = h[name]
+    if v is None and default is None:
+        return None
+    if kind is int and isinstance(v, bool) or not isinstance(v, kind):
+        raise ProtocolError(f"message field {name!r} has type {type(v).__name__}")
+    if isinstance(v, str) and len(v) > MAX_STR:
+        raise ProtocolError(f"message field {name!r} is longer than {MAX_STR} characters")
+    if isinstance(v, list) and len(v) > MAX_LIST:
+        raise ProtocolError(f"message field {name!r} has more than {MAX_LIST} items")
+    return v
+
+
+def _int(h: Header, name: str, lo: int = 0, hi: int = 2**63 - 1, default: Any = ...) -> int:
+    v = _get(h, name, int, default)
+    if v is not None and not lo <= v <= hi:
+        raise ProtocolError(f"message field {name!r}={v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _ints(h: Header, name: str) -> tuple[int, ...]:
+    v = _get(h, name, list)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31 for x in v):
+        raise ProtocolError(f"message field {name!r} must be a list of non-negative ints")
+    return tuple(v)
+
+
+def tokens_payload(tokens: np.ndarray) -> bytes:
+    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+
+
+def tokens_from(payload: bytes) -> np.ndarray:
+    if len(payload) % 4:
+        raise ProtocolError(f"token payload of {len(payload)} bytes is not a multiple of 4")
+    if len(payload) // 4 > MAX_TOKENS:
+        raise ProtocolError(f"more than {MAX_TOKENS} token ids in one request")
+    return np.frombuffer(payload, dtype="<i4")
+
+
+def extra_to_wire(extra: Sequence[Sequence[str | bytes]] | None) -> list | None:
+    if extra is None:
+        return None
+    return [[x if isinstance(x, str) else {"b": bytes(x).hex()} for x in items] for items in extra]
+
+
+def extra_from_wire(h: Header) -> list[list[str | bytes]] | None:
+    raw = _get(h, "block_extra", (list, type(None)), None)
+    if raw is None:
+        return None
+    out: list[list[str | bytes]] = []
+    for items in raw:
+        if not isinstance(items, list) or len(items) > 64:
+            raise ProtocolError("block_extra must be a list of lists (at most 64 items each)")
+        row: list[str | bytes] = []
+        for x in items:
+            if isinstance(x, str) and len(x) <= MAX_STR:
+                row.append(x)
+            elif isinstance(x, dict) and isinstance(x.get("b"), str) and len(x["b"]) <= 2 * MAX_STR:
+                try:
+                    row.append(bytes.fromhex(x["b"]))
+                except ValueError:
+                    raise ProtocolError("block_extra bytes item is not hex") from None
+            else:
+                raise ProtocolError("block_extra items must be strings or {'b': hex}")
+        out.append(row)
+    return out
+
+
+@dataclass(frozen=True)
+class WireScope:
+    """The scope as the client states it; the daemon derives the effective namespace."""
+
+    model_version: str
+    namespace: str = "default"
+    extra_keys: tuple[str, ...] = ()
+
+    def to_wire(self) -> Header:
+        return {"model_version": self.model_version, "namespace": self.namespace, "extra_keys": list(self.extra_keys)}
+
+    @classmethod
+    def from_wire(cls, h: Header) -> "WireScope":
+        s = _get(h, "scope", dict)
+        extra = _get(s, "extra_keys", list, [])
+        if not all(isinstance(x, str) and len(x) <= MAX_STR for x in extra):
+            raise ProtocolError("scope.extra_keys must be strings")
+        return cls(_get(s, "model_version", str), _get(s, "namespace", str), tuple(extra))
+
+
+# ---- requests -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    client_version: int
+    pid: int
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"client_version": self.client_version, "pid": self.pid}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Hello":
+        return cls(_int(h, "client_version"), _int(h, "pid"))
+
+
+@dataclass(frozen=True)
+class PrefixRequest:
+    """LOOKUP, ACQUIRE and PREFETCH: tokens, scope, per-block extras (and max_blocks)."""
+
+    scope: WireScope
+    tokens: np.ndarray
+    block_extra: list | None = None
+    max_blocks: int | None = None
+
+    def encode(self) -> tuple[Header, bytes]:
+        h = {"scope": self.scope.to_wire(), "block_extra": extra_to_wire(self.block_extra), "max_blocks": self.max_blocks}
+        return h, tokens_payload(self.tokens)
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "PrefixRequest":
+        return cls(WireScope.from_wire(h), tokens_from(payload), extra_from_wire(h),
+                   _int(h, "max_blocks", 0, MAX_TOKENS, None))
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """RELEASE and RENEW."""
+
+    lease_id: int
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"lease_id": self.lease_id}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "LeaseRef":
+        return cls(_int(h, "lease_id"))
+
+
+@dataclass(frozen=True)
+class Stage:
+    count: int
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"count": self.count}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Stage":
+        return cls(_int(h, "count", 1, MAX_LIST))
+
+
+@dataclass(frozen=True)
+class Unstage:
+    slots: tuple[int, ...]
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"slots": list(self.slots)}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Unstage":
+        return cls(_ints(h, "slots"))
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Store the pages the client wrote into staging ``slots`` as blocks ``start_block..``."""
+
+    scope: WireScope
+    tokens: np.ndarray
+    slots: tuple[int, ...]
+    start_block: int = 0
+    block_extra: list | None = None
+    priority: int = 1
+
+    def encode(self) -> tuple[Header, bytes]:
+        h = {"scope": self.scope.to_wire(), "slots": list(self.slots), "start_block": self.start_block,
+             "block_extra": extra_to_wire(self.block_extra), "priority": self.priority}
+        return h, tokens_payload(self.tokens)
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Commit":
+        return cls(WireScope.from_wire(h), tokens_from(payload), _ints(h, "slots"),
+                   _int(h, "start_block", 0, MAX_TOKENS), extra_from_wire(h), _int(h, "priority", 0, 2))
+
+
+@dataclass(frozen=True)
+class SetPriority:
+    scope: WireScope
+    tokens: np.ndarray
+    priority: int
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"scope": self.scope.to_wire(), "priority": self.priority}, tokens_payload(self.tokens)
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "SetPriority":
+        return cls(WireScope.from_wire(h), tokens_from(payload), _int(h, "priority", 0, 2))
+
+
+@dataclass(frozen=True)
+class ManifestRequest:
+    """SAVE_MANIFEST (with ``manifest``), GET_MANIFEST and DELETE_MANIFEST."""
+
+    name: str
+    manifest: dict | None = None
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"name": self.name, "manifest": self.manifest}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "ManifestRequest":
+        name = _get(h, "name", str)
+        if len(name) > MAX_NAME:
+            raise ProtocolError(f"manifest name longer than {MAX_NAME} characters")
+        return cls(name, _get(h, "manifest", (dict, type(None)), None))
+
+
+@dataclass(frozen=True)
+class Invalidate:
+    model_version: str | None = None
+    namespace: str | None = None
+    dry_run: bool = False
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"model_version": self.model_version, "namespace": self.namespace, "dry_run": self.dry_run}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Invalidate":
+        return cls(_get(h, "model_version", (str, type(None)), None), _get(h, "namespace", (str, type(None)), None),
+                   _get(h, "dry_run", bool, False))
+
+
+@dataclass(frozen=True)
+class Verify:
+    repair: bool = False
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"repair": self.repair}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Verify":
+        return cls(_get(h, "repair", bool, False))
+
+
+@dataclass(frozen=True)
+class Empty:
+    """PING, STATS, LIST_MANIFESTS requests, and replies that carry nothing."""
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Empty":
+        return cls()
+
+
+# ---- replies ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reply:
+    """A reply whose fields are plain JSON values (results, stats, region descriptions).
+    The client checks the fields it uses; the daemon is the trusted side."""
+
+    fields: Header = field(default_factory=dict)
+
+    def encode(self) -> tuple[Header, bytes]:
+        return self.fields, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Reply":
+        return cls(h)
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    error: str  # the exception class name (a tierkv.errors class, ValueError, ...)
+    message: str
+    hint: str = ""
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"error": self.error, "message": self.message[:MAX_STR], "hint": self.hint[:MAX_STR]}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "ErrorReply":
+        return cls(_get(h, "error", str, "TierKVError"), _get(h, "message", str, ""), _get(h, "hint", str, ""))

@@ -1,0 +1,116 @@
+"""Prometheus metrics of the daemon, served as text on 127.0.0.1:<metrics_port>.
+
+Store-side numbers (lookups, hits by tier, occupancy, promotions, demotions, evictions,
+quarantined blocks) are read from ``Store.stats()`` when scraped, by a collector, so they
+cannot drift from the store's own counters. Request latency is measured by the server.
+A private CollectorRegistry keeps the process-global default registry (and whatever an
+embedding application registered there) out of it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class StoreCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]], daemon_stats: Callable[[], dict[str, Any]],
+                 page_bytes: int) -> None:
+        self._stats = stats
+        self._daemon_stats = daemon_stats
+        self._page = page_bytes
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            s = self._stats()
+        except Exception:  # noqa: BLE001 - a closed store must not break the scrape
+            log.debug("store stats unavailable", exc_info=True)
+            return
+        page = self._page
+        c = CounterMetricFamily("tierkv_lookups", "Lookups served")
+        c.add_metric([], s["lookups"])
+        yield c
+        c = CounterMetricFamily("tierkv_lookup_blocks", "Full blocks asked for by lookups")
+        c.add_metric([], s["lookup_blocks"])
+        yield c
+        hits = CounterMetricFamily("tierkv_hit_blocks", "Blocks found by lookups, by the tier found in", labels=["tier"])
+        for tier, n in s["hits"].items():
+            hits.add_metric([tier], n)
+        yield hits
+        acq = CounterMetricFamily("tierkv_acquire_blocks", "Blocks leased by acquires, by source tier", labels=["tier"])
+        for tier, n in s["acquire_hits"].items():
+            acq.add_metric([tier], n)
+        yield acq
+        ev = CounterMetricFamily("tierkv_evictions", "Blocks evicted, by tier", labels=["tier"])
+        for tier, n in s["evictions"].items():
+            ev.add_metric([tier], n)
+        yield ev
+        for name, key, doc in (("tierkv_promotions", "promoted_bytes", "Pages copied up into the device tier"),
+                               ("tierkv_demotions", "demoted_bytes", "Pages copied down a tier")):
+            fam = CounterMetricFamily(name, doc)
+            fam.add_metric([], s[key] // page if page else 0)
+            yield fam
+            fam = CounterMetricFamily(name.replace("tions", "ted") + "_bytes", doc + " (bytes)")
+            fam.add_metric([], s[key])
+            yield fam
+        for name, key, doc in (("tierkv_quarantined_blocks", "quarantined", "Blocks quarantined (corrupt or mismatched)"),
+                               ("tierkv_token_mismatches", "token_mismatch", "Hits rejected by the token-id check"),
+                               ("tierkv_puts", "puts", "Put calls"), ("tierkv_blocks_stored", "blocks_stored", "Blocks stored")):
+            fam = CounterMetricFamily(name, doc)
+            fam.add_metric([], s[key])
+            yield fam
+        used = GaugeMetricFamily("tierkv_tier_used_bytes", "Bytes of pages held, by tier", labels=["tier"])
+        cap = GaugeMetricFamily("tierkv_tier_capacity_bytes", "Capacity, by tier", labels=["tier"])
+        blocks = GaugeMetricFamily("tierkv_tier_blocks", "Blocks held, by tier", labels=["tier"])
+        for tier, t in s["tiers"].items():
+            used.add_metric([tier], t["used_bytes"])
+            cap.add_metric([tier], t["capacity_bytes"])
+            blocks.add_metric([tier], t["blocks"])
+        yield from (used, cap, blocks)
+        for name, value, doc in (("tierkv_blocks", s["blocks"], "Blocks in the store"),
+                                 ("tierkv_leased_blocks", s["leased_blocks"], "Blocks under a lease")):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        d = self._daemon_stats()
+        for key, doc in (("leases", "Leases held by clients"), ("connections", "Client connections"),
+                         ("staging_slots_used", "Staging slots in use")):
+            g = GaugeMetricFamily(f"tierkv_daemon_{key}", doc)
+            g.add_metric([], d.get(key, 0))
+            yield g
+
+
+class DaemonMetrics:
+    """The registry, the request counters and histogram, and the HTTP endpoint."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], daemon_stats: Callable[[], dict[str, Any]],
+                 page_bytes: int) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(StoreCollector(stats, daemon_stats, page_bytes))
+        self.latency = Histogram("tierkv_request_seconds", "Daemon request latency, by opcode", ["op"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.errors = Counter("tierkv_request_errors", "Requests answered with an error, by opcode and error",
+                              ["op", "error"], registry=self.registry)
+        self.rejected = Counter("tierkv_rejected_connections", "Connections refused (peer uid, limits, bad frames)",
+                                ["reason"], registry=self.registry)
+        self._server: Any = None
+        self.port: int | None = None
+
+    def start(self, port: int) -> int:
+        """Serve on 127.0.0.1:``port`` (0: any free port); returns the port."""
+        server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        self._server = server
+        self.port = int(server.server_port)
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

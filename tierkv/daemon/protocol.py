@@ -1,0 +1,173 @@
+"""The daemon's wire format: versioned binary frames on a Unix socket (see docs/protocol.md).
+
+    frame  = head (24 bytes) | header (JSON object, UTF-8) | payload (raw bytes)
+    head   = magic "TKVD" | version u8 | opcode u8 | flags u16 | request id u64
+             | header length u32 | payload length u32          (little endian)
+
+Every length is checked against a fixed limit *before* anything is allocated or read, so a
+hostile or broken peer cannot make either side allocate more than ``MAX_HEADER`` +
+``MAX_PAYLOAD`` bytes per frame. The header is JSON (decoded by ``json.loads`` into plain
+dicts, lists, strings and numbers only); token ids travel as raw little-endian int32 in the
+payload. Nothing is ever unpickled: pickle was the root of several CVEs in peer projects
+that read objects from a socket or shared memory.
+
+Rejected design: a struct-only header per message. It is faster to parse but each message
+change is a wire break; a small JSON header with a version in the head stays readable and
+extensible, and the hot data (token ids) is raw bytes anyway.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from ..errors import ProtocolError
+
+MAGIC = b"TKVD"
+VERSION = 1
+HEAD = struct.Struct("<4sBBHQII")
+MAX_HEADER = 64 * 1024  # bytes of JSON header
+MAX_TOKENS = 4 * 1024 * 1024  # token ids per request
+MAX_PAYLOAD = 4 * MAX_TOKENS  # bytes of payload (int32 token ids)
+
+FLAG_REPLY = 0x1  # a reply to the request with the same id
+FLAG_ERROR = 0x2  # a reply whose header is an ErrorReply
+
+
+class Op(IntEnum):
+    """Request opcodes; a reply carries the opcode of its request and FLAG_REPLY."""
+
+    HELLO = 1
+    LOOKUP = 2
+    ACQUIRE = 3
+    RELEASE = 4
+    RENEW = 5
+    STAGE = 6
+    COMMIT = 7
+    UNSTAGE = 8
+    PREFETCH = 9
+    SET_PRIORITY = 10
+    SAVE_MANIFEST = 11
+    GET_MANIFEST = 12
+    LIST_MANIFESTS = 13
+    DELETE_MANIFEST = 14
+    INVALIDATE = 15
+    VERIFY = 16
+    STATS = 17
+    PING = 18
+
+
+class FatalFrameError(ProtocolError):
+    """The byte stream can no longer be trusted (bad magic, version or length): the
+    receiver replies once if it can and closes the connection."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    opcode: int
+    flags: int
+    request_id: int
+    header: dict
+    payload: bytes
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.flags & FLAG_REPLY)
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self.flags & FLAG_ERROR)
+
+
+def encode_frame(opcode: int, request_id: int, header: dict, payload: bytes = b"", flags: int = 0) -> bytes:
+    """One frame as bytes; raises ProtocolError when a part exceeds its limit."""
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    if len(raw) > MAX_HEADER:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER}-byte limit")
+    if len(payload) > MAX_PAYLOAD:
+        raise ProtocolError(f"payload of {len(payload)} bytes exceeds the {MAX_PAYLOAD}-byte limit",
+                            hint=f"send at most {MAX_TOKENS} token ids per request")
+    return HEAD.pack(MAGIC, VERSION, opcode, flags, request_id, len(raw), len(payload)) + raw + bytes(payload)
+
+
+def parse_head(head: bytes) -> tuple[int, int, int, int, int]:
+    """Validate a frame head: (opcode, flags, request_id, header_len, payload_len).
+    Raises FatalFrameError for a wrong magic, version or an over-limit length."""
+    magic, version, opcode, flags, request_id, hlen, plen = HEAD.unpack(head)
+    if magic != MAGIC:
+        raise FatalFrameError(f"bad frame magic {magic!r} (expected {MAGIC!r}); not a tierkv client?")
+    if version != VERSION:
+        raise FatalFrameError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    if hlen > MAX_HEADER:
+        raise FatalFrameError(f"header length {hlen} exceeds the {MAX_HEADER}-byte limit")
+    if plen > MAX_PAYLOAD:
+        raise FatalFrameError(f"payload length {plen} exceeds the {MAX_PAYLOAD}-byte limit")
+    return opcode, flags, request_id, hlen, plen
+
+
+def parse_header(raw: bytes) -> dict:
+    """The JSON header as a dict; ProtocolError (not fatal: framing is intact) otherwise."""
+    if not raw:
+        return {}
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"frame header is not UTF-8 JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame header must be a JSON object")
+    return obj
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Frame | None:
+    """The next frame, or None at a clean end of stream (EOF between frames).
+
+    Raises FatalFrameError on a bad head or a stream cut inside a frame (truncated), and
+    ProtocolError on an undecodable header (the caller can reply and go on)."""
+    try:
+        head = await reader.readexactly(HEAD.size)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise FatalFrameError(f"truncated frame head ({len(e.partial)} of {HEAD.size} bytes)") from None
+    opcode, flags, rid, hlen, plen = parse_head(head)
+    try:
+        body = await reader.readexactly(hlen + plen)
+    except asyncio.IncompleteReadError as e:
+        raise FatalFrameError(f"truncated frame body ({len(e.partial)} of {hlen + plen} bytes)") from None
+    try:
+        header = parse_header(body[:hlen])
+    except ProtocolError as e:
+        raise BadHeaderError(e.message, opcode, rid) from None
+    return Frame(opcode, flags, rid, header, body[hlen:])
+
+
+class BadHeaderError(ProtocolError):
+    """A frame whose header did not decode; framing is intact, so the connection survives."""
+
+    def __init__(self, message: str, opcode: int, request_id: int) -> None:
+        super().__init__(message)
+        self.opcode = opcode
+        self.request_id = request_id
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from a blocking socket; ConnectionError at EOF."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def read_frame_sync(sock: socket.socket) -> Frame:
+    """Blocking counterpart of :func:`read_frame` for the client's reader thread."""
+    opcode, flags, rid, hlen, plen = parse_head(recv_exact(sock, HEAD.size))
+    body = recv_exact(sock, hlen + plen) if hlen + plen else b""
+    return Frame(opcode, flags, rid, parse_header(body[:hlen]), body[hlen:])

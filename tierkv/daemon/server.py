@@ -1,0 +1,309 @@
+"""The daemon: the one process that opens a home, serving clients on a Unix socket.
+
+Lifecycle: ``Daemon(config).run()`` opens the store (with ``socket_path`` recorded in the
+home's LOCK, so a second opener gets DaemonOwnsHomeError naming the socket), creates the
+staging region, binds the socket (security.py), writes the pid file, starts the metrics
+endpoint, and serves until SIGTERM/SIGINT (or :meth:`request_stop`). Stopping: no new
+connections, requests already received finish (a put that was read is stored and
+acknowledged), every lease is released, the store is closed (which flushes write-back
+blocks), the socket and pid file are removed. SIGHUP re-reads the config file: lease
+timeout, staging quota, allowed uids and limits apply at once; tier capacities cannot be
+resized live and apply at the next start (logged).
+
+Per connection: frames are read in order; each request runs as its own task (at most
+``max_inflight`` per connection) and replies carry the request id, so a slow put does not
+hold up a lookup. A bad head (magic, version, length) or a truncated frame gets one error
+reply and the connection is closed; an undecodable header or unknown opcode gets an error
+reply and the connection goes on. Either way other clients are unaffected.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import StoreConfig
+from ..errors import DaemonUnavailableError, ProtocolError, TierKVError
+from ..store import Store
+from ..tiers.shm import SharedRegion, default_shm_dir
+from . import messages, regions, security
+from .config import DaemonConfig, resolve_layout
+from .handlers import Handlers
+from .metrics import DaemonMetrics
+from .protocol import FLAG_ERROR, FLAG_REPLY, BadHeaderError, FatalFrameError, Frame, Op, encode_frame, read_frame
+
+log = logging.getLogger(__name__)
+DRAIN_TIMEOUT_S = 60.0
+
+
+@dataclass(eq=False)
+class Connection:
+    id: int
+    creds: security.PeerCredentials
+    writer: asyncio.StreamWriter
+    inflight: asyncio.Semaphore
+    client_pid: int = 0
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def send(self, opcode: int, request_id: int, header: dict, payload: bytes = b"", flags: int = FLAG_REPLY) -> None:
+        frame = encode_frame(opcode, request_id, header, payload, flags)
+        async with self.write_lock:
+            if self.writer.is_closing():
+                return
+            self.writer.write(frame)
+            await self.writer.drain()
+
+    async def send_error(self, opcode: int, request_id: int, exc: BaseException) -> None:
+        name, hint = type(exc).__name__, getattr(exc, "hint", "") or ""
+        message = getattr(exc, "message", None) or str(exc)
+        header, _ = messages.ErrorReply(name, message, hint).encode()
+        try:
+            await self.send(opcode & 0xFF, request_id, header, flags=FLAG_REPLY | FLAG_ERROR)
+        except (ConnectionError, OSError):
+            pass
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = None,
+                 install_signals: bool = True) -> None:
+        self.config = config
+        self._reload = reload
+        self._install_signals = install_signals
+        self._ids = itertools.count(1)
+        self.connections: dict[int, Connection] = {}
+        self.ready = threading.Event()
+        self.metrics_port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.store: Store | None = None
+        self.handlers: Handlers | None = None
+        self.metrics: DaemonMetrics | None = None
+
+    # ---- opening and closing -----------------------------------------------------------
+    def _open(self) -> tuple[Any, SharedRegion]:
+        cfg = self.config = resolve_layout(self.config)
+        assert cfg.layout is not None
+        security.prepare_socket_dir(cfg.socket.parent)
+        security.clear_socket_path(cfg.socket)  # refuse early, before taking the home
+        shm_dir = cfg.shm_dir or default_shm_dir()
+        regions.reap_stale_regions(shm_dir)
+        self.store = Store(StoreConfig(
+            home=cfg.home, layout=cfg.layout, device=cfg.device, device_bytes=cfg.device_bytes,
+            host_bytes=cfg.host_bytes, disk_bytes=cfg.disk_bytes, write_through=cfg.write_through,
+            shm_dir=cfg.shm_dir, lease_timeout_s=cfg.lease_timeout_s,
+        ), socket_path=str(cfg.socket))
+        try:
+            staging, pool = regions.create_staging(shm_dir, cfg.layout, cfg.staging_bytes)
+            self.handlers = Handlers(self.store, cfg, pool, str(staging.path))
+            sock = security.bind_private_socket(cfg.socket)
+        except BaseException:
+            self.store.close()
+            raise
+        security.write_pid_file(cfg.resolved_pid_file)
+        self.metrics = DaemonMetrics(self.store.stats, self._daemon_stats, cfg.layout.page_bytes)
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.start(cfg.metrics_port)
+            log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
+        return sock, staging
+
+    def _daemon_stats(self) -> dict[str, Any]:
+        d = self.handlers.daemon_stats() if self.handlers else {}
+        d["connections"] = len(self.connections)
+        return d
+
+    def run(self) -> None:
+        """Open, serve until stopped, close. Blocks; call from the main thread to get
+        signal handling (tests run it in a thread with ``install_signals=False``)."""
+        asyncio.run(self._main())
+
+    def request_stop(self) -> None:
+        """Ask a running daemon to stop (thread-safe)."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        sock, staging = self._open()
+        assert self.handlers is not None and self.store is not None
+        server = await asyncio.start_unix_server(self._on_connect, sock=sock)
+        if self._install_signals:
+            self._loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+            self._loop.add_signal_handler(signal.SIGINT, self._stop.set)
+            self._loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        sweeper = asyncio.create_task(self._sweep_leases())
+        log.info("tierkv daemon (pid %d) serving %s on %s", os.getpid(), self.config.home, self.config.socket)
+        self.ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            log.info("stopping: finishing in-flight requests")
+            server.close()
+            sweeper.cancel()
+            await self._drain()
+            await server.wait_closed()
+            self.handlers.executor.shutdown(wait=True)
+            self.store.close()  # flushes write-back blocks, releases the home
+            staging.close()
+            for p in (self.config.socket, self.config.resolved_pid_file):
+                Path(p).unlink(missing_ok=True)
+            if self.metrics:
+                self.metrics.stop()
+            log.info("stopped cleanly")
+
+    async def _drain(self) -> None:
+        """Let every request already read finish, then end the connections (which releases
+        their leases)."""
+        tasks = [t for c in self.connections.values() for t in c.tasks]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
+            if pending:
+                log.warning("%d requests did not finish within %.0f s", len(pending), DRAIN_TIMEOUT_S)
+        for c in list(self.connections.values()):
+            c.writer.close()
+        deadline = time.monotonic() + 10
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    def _on_sighup(self) -> None:
+        if self._reload is None:
+            log.warning("SIGHUP: no config file to reload")
+            return
+        try:
+            new = self._reload()
+        except (TierKVError, ValueError, OSError) as e:
+            log.error("SIGHUP: config not reloaded: %s", e)
+            return
+        self.apply_reload(new)
+
+    def apply_reload(self, new: DaemonConfig) -> None:
+        """Apply what can change live; tier capacities apply at the next start."""
+        old = self.config
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "device", "home", "socket"):
+            if getattr(new, name) != getattr(old, name):
+                log.warning("SIGHUP: %s changed (%s -> %s); it applies when the daemon restarts",
+                            name, getattr(old, name), getattr(new, name))
+        self.config = replace(old, lease_timeout_s=new.lease_timeout_s, client_staging_bytes=new.client_staging_bytes,
+                              allowed_uids=new.allowed_uids, max_connections=new.max_connections,
+                              max_inflight=new.max_inflight)
+        if self.handlers is not None:
+            self.handlers.config = self.config
+            self.handlers.leases.timeout_s = new.lease_timeout_s
+            page = self.handlers.store.layout.page_bytes
+            self.handlers.staging.quota = min(max(1, new.client_staging_bytes // page), self.handlers.staging.slots.capacity)
+        log.info("SIGHUP: reloaded (lease timeout %.0f s)", new.lease_timeout_s)
+
+    async def _sweep_leases(self) -> None:
+        assert self.handlers is not None
+        while True:
+            await asyncio.sleep(min(1.0, self.handlers.leases.timeout_s / 4))
+            await self.handlers.expire_leases()
+
+    # ---- connections ----------------------------------------------------------------------
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        creds = security.peer_credentials(writer.get_extra_info("socket"))
+        conn = Connection(next(self._ids), creds, writer, asyncio.Semaphore(self.config.max_inflight))
+        reason = None
+        if not security.peer_allowed(creds, self.config.allowed_uids):
+            reason = "uid"
+            err: TierKVError = security.PeerRejectedError(f"peer uid {creds.uid} (pid {creds.pid}) may not use this daemon")
+        elif len(self.connections) >= self.config.max_connections:
+            reason = "limit"
+            err = DaemonUnavailableError(f"the daemon serves {self.config.max_connections} connections already")
+        elif self._stop is not None and self._stop.is_set():
+            reason = "stopping"
+            err = DaemonUnavailableError("the daemon is shutting down")
+        if reason is not None:
+            log.warning("refused connection from pid %d uid %d: %s", creds.pid, creds.uid, reason)
+            if self.metrics:
+                self.metrics.rejected.labels(reason).inc()
+            await conn.send_error(0, 0, err)
+            writer.close()
+            return
+        self.connections[conn.id] = conn
+        try:
+            await self._serve_connection(conn, reader)
+        finally:
+            if conn.tasks:
+                await asyncio.wait(list(conn.tasks))  # their leases must be known before we free
+            assert self.handlers is not None
+            n = await self.handlers.end_connection(conn)
+            if n:
+                log.info("connection %d (pid %d) ended holding %d leases; released", conn.id, conn.client_pid, n)
+            del self.connections[conn.id]
+            writer.close()
+
+    async def _serve_connection(self, conn: Connection, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                frame = await read_frame(reader)
+            except BadHeaderError as e:
+                await conn.send_error(e.opcode, e.request_id, e)
+                continue
+            except FatalFrameError as e:
+                log.warning("connection %d: %s; closing it", conn.id, e.message)
+                if self.metrics:
+                    self.metrics.rejected.labels("frame").inc()
+                await conn.send_error(0, 0, e)
+                return
+            except (ConnectionError, OSError):
+                return
+            if frame is None:
+                return
+            await conn.inflight.acquire()
+            task = asyncio.create_task(self._serve_request(conn, frame))
+            conn.tasks.add(task)
+            task.add_done_callback(lambda t: (conn.tasks.discard(t), conn.inflight.release()))
+
+    async def _serve_request(self, conn: Connection, frame: Frame) -> None:
+        assert self.handlers is not None
+        t0 = time.perf_counter()
+        op_name = Op(frame.opcode).name.lower() if frame.opcode in Op._value2member_map_ else "unknown"
+        try:
+            if frame.is_reply:
+                raise ProtocolError("clients send requests, not replies")
+            entry = self.handlers.table.get(frame.opcode)
+            if entry is None:
+                raise ProtocolError(f"unknown opcode {frame.opcode}")
+            if self._stop is not None and self._stop.is_set() and frame.opcode != Op.RELEASE:
+                raise DaemonUnavailableError("the daemon is shutting down")
+            cls, handler = entry
+            header, payload = await handler(conn, cls.decode(frame.header, frame.payload))
+            await conn.send(frame.opcode, frame.request_id, header, payload)
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
+            if not isinstance(e, (TierKVError, ValueError, OSError)):
+                log.exception("request %s failed", op_name)
+            if self.metrics:
+                self.metrics.errors.labels(op_name, type(e).__name__).inc()
+            await conn.send_error(frame.opcode, frame.request_id, e)
+        finally:
+            if self.metrics:
+                self.metrics.latency.labels(op_name).observe(time.perf_counter() - t0)
+
+    def check_integrity(self) -> None:
+        """Cross-check the daemon's lease and staging tables and the store."""
+        assert self.handlers is not None and self.store is not None
+        self.handlers.leases.check_integrity()
+        self.handlers.staging.check_integrity()
+        self.store.check_integrity()
+
+
+def main() -> None:
+    """``python -m tierkv.daemon.server ...``: the same as ``tierkv serve ...``."""
+    from ..cli.serve import serve
+
+    serve(prog_name="tierkv-daemon")
+
+
+if __name__ == "__main__":
+    main()

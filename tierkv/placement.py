@@ -1,0 +1,212 @@
+"""Placement: which tier a block's pages live in, and the only code that moves them.
+
+A mixin of :class:`tierkv.store.Store`. Every method here runs with the store lock held and
+changes locations only through ``BlockTable.place`` / ``unplace`` paired with the tiers'
+``alloc`` / ``free``. Making room evicts least-recently-used evictable blocks (leaf first,
+see :meth:`BlockTable.victim`); a block evicted from memory moves one tier down
+(device -> host, or write-back to disk when it has no copy below), never silently lost
+while a tier below can take it.
+
+A block that is being moved is marked ``busy`` for the duration, so that the nested
+evictions a move can trigger (device -> host -> disk) never pick the same block.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from .blocks import Block, BlockTable, Priority
+from .errors import DiskWriteError, IndexFullError, LeaseError
+from .index import BlockRecord
+from .tiers import TierName
+
+if TYPE_CHECKING:
+    from .config import StoreConfig
+    from .index import Index
+    from .layout import PageLayout
+    from .stats import Counters
+    from .tiers import DiskTier, MemoryTier
+
+log = logging.getLogger(__name__)
+DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
+
+
+class Placement:
+    config: "StoreConfig"
+    layout: "PageLayout"
+    table: BlockTable
+    index: "Index"
+    device: "MemoryTier"
+    host: "MemoryTier"
+    disk: "DiskTier"
+    stats_counters: "Counters"
+    _lock: threading.RLock
+    _dead: list[Block]
+
+    def _tier(self, t: TierName) -> "MemoryTier":
+        return self.device if t == DEVICE else self.host
+
+    # ---- allocation with eviction -----------------------------------------------------
+    def _alloc_mem(self, t: TierName) -> int | None:
+        """A free slot of memory tier ``t``, evicting as needed; None when every block there
+        is leased, busy or has an extension in the tier."""
+        tier = self._tier(t)
+        slot = tier.slots.alloc()
+        while slot is None:
+            victim = self.table.victim(t)
+            if victim is None:
+                return None
+            self._evict(victim, t)
+            slot = tier.slots.alloc()
+        return slot
+
+    def _alloc_disk(self, model_version: str) -> int | None:
+        """A free disk slot for ``model_version``; None when nothing can be evicted. Raises
+        DiskWriteError when a new segment cannot be created (the tier is then degraded)."""
+        loc = self.disk.alloc(model_version)
+        while loc is None:
+            victim = self.table.victim(DISK)
+            if victim is None:
+                return None
+            self._evict(victim, DISK)
+            loc = self.disk.alloc(model_version)
+        return loc
+
+    def _evict(self, b: Block, t: TierName) -> None:
+        """Take ``b`` out of tier ``t``: demote it to the host when it leaves the device, and
+        write it back to disk when this was its last copy (ephemeral blocks are just dropped)."""
+        self.stats_counters.evictions[t.value] += 1
+        b.busy += 1
+        try:
+            if (t == DEVICE and HOST not in b.loc and self.host.slots.capacity
+                    and (DISK not in b.loc or b.priority != Priority.EPHEMERAL)):
+                self._demote(b, DEVICE, HOST)
+            if t != DISK and DISK not in b.loc and b.priority != Priority.EPHEMERAL and set(b.loc) == {t}:
+                # Write-back (write_through=False, or a put that could not reach disk):
+                # the last memory copy goes to disk instead of being lost.
+                self._flush_to_disk(b)
+            if t == DISK:
+                # Index first, then the slot: a crash in between leaves an unreferenced slot,
+                # which the next open reclaims.
+                self.index.delete_blocks([b.key])
+        finally:
+            b.busy -= 1
+        self._free(b, t)
+
+    def _demote(self, b: Block, src: TierName, dst: TierName) -> None:
+        slot = self._alloc_mem(dst)
+        if slot is None:
+            return
+        self._tier(dst).write(slot, self._tier(src).page(b.loc[src]))
+        self.table.place(b, dst, slot)
+        self.stats_counters.demoted_bytes += self.layout.page_bytes
+
+    def _flush_to_disk(self, b: Block) -> bool:
+        """Write a memory-only block to disk and index it (write-back on eviction, pinning,
+        close). The disk I/O runs under the lock because the caller needs the result before
+        it can go on. A failure leaves the block where it was; returns whether it is on disk."""
+        if DISK in b.loc:
+            return True
+        if not self.disk.capacity_slots or self.disk.degraded or not b.loc:
+            return False
+        b.busy += 1  # making room on disk must not evict b itself
+        try:
+            loc = self._alloc_disk(b.model_version)
+        except DiskWriteError:
+            return False
+        finally:
+            b.busy -= 1
+        if loc is None:
+            return False
+        src = DEVICE if DEVICE in b.loc else HOST
+        page = self._tier(src).page(b.loc[src]).detach().cpu()
+        try:
+            # Data, fsync, then the index commit: the record never points at unwritten bytes.
+            self.disk.write_pages([(loc, page)])
+            self.index.put_blocks([self._record(b, loc)])
+        except (DiskWriteError, IndexFullError) as e:
+            log.warning("write-back of block %s failed: %s", b.key.hex()[:12], e)
+            self.disk.free(loc)
+            return False
+        self.table.place(b, DISK, loc)
+        self.stats_counters.demoted_bytes += self.layout.page_bytes
+        return True
+
+    # ---- freeing -------------------------------------------------------------------------
+    def _free(self, b: Block, t: TierName) -> None:
+        slot = self.table.unplace(b, t)
+        if t == DISK:
+            self.disk.free(slot)
+        else:
+            self._tier(t).slots.free(slot)
+        if not b.loc:
+            self.table.remove(b)
+
+    def _retire(self, b: Block, index_done: bool = False) -> int:
+        """Make ``b`` unreachable now (index first, unless the caller already committed the
+        delete); free its pages now, or when its last lease or in-flight read ends. Returns
+        the bytes freed now."""
+        if DISK in b.loc and not index_done:
+            self.index.delete_blocks([b.key])
+        self.table.detach(b)
+        if b.leases or b.busy:
+            if b not in self._dead:
+                self._dead.append(b)
+            return 0
+        return self._free_detached(b)
+
+    def _free_detached(self, b: Block) -> int:
+        freed = 0
+        for t, slot in list(b.loc.items()):
+            freed += self.layout.slot_bytes if t == DISK else self.layout.page_bytes
+            if t == DISK:
+                self.disk.free(slot)
+            else:
+                self._tier(t).slots.free(slot)
+        b.loc.clear()
+        return freed
+
+    def _unbusy(self, b: Block) -> None:
+        """End an in-flight read of ``b``; a block retired meanwhile is freed now if nothing
+        else holds it."""
+        b.busy -= 1
+        assert b.busy >= 0, "busy count below zero"
+        self._free_if_unheld(b)
+
+    def _free_if_unheld(self, b: Block) -> None:
+        if b.dead and not b.leases and not b.busy and b in self._dead:
+            self._dead.remove(b)
+            self._free_detached(b)
+
+    def _release_blocks(self, blocks: list[Block]) -> None:
+        """Drop one lease from each block; free retired blocks whose last lease this was;
+        drop ephemeral blocks when their lease ends."""
+        for b in blocks:
+            if b.leases <= 0:
+                raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
+        for b in blocks:
+            b.leases -= 1
+            if b.leases or b.busy:
+                continue
+            if b.dead:
+                self._free_if_unheld(b)
+            elif b.priority == Priority.EPHEMERAL:
+                self._retire(b)
+
+    # ---- quarantine ----------------------------------------------------------------------
+    def _quarantine_key(self, key: bytes, reason: str) -> None:
+        log.warning("quarantined block %s: %s", key.hex()[:16], reason)
+        self.index.quarantine(key, reason)
+        self.stats_counters.quarantined += 1
+
+    def _quarantine(self, b: Block, reason: str) -> None:
+        self._quarantine_key(b.key, reason)  # records the reason and deletes the entry in one commit
+        self._retire(b, index_done=True)
+
+    def _record(self, b: Block, disk_loc: int) -> BlockRecord:
+        return BlockRecord(
+            key=b.key, parent=b.parent, model_version=b.model_version, namespace=b.namespace,
+            priority=int(b.priority), checksum=b.checksum, disk_loc=disk_loc, last_access=time.time(), tokens=b.tokens,
+        )
