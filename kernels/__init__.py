@@ -15,7 +15,12 @@ from .cascade import CascadePlan, LevelPlan, SharedLevel, cascade_attention, pla
 from .merge import merge_states
 from .paged_decode import paged_decode_attention
 from .policy import (
-    CostModel, DecodeEstimate, attention_decode, estimate_decode, min_prefix_len, plan_pays,
+    CostModel,
+    DecodeEstimate,
+    attention_decode,
+    estimate_decode,
+    min_prefix_len,
+    plan_pays,
     should_use_cascade,
 )
 

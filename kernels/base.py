@@ -4,6 +4,7 @@ Kept free of Triton so the PyTorch references and the cost model import without 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -49,10 +50,13 @@ class TileConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"TileConfig.{name} must be a power of two, got {value}")
+        if self.block_m < self.min_rows:
+            raise ValueError(f"TileConfig.block_m ({self.block_m}) must be >= min_rows ({self.min_rows})")
         if self.target_programs < 1 or self.min_split_tokens < 1:
             raise ValueError("TileConfig.target_programs and min_split_tokens must be >= 1")
 
 
+@functools.cache
 def default_tiles(device: torch.device, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
     """Tiles for ``device``: GPU sizes for bandwidth, tiny ones for the CPU interpreter."""
     if device.type == "cuda":

@@ -19,21 +19,30 @@ Every part writes ``(out, lse)`` partials into one fp32 buffer, and one merge ke
 combines them (see ``merge.py`` for the guards on empty parts).
 
 What does not depend on the layer (grouping, row tiles, splits) is built once per decode
-step by :func:`plan_cascade` and reused for every layer; it costs one host sync.
+step by :func:`plan_cascade` and reused for every layer; it copies the small index
+tensors to the host once (a few syncs per step, none per layer).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .base import (
-    LOG2E, AttentionOutput, KernelInputError, TileConfig, check_index,
-    check_pool_and_query, checked_ranges, choose_splits, default_tiles,
+    LOG2E,
+    AttentionOutput,
+    KernelInputError,
+    TileConfig,
+    check_index,
+    check_pool_and_query,
+    checked_ranges,
+    choose_splits,
+    default_tiles,
 )
 from .merge import merge_partials
 from .paged_decode import attend_pages, launch_partials
@@ -134,7 +143,7 @@ def plan_cascade(
     tiles: TileConfig | None = None,
     num_splits: int | None = None,
 ) -> CascadePlan:
-    """Build the layer-independent plan of one decode step (one device-to-host sync).
+    """Build the layer-independent plan of one decode step (syncs with the device).
 
     ``levels`` are the shared parts (may be empty: then this is plain paged decode).
     ``suffix_tables [N, max_blocks]`` / ``suffix_start`` / ``suffix_lens [N]`` give each
@@ -196,7 +205,8 @@ def _shared_prefix_kernel(
     req = tl.load(order_ptr + first + r // GROUP, mask=r_ok, other=0).to(tl.int64)
     heads = kv_head * GROUP + r % GROUP
     lo = split * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, tl.load(lens_ptr + g).to(tl.int32))
+    end = tl.load(lens_ptr + g).to(tl.int32)
+    hi = tl.where(split == tl.num_programs(2) - 1, end, tl.minimum(lo + tokens_per_split, end))
 
     d = tl.arange(0, BLOCK_D)
     mask = r_ok[:, None] & (d < HEAD_DIM)[None, :]
@@ -225,7 +235,7 @@ def _launch_level(q: torch.Tensor, pool: torch.Tensor, layer: int, level: LevelP
         *q.stride(), pool.stride(0), pool.stride(3), pool.stride(4), pool.stride(5),
         *level.block_table.stride(), *part_out.stride(), *part_lse.stride(),
         GROUP=q.shape[1] // num_kv_heads, PAGE=pool.shape[3], HEAD_DIM=head_dim,
-        BLOCK_M=max(tiles.block_m, tiles.min_rows), BLOCK_N=tiles.block_n,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), DOT_FP32=tiles.dot_fp32 or q.dtype == torch.float32,
         num_warps=tiles.num_warps,
     )

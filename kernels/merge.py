@@ -109,7 +109,9 @@ def merge_states(
     gives output 0 and ``lse = -inf``. Raises :class:`KernelInputError` on mismatched inputs.
     """
     if out_a.dim() != 3 or out_a.shape != out_b.shape:
-        raise KernelInputError(f"out_a and out_b must both be [N, H, D], got {tuple(out_a.shape)} and {tuple(out_b.shape)}")
+        raise KernelInputError(
+            f"out_a and out_b must both be [N, H, D], got {tuple(out_a.shape)} and {tuple(out_b.shape)}"
+        )
     if lse_a.shape != out_a.shape[:2] or lse_b.shape != out_a.shape[:2]:
         raise KernelInputError(f"lse_a and lse_b must be [N, H] = {tuple(out_a.shape[:2])}")
     tensors = (out_a, lse_a, out_b, lse_b)

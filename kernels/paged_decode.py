@@ -22,8 +22,15 @@ import triton
 import triton.language as tl
 
 from .base import (
-    LOG2E, AttentionOutput, KernelInputError, TileConfig, check_index, check_pool_and_query,
-    checked_ranges, choose_splits, default_tiles,
+    LOG2E,
+    AttentionOutput,
+    KernelInputError,
+    TileConfig,
+    check_index,
+    check_pool_and_query,
+    checked_ranges,
+    choose_splits,
+    default_tiles,
 )
 from .merge import merge_partials
 
@@ -96,9 +103,10 @@ def _paged_decode_kernel(
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    start = tl.load(start_ptr + n).to(tl.int32)
-    lo = start + split * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, tl.load(end_ptr + n).to(tl.int32))
+    lo = tl.load(start_ptr + n).to(tl.int32) + split * tokens_per_split
+    end = tl.load(end_ptr + n).to(tl.int32)
+    # The last split runs to the end, so a low max_kv_len hint costs speed, never tokens.
+    hi = tl.where(split == tl.num_programs(2) - 1, end, tl.minimum(lo + tokens_per_split, end))
 
     rows = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + rows
@@ -152,10 +160,11 @@ def paged_decode_attention(
 ) -> AttentionOutput:
     """Decode attention of ``q [N, Hq, D]`` over tokens ``[kv_start, seq_lens)`` of each request.
 
-    ``block_tables [N, max_blocks]`` lists each request's slots in token order; entries past
-    the last page in range are never read. ``max_kv_len`` (the largest ``seq_len - kv_start``)
-    sizes split-K; when omitted it is computed with one device-to-host sync, which also
-    checks that ranges are ordered and fit the table. ``num_splits`` overrides the split
+    ``block_tables [N, max_blocks]`` lists each request's slots in token order; entries
+    outside the range are never read. ``max_kv_len`` (the largest ``seq_len - kv_start``)
+    only sizes split-K (a wrong value costs speed, not correctness); when omitted it is
+    computed with one device-to-host sync, which also checks that ranges are ordered and
+    fit the table. ``num_splits`` overrides the split
     heuristic. Returns ``AttentionOutput(out [N, Hq, D] in q's dtype, lse [N, Hq] fp32)``.
     Raises :class:`KernelInputError` on malformed inputs.
     """
@@ -174,6 +183,8 @@ def paged_decode_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if n == 0:
+        return AttentionOutput(out, lse)
     if splits == 1:
         launch_partials(q, pool, layer, block_tables, starts, seq_lens,
                         out.unsqueeze(2), lse.unsqueeze(2), per_split, scale, tiles)

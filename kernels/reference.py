@@ -18,7 +18,8 @@ Conventions shared by every function in ``tierkv.kernels``:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

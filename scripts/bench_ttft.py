@@ -46,10 +46,6 @@ def drop_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def median_of(runs: int, fn: Callable[[], float]) -> float:
-    return statistics.median(fn() for _ in range(runs))
-
-
 def build_model(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -70,8 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--home", type=Path, default=None, help="store home (default: a temporary directory)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shape = dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=8192, prefix=1024) if args.small \
         else dict(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, prefix=4096)
     for k, v in shape.items():
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     import tierkv
     from safetensors.torch import load_file, save_file
 
-    from tierkv.hf import cache_from_kv, cache_layer_kv, cached_prefill, generate, layout_from_model
+    from tierkv.hf import cache_from_kv, cached_prefill, generate, layout_from_model, lease_kv
     from tierkv.identity import Scope
     from tierkv.model_version import model_version_from_parts
 
@@ -106,74 +105,49 @@ def main(argv: list[str] | None = None) -> dict:
 
     with torch.inference_mode():
         model(torch.tensor([tokens[:16]], device=args.device))  # first-call overheads
-    reference = generate(model, tokens, max_new_tokens=1)
     diffs: list[float] = []
+    reference: list[torch.Tensor] = []  # logits of the first recompute run
 
     def recompute() -> float:
         r = generate(model, tokens, max_new_tokens=1)
+        if reference:
+            diffs.append((r.first_logits - reference[0]).abs().max().item())
+        else:
+            reference.append(r.first_logits)
         return r.ttft_s
-
-    log("recompute ...")
-    ttft_recompute = median_of(args.runs, recompute)
 
     log("materialising the prefix into the store ...")
     with tierkv.open(home, layout, **store_opts) as store:
         t0 = time.perf_counter()
         cached_prefill(model, prefix, store=store, scope=scope, need_logits=False)
         materialize_s = time.perf_counter() - t0
-    segments = sorted((home / "segments").glob("*"))
-
-    def restore(store: Any) -> tuple[Any, int]:
-        with store.acquire(prefix, scope) as lease:
-            kv = lease.kv()
-            n = lease.tokens_matched
-        return cache_from_kv(kv, model.device, model.dtype), n
-
-    def cold_store() -> Any:
-        drop_page_cache([p for p in segments if p.is_file()])
-        return tierkv.open(home, layout, **store_opts)
-
-    def disk_restore() -> float:
-        with cold_store() as store:
-            t0 = time.perf_counter()
-            _, n = restore(store)
-            assert n == len(prefix) // 16 * 16, n
-            return time.perf_counter() - t0
-
-    def disk_ttft() -> float:
-        with cold_store() as store:
-            r = generate(model, tokens, store=store, scope=scope, max_new_tokens=1, store_new=False)
-            diffs.append((r.first_logits - reference.first_logits).abs().max().item())
-            return r.ttft_s
-
-    log("tierkv disk tier (cold) ...")
-    restore_disk = median_of(args.runs, disk_restore)
-    ttft_disk = median_of(args.runs, disk_ttft)
-
-    log("tierkv memory tiers ...")
-    with tierkv.open(home, layout, **store_opts) as store:
-        restore(store)  # promote once
-        tiers = store.lookup(prefix, scope).tiers
-
-        def mem_restore() -> float:
-            t0 = time.perf_counter()
-            restore(store)
-            return time.perf_counter() - t0
-
-        def mem_ttft() -> float:
-            r = generate(model, tokens, store=store, scope=scope, max_new_tokens=1, store_new=False)
-            diffs.append((r.first_logits - reference.first_logits).abs().max().item())
-            return r.ttft_s
-
-        restore_host = median_of(args.runs, mem_restore)
-        ttft_host = median_of(args.runs, mem_ttft)
-
-    log("torch.save / safetensors baselines ...")
-    full = cached_prefill(model, prefix)
-    layer_kv = [(k.contiguous().cpu(), v.contiguous().cpu()) for k, v in cache_layer_kv(full.cache)]
+        with store.acquire(prefix, scope) as lease:  # the baselines save the very KV the store serves
+            layer_kv = [(k.cpu(), v.cpu()) for k, v in lease_kv(lease, layout)]
+    segments = [p for p in sorted((home / "segments").glob("*")) if p.is_file()]
     pt, st = work / "cache.pt", work / "cache.safetensors"
     torch.save(layer_kv, pt)
     save_file({f"{kind}{i}": t for i, kv in enumerate(layer_kv) for kind, t in zip("kv", kv)}, str(st))
+    del layer_kv
+
+    def restore(store: Any) -> Any:
+        with store.acquire(prefix, scope) as lease:
+            kv = lease_kv(lease, layout)
+            assert lease.tokens_matched == len(prefix) // 16 * 16, lease.tokens_matched
+        return cache_from_kv(kv, model.device, model.dtype)
+
+    def cold_store() -> Any:
+        drop_page_cache(segments)
+        return tierkv.open(home, layout, **store_opts)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def store_ttft(store: Any) -> float:
+        r = generate(model, tokens, store=store, scope=scope, max_new_tokens=1, store_new=False)
+        diffs.append((r.first_logits - reference[0]).abs().max().item())
+        return r.ttft_s
 
     def load_pt() -> Any:
         return cache_from_kv(torch.load(pt, weights_only=True), model.device, model.dtype)
@@ -182,13 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         d = load_file(str(st))
         return cache_from_kv([(d[f"k{i}"], d[f"v{i}"]) for i in range(args.layers)], model.device, model.dtype)
 
-    def timed_restore(load: Callable[[], Any], path: Path) -> float:
-        drop_page_cache([path])
-        t0 = time.perf_counter()
-        load()
-        return time.perf_counter() - t0
-
-    def timed_ttft(load: Callable[[], Any], path: Path) -> float:
+    def file_ttft(load: Callable[[], Any], path: Path) -> float:
         drop_page_cache([path])
         t0 = time.perf_counter()
         cache = load()
@@ -198,29 +166,48 @@ def main(argv: list[str] | None = None) -> dict:
         logits = out.logits[0, -1].float()
         int(torch.argmax(logits))
         elapsed = time.perf_counter() - t0
-        diffs.append((logits - reference.first_logits).abs().max().item())
+        diffs.append((logits - reference[0]).abs().max().item())
         return elapsed
 
-    restore_pt = median_of(args.runs, lambda: timed_restore(load_pt, pt))
-    restore_st = median_of(args.runs, lambda: timed_restore(load_st, st))
-    ttft_pt = median_of(args.runs, lambda: timed_ttft(load_pt, pt))
-    ttft_st = median_of(args.runs, lambda: timed_ttft(load_st, st))
+    # Round robin: every run measures every method once, so load from other processes on a
+    # shared machine spreads over all of them instead of skewing one.
+    samples: dict[str, list[float]] = {}
+
+    def add(key: str, value: float) -> None:
+        samples.setdefault(key, []).append(value)
+
+    tiers: tuple[str, ...] = ()
+    for run in range(args.runs):
+        log(f"run {run + 1}/{args.runs} ...")
+        add("ttft_recompute_s", recompute())  # first: run 0 sets the reference logits
+        with cold_store() as store:
+            add("restore_disk_s", timed(lambda: restore(store)))
+        with cold_store() as store:
+            add("ttft_disk_s", store_ttft(store))
+        with tierkv.open(home, layout, **store_opts) as store:
+            restore(store)  # promoted into the memory tiers
+            tiers = store.lookup(prefix, scope).tiers
+            add("restore_host_s", timed(lambda: restore(store)))
+            add("ttft_host_s", store_ttft(store))
+        drop_page_cache([pt])
+        add("restore_torch_load_s", timed(load_pt))
+        drop_page_cache([st])
+        add("restore_safetensors_s", timed(load_st))
+        add("ttft_torch_load_s", file_ttft(load_pt, pt))
+        add("ttft_safetensors_s", file_ttft(load_st, st))
     tmp.cleanup()
+    med = {k: statistics.median(v) for k, v in samples.items()}
 
     result = {
         "model_params_m": round(params / 1e6, 1), "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
         "kv_heads": args.kv_heads, "prefix_tokens": args.prefix, "question_tokens": args.question_tokens,
         "runs": args.runs, "device": args.device, "torch_threads": torch.get_num_threads(),
         "kv_bytes": layout.page_bytes * (args.prefix // 16), "materialize_s": round(materialize_s, 3),
-        "memory_tiers_hit": sorted(set(tiers)),
-        "ttft_recompute_s": ttft_recompute, "ttft_disk_s": ttft_disk, "ttft_host_s": ttft_host,
-        "ttft_torch_load_s": ttft_pt, "ttft_safetensors_s": ttft_st,
-        "restore_disk_s": restore_disk, "restore_host_s": restore_host,
-        "restore_torch_load_s": restore_pt, "restore_safetensors_s": restore_st,
-        "ttft_ratio_disk_vs_recompute": ttft_disk / ttft_recompute,
-        "ttft_ratio_host_vs_recompute": ttft_host / ttft_recompute,
-        "restore_speedup_vs_torch_load": restore_pt / restore_disk,
-        "restore_speedup_vs_safetensors": restore_st / restore_disk,
+        "memory_tiers_hit": sorted(set(tiers)), **med,
+        "ttft_ratio_disk_vs_recompute": med["ttft_disk_s"] / med["ttft_recompute_s"],
+        "ttft_ratio_host_vs_recompute": med["ttft_host_s"] / med["ttft_recompute_s"],
+        "restore_speedup_vs_torch_load": med["restore_torch_load_s"] / med["restore_disk_s"],
+        "restore_speedup_vs_safetensors": med["restore_safetensors_s"] / med["restore_disk_s"],
         "logits_max_abs_diff": max(diffs),
     }
     if args.json:

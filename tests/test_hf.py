@@ -173,3 +173,22 @@ def test_weight_change_gives_new_version_and_no_cached_tokens(tmp_path, store_fa
     assert lm2.layout == lm.layout and lm2.model_version != lm.model_version
     assert store.lookup(tokens, lm2.scope()).tokens_matched == 0
     assert generate(lm2.model, tokens, store=store, scope=lm2.scope(), max_new_tokens=1).cached_tokens == 0
+
+
+def test_lease_kv_matches_lease_kv_for_scattered_and_consecutive_slots(store_factory):
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+    store = store_factory(layout)
+    scope = scope_for("slots")
+    a, b = prompt(24, seed=1), prompt(16, seed=2)
+    pages_a = torch.randn(6, *layout.shape)
+    store.put(a[:16], pages_a[:4], scope)
+    store.put(b, torch.randn(4, *layout.shape), scope)
+    store.put(a, pages_a[4:], scope, start_block=4)  # a's last blocks land after b's
+    from tierkv.hf import lease_kv
+
+    for tokens in (a, b):
+        with store.acquire(tokens, scope) as lease:
+            mine, theirs = lease_kv(lease, layout), lease.kv()
+        assert len(mine) == 2
+        for (k1, v1), (k2, v2) in zip(mine, theirs):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -34,17 +34,17 @@ def test_materialize_then_repeat_does_no_work(llama_lm, repo, store_factory):
     bs = llama_lm.layout.block_size
     assert first.cached_tokens == 0 and first.tokens > 200
     assert first.computed_tokens == first.tokens // bs * bs
-    assert first.stored_blocks == first.tokens // bs and first.files == 6 and first.skipped == 1
+    assert first.stored_blocks == first.tokens // bs and first.files == 7 and first.skipped == 1
     assert seen[0] == (0, first.computed_tokens) and seen[-1][0] == first.computed_tokens and len(seen) > 3
     again = materialize(store, llama_lm, [repo], name="repo", chunk_tokens=64)
     assert (again.computed_tokens, again.stored_blocks, again.cached_tokens) == (0, 0, first.computed_tokens)
     m = store.get_manifest("repo")
-    tokens = load_prefix(store, llama_lm, "repo")
+    tokens = load_prefix(store, llama_lm, "repo").tokens
     assert len(tokens) == m["tokens"] == first.tokens and m["tokens_sha256"] == tokens_sha256(tokens)
     assert m["model_version"] == llama_lm.model_version and m["blocks"] == first.stored_blocks
     assert m["last_block_key"] == store.lookup(tokens, llama_lm.scope()).keys[-1].hex()
-    assert [s["path"] for s in m["sources"]] == [f"repo/{d}/f{i}.py" for d, i in
-                                                 sorted((("src" if i % 2 else "docs"), i) for i in range(6))]
+    expected = ["repo/.gitignore"] + [f"repo/{'src' if i % 2 else 'docs'}/f{i}.py" for i in range(6)]
+    assert [s["path"] for s in m["sources"]] == sorted(expected)
 
 
 def test_prefix_reload_errors(llama_lm, repo, store_factory, tmp_path):
@@ -54,7 +54,7 @@ def test_prefix_reload_errors(llama_lm, repo, store_factory, tmp_path):
         load_prefix(store, llama_lm, "nope")
     other = load_model(tiny_models.save_model_dir(tmp_path / "other", "llama", seed=5))
     assert other.layout == llama_lm.layout
-    with pytest.raises(ModelVersionMismatchError, match="another model"):
+    with pytest.raises(ModelVersionMismatchError, match="made under model version"):
         load_prefix(store, other, "repo")
     (repo / "src" / "f1.py").write_text("changed\n")
     with pytest.raises(ConfigError, match="changed since"):
@@ -69,7 +69,7 @@ def test_context_limit_and_max_tokens(tmp_path, repo, store_factory):
     store = store_factory(lm.layout)
     made = materialize(store, lm, [repo], max_tokens=100, name="cut")
     assert made.tokens == 100 and made.document_tokens > 128 and made.stored_blocks == 6
-    assert len(load_prefix(store, lm, "cut")) == 100
+    assert len(load_prefix(store, lm, "cut").tokens) == 100
 
 
 CHILD = textwrap.dedent("""
@@ -123,3 +123,15 @@ def test_document_options_change_the_tokens(llama_lm, repo):
     everything = document_tokens(llama_lm, [repo]).tokens
     only_src = document_tokens(llama_lm, [repo], DocumentOptions(include=("*/src/*",))).tokens
     assert len(only_src) < len(everything)
+
+
+@pytest.mark.skipif(not real_store_available(), reason="needs the real store's block table")
+def test_pin_covers_blocks_stored_by_an_earlier_unpinned_run(llama_lm, repo, store_factory):
+    from tierkv.store import Priority
+
+    store = store_factory(llama_lm.layout)
+    materialize(store, llama_lm, [repo], max_tokens=64)  # first 4 blocks, unpinned
+    made = materialize(store, llama_lm, [repo], pin=True)
+    assert made.cached_tokens == 64 and made.stored_blocks > 0
+    keys = store.lookup(document_tokens(llama_lm, [repo]).tokens, llama_lm.scope()).keys
+    assert {store.table.get(k).priority for k in keys} == {Priority.PINNED}

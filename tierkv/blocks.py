@@ -52,6 +52,11 @@ class Block:
 class BlockTable:
     def __init__(self) -> None:
         self.blocks: dict[bytes, Block] = {}
+        # Children whose parent is not in the table, by parent key: an extension can be
+        # stored before its prefix (put with start_block > 0) or outlive it in another tier;
+        # when the prefix arrives it must learn its children, or leaf-first eviction could
+        # take it from under them.
+        self._orphans: dict[bytes, set[bytes]] = {}
         self._lru: dict[TierName, dict[Priority, OrderedDict[bytes, None]]] = {
             t: {p: OrderedDict() for p in Priority} for t in TIERS
         }
@@ -65,28 +70,46 @@ class BlockTable:
     def add(self, block: Block) -> None:
         assert block.key not in self.blocks and not block.loc
         self.blocks[block.key] = block
+        block.children |= self._orphans.pop(block.key, set())
+        self._link(block)
+
+    def _link(self, block: Block) -> None:
         parent = self.blocks.get(block.parent)
         if parent is not None:
             parent.children.add(block.key)
+        else:
+            self._orphans.setdefault(block.parent, set()).add(block.key)
+
+    def _unlink(self, block: Block) -> None:
+        """Forget ``block`` as a child; its own children become orphans."""
+        parent = self.blocks.get(block.parent)
+        if parent is not None:
+            parent.children.discard(block.key)
+        siblings = self._orphans.get(block.parent)
+        if siblings is not None:
+            siblings.discard(block.key)
+            if not siblings:
+                del self._orphans[block.parent]
+        live = {c for c in block.children if c in self.blocks}
+        if live:
+            self._orphans.setdefault(block.key, set()).update(live)
+        block.children = set()
 
     def rebuild_children(self) -> None:
         """Recompute every child set in one pass (after loading the index, where children
         may be read before their parents)."""
+        self._orphans.clear()
         for b in self.blocks.values():
             b.children.clear()
         for b in self.blocks.values():
-            parent = self.blocks.get(b.parent)
-            if parent is not None:
-                parent.children.add(b.key)
+            self._link(b)
 
     def remove(self, block: Block) -> None:
         """Forget a block that no tier holds any more."""
         assert not block.loc, "remove() of a block that still has pages"
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
-        parent = self.blocks.get(block.parent)
-        if parent is not None:
-            parent.children.discard(block.key)
+            self._unlink(block)
 
     def detach(self, block: Block) -> None:
         """Make ``block`` unreachable (invalidated or quarantined) while its slots stay
@@ -96,9 +119,7 @@ class BlockTable:
             self._lru[t][block.priority].pop(block.key, None)
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
-        parent = self.blocks.get(block.parent)
-        if parent is not None:
-            parent.children.discard(block.key)
+            self._unlink(block)
 
     def place(self, block: Block, tier: TierName, slot: int) -> None:
         assert tier not in block.loc, f"block already in {tier.value}"
@@ -157,6 +178,11 @@ class BlockTable:
         for k, b in self.blocks.items():
             assert b.key == k and b.leases >= 0 and b.busy >= 0
             assert b.loc, f"block {k.hex()[:12]} has no pages in any tier"
+            assert b.children <= self.blocks.keys(), "child set names a block not in the table"
             for c in b.children:
-                child = self.blocks.get(c)
-                assert child is None or child.parent == k, "child set names a block of another parent"
+                assert self.blocks[c].parent == k, "child set names a block of another parent"
+            parent = self.blocks.get(b.parent)
+            links = parent.children if parent is not None else self._orphans.get(b.parent, set())
+            assert k in links, f"block {k.hex()[:12]} missing from its parent's children"
+        for pk, kids in self._orphans.items():
+            assert pk not in self.blocks and kids and kids <= self.blocks.keys(), "stale orphan entry"

@@ -40,9 +40,12 @@ import xxhash
 import zstandard
 
 from .blocks import Priority
-from .errors import CapacityError, LayoutMismatchError, ModelVersionMismatchError, NotFoundError, TierKVError
+from .errors import (
+    CapacityError, InvalidTokensError, LayoutMismatchError, ModelVersionMismatchError, NotFoundError, TierKVError,
+)
 from .identity import Scope, as_token_array, block_keys
 from .layout import PageLayout
+from .tiers.segments import fsync_dir
 
 MAGIC = b"TKVBUNDL"
 END = b"TKVBEND\0"
@@ -182,7 +185,8 @@ def write_bundle(path: Path, header: BundleHeader, tokens: np.ndarray, pages: It
                 w.write(END + _U64.pack(n))
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # the bundle appears under its name only when complete and durable
+        fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -236,7 +240,10 @@ class BundleReader:
         h = self.header
         if hashlib.sha256(self.tokens.tobytes()).hexdigest() != h.tokens_sha256:
             raise BundleError("the token ids do not match the header's SHA-256")
-        keys = block_keys(self.tokens, h.scope, h.layout.block_size)
+        try:
+            keys = block_keys(self.tokens, h.scope, h.layout.block_size)
+        except InvalidTokensError as e:
+            raise BundleError(f"the token ids are not valid ({e.message})") from e
         if len(keys) != h.blocks or keys[-1].hex() != h.last_block_key:
             raise BundleError("the block keys derived from the token ids do not end at the recorded last key")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator, Sequence
@@ -56,13 +57,11 @@ def enc_field(name: str, value: str | bytes | Sequence[str | bytes]) -> bytes:
 
 def as_token_array(tokens: Sequence[int] | np.ndarray | "object") -> np.ndarray:
     """Validate token ids and return them as a contiguous little-endian int32 array."""
-    try:
-        import torch
-
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.detach().cpu().numpy()
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        pass
+    # A tensor implies torch is already imported; looking it up in sys.modules keeps key
+    # computation free of a multi-second torch import in processes that never use it.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidTokensError(f"token ids must be 1-D, got shape {arr.shape}")

@@ -95,13 +95,14 @@ class MaterializeResult:
 
 
 def build_manifest(lm: LoadedModel, prefix: PrefixTokens, roots: Sequence[str | os.PathLike[str]],
-                   options: DocumentOptions, max_tokens: int | None, pin: bool) -> dict:
-    bs = lm.layout.block_size
-    keys = block_keys(prefix.tokens, lm.scope(), bs)
+                   options: DocumentOptions, max_tokens: int | None, pin: bool, namespace: str = "default") -> dict:
+    """The manifest of a materialised prefix (see the module docstring for why no token ids)."""
+    keys = block_keys(prefix.tokens, lm.scope(namespace), lm.layout.block_size)
     return {
         "kind": MANIFEST_KIND,
         "format": MANIFEST_FORMAT,
         "model_version": lm.model_version,
+        "namespace": namespace,
         "model_dir": str(lm.model_dir.resolve()),
         "layout": lm.layout.to_dict(),
         "tokens": len(prefix.tokens),
@@ -128,19 +129,21 @@ def materialize(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     max_tokens: int | None = None,
     pin: bool = False,
+    namespace: str = "default",
     progress: Progress | None = None,
     on_warning: Callable[[str], None] | None = None,
 ) -> MaterializeResult:
     """Prefill the document of ``paths`` into ``store`` and, with ``name``, save its manifest
     (after the blocks are durable, so a manifest never names blocks that were not stored).
-    ``pin`` stores the prefix's blocks as PINNED. ``progress(done, total)`` gets token counts.
+    ``pin`` stores the prefix's blocks as PINNED; ``namespace`` is the tenant salt of their
+    keys. ``progress(done, total)`` gets token counts.
     """
     from .store import Priority
 
     start = time.perf_counter()
     prefix = document_tokens(lm, paths, options, max_tokens=max_tokens, on_warning=on_warning)
-    scope = lm.scope()
-    priority = Priority.PINNED if pin else None
+    scope = lm.scope(namespace)
+    priority = Priority.PINNED if pin else Priority.NORMAL
     result = cached_prefill(
         lm.model, prefix.tokens, store=store, scope=scope, chunk_tokens=chunk_tokens,
         need_logits=False, priority=priority, progress=progress,
@@ -150,7 +153,7 @@ def materialize(
         store.set_priority(prefix.tokens, scope, Priority.PINNED)
     manifest = None
     if name is not None:
-        manifest = build_manifest(lm, prefix, paths, options, max_tokens, pin)
+        manifest = build_manifest(lm, prefix, paths, options, max_tokens, pin, namespace)
         store.save_manifest(name, manifest)
     return MaterializeResult(
         tokens=len(prefix.tokens),
@@ -165,10 +168,18 @@ def materialize(
     )
 
 
+@dataclass(frozen=True)
+class LoadedPrefix:
+    tokens: list[int]
+    namespace: str
+    manifest: dict
+
+
 def load_prefix(
     store: "Store", lm: LoadedModel, name: str, *, on_warning: Callable[[str], None] | None = None
-) -> list[int]:
-    """Token ids of the prefix materialised as ``name``, re-derived from its sources.
+) -> LoadedPrefix:
+    """The prefix materialised as ``name``: token ids re-derived from its sources, and the
+    namespace its blocks were stored under.
 
     Raises NotFoundError for an unknown name or a manifest that is not a prefix,
     ModelVersionMismatchError when it was made under another model version, and ConfigError
@@ -189,4 +200,4 @@ def load_prefix(
             f"the sources of prefix {name!r} changed since it was materialised",
             hint=f"run `tierkv materialize ... --name {name}` again",
         )
-    return prefix.tokens
+    return LoadedPrefix(prefix.tokens, str(manifest.get("namespace", "default")), manifest)

@@ -104,6 +104,7 @@ class StoreOperations(Placement):
 
     def chain_residency(self, last_key: bytes) -> dict[str, int]:
         """Blocks of the chain ending at ``last_key`` present in each tier."""
+        self._check_usable()
         with self._lock:
             out = {t.value: 0 for t in TIERS}
             out["blocks"] = 0
@@ -186,6 +187,7 @@ class StoreOperations(Placement):
 
     def stats(self) -> dict[str, object]:
         """Per-tier occupancy and counters (JSON-able)."""
+        self._check_usable()
         with self._lock:
             tiers: dict[str, dict[str, object]] = {}
             for t, tier in ((DEVICE, self.device), (HOST, self.host)):
@@ -218,6 +220,7 @@ class StoreOperations(Placement):
 
     def check_integrity(self) -> None:
         """Recompute every total from its source of truth; AssertionError on a mismatch."""
+        self._check_usable()
         with self._lock:
             self.table.check_integrity()
             self.device.check_integrity()

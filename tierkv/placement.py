@@ -23,6 +23,8 @@ from .index import BlockRecord
 from .tiers import TierName
 
 if TYPE_CHECKING:
+    import torch
+
     from .config import StoreConfig
     from .index import Index
     from .layout import PageLayout
@@ -62,17 +64,33 @@ class Placement:
             slot = tier.slots.alloc()
         return slot
 
-    def _alloc_disk(self, model_version: str) -> int | None:
-        """A free disk slot for ``model_version``; None when nothing can be evicted. Raises
-        DiskWriteError when a new segment cannot be created (the tier is then degraded)."""
-        loc = self.disk.alloc(model_version)
-        while loc is None:
-            victim = self.table.victim(DISK)
-            if victim is None:
-                return None
-            self._evict(victim, DISK)
+    def _alloc_disk(self, model_version: str, keep: list[Block] = ()) -> int | None:  # type: ignore[assignment]
+        """A free disk slot for ``model_version``, never evicting the blocks in ``keep``;
+        None when nothing can be evicted. Raises DiskWriteError when a new segment cannot be
+        created (the tier is then degraded)."""
+        for k in keep:
+            k.busy += 1
+        try:
             loc = self.disk.alloc(model_version)
-        return loc
+            while loc is None:
+                victim = self.table.victim(DISK)
+                if victim is None:
+                    return None
+                self._evict(victim, DISK)
+                loc = self.disk.alloc(model_version)
+            return loc
+        finally:
+            for k in keep:
+                self._unbusy(k)
+
+    def _ancestors(self, b: Block) -> list[Block]:
+        """The cached prefix of ``b``, nearest first."""
+        out: list[Block] = []
+        p = self.table.get(b.parent)
+        while p is not None:
+            out.append(p)
+            p = self.table.get(p.parent)
+        return out
 
     def _evict(self, b: Block, t: TierName) -> None:
         """Take ``b`` out of tier ``t``: demote it to the host when it leaves the device, and
@@ -103,28 +121,40 @@ class Placement:
         self.table.place(b, dst, slot)
         self.stats_counters.demoted_bytes += self.layout.page_bytes
 
-    def _flush_to_disk(self, b: Block) -> bool:
-        """Write a memory-only block to disk and index it (write-back on eviction, pinning,
-        close). The disk I/O runs under the lock because the caller needs the result before
-        it can go on. A failure leaves the block where it was; returns whether it is on disk."""
+    def _flush_to_disk(self, b: Block, page: "torch.Tensor | None" = None) -> bool:
+        """Write a block that is not on disk to disk and index it (write-back on eviction,
+        pinning, close, or a put whose blocks no memory tier can take, then from ``page``).
+
+        Its cached prefix goes first where it is missing, so the disk tier always holds
+        whole prefixes: after a restart every block on disk is reachable. The disk I/O runs
+        under the lock because the caller needs the result before it can go on. A failure
+        leaves the blocks where they were; returns whether ``b`` is on disk."""
         if DISK in b.loc:
             return True
-        if not self.disk.capacity_slots or self.disk.degraded or not b.loc:
+        ancestors = self._ancestors(b)
+        for a in reversed(ancestors):
+            if DISK not in a.loc and not self._write_back(a, None, ancestors):
+                return False
+        return self._write_back(b, page, ancestors)
+
+    def _write_back(self, b: Block, page: "torch.Tensor | None", keep: list[Block]) -> bool:
+        if DISK in b.loc:
+            return True
+        if not self.disk.capacity_slots or self.disk.degraded or (page is None and not b.loc):
             return False
-        b.busy += 1  # making room on disk must not evict b itself
         try:
-            loc = self._alloc_disk(b.model_version)
+            # Making room must not evict b nor its prefix.
+            loc = self._alloc_disk(b.model_version, [*keep, b])
         except DiskWriteError:
             return False
-        finally:
-            b.busy -= 1
         if loc is None:
             return False
-        src = DEVICE if DEVICE in b.loc else HOST
-        page = self._tier(src).page(b.loc[src]).detach().cpu()
+        if page is None:
+            src = DEVICE if DEVICE in b.loc else HOST
+            page = self._tier(src).page(b.loc[src])
         try:
             # Data, fsync, then the index commit: the record never points at unwritten bytes.
-            self.disk.write_pages([(loc, page)])
+            self.disk.write_pages([(loc, page.detach().cpu())])
             self.index.put_blocks([self._record(b, loc)])
         except (DiskWriteError, IndexFullError) as e:
             log.warning("write-back of block %s failed: %s", b.key.hex()[:12], e)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -91,7 +90,8 @@ def build_tiny_model(out_dir: Path, texts: Iterable[str], spec: TinyModelSpec = 
 
     tokenizer = train_tokenizer(texts, spec.vocab_size)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        # Rounded up: AutoTokenizer may add an architecture's special token on load.
+        vocab_size=(len(tokenizer) + 64) // 64 * 64,  # type: ignore[arg-type]
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
@@ -159,7 +159,7 @@ def run_quickstart(
     made = materialize(store, lm, [source_dir], SOURCE_OPTIONS, name=PREFIX_NAME,
                        max_tokens=max_tokens, progress=progress)
     # The request is built as `tierkv generate --prefix quickstart` builds it.
-    prefix = load_prefix(store, lm, PREFIX_NAME)
+    prefix = load_prefix(store, lm, PREFIX_NAME).tokens
     tokens = prefix + lm.encode_prompt(question)
     with torch.inference_mode():  # first-call overheads (allocator, kernels) out of the timing
         lm.model(input_ids=torch.tensor([tokens[:32]], device=lm.model.device))

@@ -298,7 +298,14 @@ class Store(StoreOperations):
         disk_plan: list[tuple[int, Block]] = []
         with self._lock:
             for i in range(start_block, start_block + n):
-                if keys[i] in self._writing or self.table.get(keys[i]) is not None:
+                old = self.table.get(keys[i])
+                if old is not None and old.tokens != arr[i * bs : (i + 1) * bs].tobytes():
+                    # A stored block under this key with other token ids (a corrupt record or
+                    # a collision): it can never be served, so the new block replaces it.
+                    self.stats_counters.token_mismatch += 1
+                    self._quarantine(old, "stored token ids differ from a put's")
+                    old = None
+                if keys[i] in self._writing or old is not None:
                     continue
                 self._writing.add(keys[i])
                 page = page_of[keys[i]] = pages[i - start_block]
@@ -308,10 +315,17 @@ class Store(StoreOperations):
                     checksum=page_checksum(keys[i], page), priority=priority,
                 )
                 new.append(b)
+            # Making room on disk must not evict this request's own blocks; those cached only
+            # in memory (put while the disk was degraded, or in write-back mode) go to disk
+            # first, so that the disk tier holds whole prefixes.
+            cached = [blk for k in keys if (blk := self.table.get(k)) is not None]
             try:
                 if durable_wanted and self.disk.capacity_slots and not self.disk.degraded:
+                    for blk in cached:
+                        if DISK not in blk.loc:
+                            self._flush_to_disk(blk)
                     for b in new:
-                        loc = self._alloc_disk(b.model_version)
+                        loc = self._alloc_disk(b.model_version, cached)
                         if loc is None:
                             break  # disk full of pinned/leased blocks: the rest stays in memory
                         disk_plan.append((loc, b))
@@ -368,6 +382,8 @@ class Store(StoreOperations):
                         self.table.place(b, tiers[0], slot)
                         break
                     tiers.pop(0)
+                if not b.loc and b.priority != Priority.EPHEMERAL:
+                    self._flush_to_disk(b, page_of[b.key])  # write-back: memory is full
                 if not b.loc:
                     self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
         finally:

@@ -1,37 +1,13 @@
-"""Daemon fixtures: a daemon in a thread of this process (its own event loop), or in a
-subprocess, each in a private /tmp directory (AF_UNIX paths are limited to 108 bytes)."""
+"""Fixtures of the daemon tests (helpers live in daemon_helpers.py)."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-from tierkv import PageLayout, Scope
-from tierkv.daemon.config import DaemonConfig
-from tierkv.daemon.server import Daemon
-
-LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
-SCOPE = Scope("ab" * 32, "tenant-a")
-KiB, MiB = 1 << 10, 1 << 20
-LAYOUT_ARG = "num_layers=2,num_kv_heads=2,head_dim=16,block_size=16,dtype=float32"
-
-
-def prompt(n_tokens: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n_tokens).astype(np.int32)
-
-
-def pages_for(n_blocks: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn((n_blocks, *LAYOUT.shape), generator=g, dtype=torch.float32)
+from daemon_helpers import DaemonThread, make_config
 
 
 @pytest.fixture
@@ -41,53 +17,6 @@ def workdir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def make_config(workdir: Path, **kw) -> DaemonConfig:
-    base = dict(home=workdir / "home", socket=workdir / "run" / "d.sock", layout=LAYOUT, device="cpu",
-                device_bytes=1 * MiB, host_bytes=2 * MiB, disk_bytes=8 * MiB, staging_bytes=256 * KiB,
-                client_staging_bytes=64 * KiB, shm_dir=workdir / "shm", workers=4)
-    base.update(kw)
-    return DaemonConfig(**base)
-
-
-class DaemonThread:
-    """A Daemon serving from a thread of the test process."""
-
-    def __init__(self, config: DaemonConfig) -> None:
-        self.config = config
-        self.daemon = Daemon(config, install_signals=False)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.daemon.run()
-        except BaseException as e:  # noqa: BLE001 - surfaced by start()
-            self.error = e
-            self.daemon.ready.set()
-
-    def start(self) -> "DaemonThread":
-        self.thread.start()
-        assert self.daemon.ready.wait(30), "daemon did not start"
-        if self.error is not None:
-            raise self.error
-        return self
-
-    def call(self, fn):
-        """Run ``fn()`` on the daemon's loop thread (the tables are loop-owned)."""
-        import asyncio
-
-        async def wrap():
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(wrap(), self.daemon._loop).result(10)
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.daemon.request_stop()
-            self.thread.join(30)
-            assert not self.thread.is_alive(), "daemon did not stop"
-
-
 @pytest.fixture
 def daemon(workdir):
     d = DaemonThread(make_config(workdir)).start()
@@ -95,29 +24,3 @@ def daemon(workdir):
     if d.thread.is_alive():
         d.call(d.daemon.check_integrity)
     d.stop()
-
-
-def wait_for(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
-
-
-def spawn_daemon(workdir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """``python -m tierkv.daemon.server`` in a subprocess; returns once its socket answers."""
-    sock = workdir / "run" / "d.sock"
-    cmd = [sys.executable, "-m", "tierkv.daemon.server", "--home", str(workdir / "home"), "--socket", str(sock),
-           "--layout", LAYOUT_ARG, "--device", "cpu", "--device-bytes", "1MiB", "--host-bytes", "2MiB",
-           "--disk-bytes", "8MiB", "--staging-bytes", "256KiB", "--log-level", "WARNING", *extra]
-    e = dict(os.environ, **(env or {}), TIERKV_SHM_TEST=str(workdir))
-    proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    from tierkv.daemon.security import socket_is_live
-
-    ok = wait_for(lambda: proc.poll() is not None or (sock.exists() and socket_is_live(sock)), timeout=60)
-    if proc.poll() is not None or not ok:
-        out, err = proc.communicate(timeout=10) if proc.poll() is not None else (b"", b"")
-        raise RuntimeError(f"daemon did not start (rc {proc.poll()}): {err.decode()[-2000:]}")
-    return proc

@@ -46,8 +46,9 @@ def make_model(arch: str = "llama", *, vocab_size: int | None = None, dtype: tor
                seed: int = 0, attn: str = "sdpa", **shape):
     from transformers import AutoModelForCausalLM
 
-    tok = tokenizer()
-    cfg = config(arch, vocab_size or len(tok), **shape)
+    # Embedding rows rounded up past the tokenizer, as real checkpoints do: AutoTokenizer may
+    # add a special token of the architecture (Qwen2's <|endoftext|>) when it loads the files.
+    cfg = config(arch, vocab_size or (len(tokenizer()) + 64) // 64 * 64, **shape)
     cfg._attn_implementation = attn
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg).to(dtype).eval()

@@ -6,7 +6,8 @@ TRITON_INTERPRET must be set before ``triton.jit`` wraps the kernels, i.e. befor
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +44,10 @@ def _random_tables(num_rows: int, max_blocks: int, num_slots: int, seed: int = 1
     return torch.stack(rows).to(DEVICE, dtype)
 
 
-def _assert_attention_close(actual: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor]) -> None:
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _assert_attention_close(actual: Pair, expected: Pair) -> None:
     out, lse = actual
     ref_out, ref_lse = expected
     atol_out, atol_lse = TOLERANCES[out.dtype]
@@ -83,7 +87,7 @@ HUGE_SHAPE = (65536 + 64, 8, 2, 16, 8, 32)
 
 
 @pytest.fixture
-def huge_pool(tmp_path) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def huge_pool(tmp_path: Path) -> torch.Tensor:
     numel = 1
     for dim in HUGE_SHAPE:
         numel *= dim

@@ -6,12 +6,18 @@ from unittest import mock
 
 import pytest
 import torch
-
 from tierkv.kernels import (
-    CostModel, KernelInputError, SharedLevel, TileConfig, attention_decode, cascade, min_prefix_len,
-    plan_cascade, should_use_cascade,
+    CostModel,
+    KernelInputError,
+    SharedLevel,
+    TileConfig,
+    attention_decode,
+    cascade,
+    min_prefix_len,
+    plan_cascade,
+    policy,
+    should_use_cascade,
 )
-from tierkv.kernels import policy
 from tierkv.kernels.reference import ReferenceLevel, cascade_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -70,6 +76,13 @@ def test_default_tiles_and_one_request(make_pool, assert_attention_close, device
     assert_attention_close(got, want)
 
 
+def test_native_fp16_dot_path(make_pool, assert_attention_close, device):
+    gpu_like = TileConfig(block_n=16, block_m=16, min_rows=16, target_programs=1, min_split_tokens=16,
+                          dot_fp32=False)
+    got, want, _ = _run(make_pool, device, torch.float16, 4, [5, 0, 16], tiles=gpu_like)
+    assert_attention_close(got, want)
+
+
 def test_all_suffixes_empty_and_suffix_ranges(make_pool, assert_attention_close, device):
     got, want, _ = _run(make_pool, device, torch.float32, 4, [0, 0, 0])
     assert_attention_close(got, want)
@@ -91,10 +104,11 @@ def test_no_shared_prefix(make_pool, assert_attention_close, device):
 
 def test_nothing_at_all_gives_zero_and_minus_inf(make_pool, device):
     pool = make_pool(SLOTS, 1, BLOCK, 2, 16, torch.float16)
-    level = SharedLevel(torch.zeros(1, 1, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device),
-                        torch.zeros(2, dtype=torch.int32, device=device))
-    plan = plan_cascade(pool, 4, [level], torch.zeros(2, 1, dtype=torch.int32, device=device),
-                        torch.zeros(2, dtype=torch.int32, device=device), tiles=SMALL_TILES)
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+
+    level = SharedLevel(zeros(1, 1), zeros(1), zeros(2))
+    plan = plan_cascade(pool, 4, [level], zeros(2, 1), zeros(2), tiles=SMALL_TILES)
     out, lse = cascade.cascade_attention(torch.randn(2, 4, 16, device=device, dtype=torch.float16), pool, 0, plan)
     assert torch.all(out == 0) and torch.all(lse == -math.inf)
 

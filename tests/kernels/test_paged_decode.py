@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from tierkv.kernels import KernelInputError, TileConfig, merge_states, paged_decode_attention
 from tierkv.kernels.reference import merge_states_reference, paged_decode_reference
 
@@ -41,6 +40,27 @@ def test_split_k_with_ragged_last_split(make_pool, random_tables, assert_attenti
     q, pool, tables, lens = _case(make_pool, random_tables, device, dtype, 4, [37, 1, 45])
     got = paged_decode_attention(q, pool, 0, tables, lens, num_splits=num_splits)
     assert_attention_close(got, paged_decode_reference(q, pool, 0, tables, lens))
+
+
+def test_low_max_kv_len_hint_loses_no_tokens(make_pool, random_tables, assert_attention_close, device):
+    q, pool, tables, lens = _case(make_pool, random_tables, device, torch.float32, 4, [37, 20])
+    tiles = TileConfig(block_n=4, block_m=4, min_rows=1, target_programs=1, min_split_tokens=4, dot_fp32=True)
+    got = paged_decode_attention(q, pool, 0, tables, lens, max_kv_len=8, num_splits=2, tiles=tiles)
+    assert_attention_close(got, paged_decode_reference(q, pool, 0, tables, lens))
+
+
+# The GPU's tile shape and dot path (rows padded to 16, fp16 operands, P cast to fp16 before
+# P @ V). The interpreter's fp16 dot is right, unlike its bf16 dot, so this runs on CPU too.
+GPU_LIKE_TILES = TileConfig(block_n=16, block_m=16, min_rows=16, target_programs=1, min_split_tokens=16,
+                            dot_fp32=False)
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_native_fp16_dot_path(make_pool, random_tables, assert_attention_close, device, group):
+    q, pool, tables, lens = _case(make_pool, random_tables, device, torch.float16, group, [37, 0, 20],
+                                  num_kv_heads=1)
+    got = paged_decode_attention(q, pool, 1, tables, lens, num_splits=2, tiles=GPU_LIKE_TILES)
+    assert_attention_close(got, paged_decode_reference(q, pool, 1, tables, lens))
 
 
 def test_suffix_range_and_empty_suffix(make_pool, random_tables, assert_attention_close, device):
@@ -168,6 +188,6 @@ def test_kernels_compile_for_sm90():
         pytest.skip("triton has no nvidia backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=240)
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], check=False, env=env,
+                            capture_output=True, text=True, timeout=240)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

@@ -4,11 +4,14 @@
 
 put HOME SEED N_CHAINS     put chains forever-ish, printing "ACK <seed> <i>" (flushed) after
                            each durable put; the parent kills it with SIGKILL at random.
-torture HOME SEED OPS      random puts / acquires / pins / invalidations (scripts/crash_torture.py)
+torture HOME SEED OPS SMALL
+                           random puts / acquires / pins / invalidations, logging "BEGIN ..." and
+                           "ACK ..." lines (SMALL=1: a 16-slot disk, so blocks are evicted from it)
+killat HOME SEED OPS SMALL POINT N
+                           torture, but SIGKILL itself at the N-th call of a named step (POINTS)
 check HOME SEED N_CHAINS   reopen and check chains 0..N-1 are found whole and byte-identical;
                            prints one JSON line.
 hold HOME                  open the store, print "READY <pid>", wait for stdin to close.
-keys                       print the block keys of a fixed request (PYTHONHASHSEED test).
 """
 from __future__ import annotations
 
@@ -19,10 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from store.kit import BS, MV1, MV2, assert_lease_exact, keys_of, open_store, pages_for, toks  # noqa: E402
+from store.kit import BS, MV1, MV2, assert_lease_exact, open_store, pages_for, toks  # noqa: E402
 
 from tierkv import Priority, Scope  # noqa: E402
-from tierkv.identity import block_keys  # noqa: E402
 
 NAMESPACES = ("ns0", "ns1", "ns2")
 
@@ -45,11 +47,12 @@ def scope_of(seed: int, i: int) -> Scope:
     return chain_scope(seed, i - 1) if i % 3 == 2 else chain_scope(seed, i)
 
 
-def store_options(shm: str, **kw: object) -> dict:
-    # Small memory tiers (so every put demotes and evicts), a disk big enough that nothing
-    # acknowledged is ever evicted from it.
-    return dict(shm_dir=Path(shm), device_bytes=4 * 1024, host_bytes=4 * 4096, disk_bytes=4096 * 4096,
-                segment_pages=8, **kw)
+def store_options(shm: str, small_disk: bool = False, **kw: object) -> dict:
+    # Small memory tiers, so every put demotes and evicts; a disk big enough that nothing
+    # acknowledged is ever evicted from it, unless ``small_disk``.
+    disk = 16 * 4096 if small_disk else 4096 * 4096
+    return dict(shm_dir=Path(shm), device_bytes=4 * 1024, host_bytes=4 * 4096, disk_bytes=disk,
+                segment_pages=4 if small_disk else 8, **kw)
 
 
 def mode_put(shm: str, home: str, seed: str, n_chains: str) -> None:
@@ -64,10 +67,10 @@ def mode_put(shm: str, home: str, seed: str, n_chains: str) -> None:
     print("DONE", flush=True)
 
 
-def mode_torture(shm: str, home: str, seed: str, ops: str) -> None:
+def mode_torture(shm: str, home: str, seed: str, ops: str, small: str = "0") -> None:
     s, n_ops = int(seed), int(ops)
     rng = random.Random(s)
-    store = open_store(Path(home), **store_options(shm))
+    store = open_store(Path(home), **store_options(shm, small == "1"))
     put_next = 0
     for _ in range(n_ops):
         op = rng.random()
@@ -79,7 +82,7 @@ def mode_torture(shm: str, home: str, seed: str, ops: str) -> None:
             print(f"BEGIN P {i}", flush=True)
             r = store.put(tokens, pages_for(tokens, scope), scope, priority=prio)
             if r.durable:
-                print(f"ACK P {i}", flush=True)
+                print(f"ACK P {i} {prio.name}", flush=True)
         elif op < 0.8:
             i = rng.randrange(put_next)
             tokens, scope = chain_tokens(s, i), scope_of(s, i)
@@ -98,14 +101,199 @@ def mode_torture(shm: str, home: str, seed: str, ops: str) -> None:
     print("DONE", flush=True)
 
 
+# Steps of put, write-back, eviction, demotion and invalidation a crash can fall between.
+POINTS = {
+    "segment-created": ("tierkv.tiers.segments", "fsync_dir", "after"),
+    "page-written": ("tierkv.tiers.disk.os", "pwrite", "after"),  # data written, not yet synced
+    "page-synced": ("tierkv.tiers.disk.DiskTier", "_write_pages", "after"),  # synced, not indexed
+    "index-committed": ("tierkv.index.Index", "put_blocks", "after"),  # indexed, not acknowledged
+    "index-deleted": ("tierkv.index.Index", "delete_blocks", "after"),  # deleted, slot not freed
+    "slot-freed": ("tierkv.tiers.disk.DiskTier", "free", "after"),
+    "demoted": ("tierkv.placement.Placement", "_demote", "after"),
+    "quarantine": ("tierkv.index.Index", "quarantine", "after"),
+}
+
+
+def install_kill_point(point: str, n: int) -> None:
+    import importlib
+    import os
+    import signal
+
+    mod_name, attr, when = POINTS[point]
+    try:
+        owner = importlib.import_module(mod_name)
+    except ImportError:
+        mod, cls = mod_name.rsplit(".", 1)
+        owner = getattr(importlib.import_module(mod), cls)
+    orig = getattr(owner, attr)
+    calls = [0]
+
+    def wrapper(*a, **kw):
+        calls[0] += 1
+        out = orig(*a, **kw)
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    setattr(owner, attr, wrapper)
+
+
+def mode_killat(shm: str, home: str, seed: str, ops: str, small: str, point: str, n: str) -> None:
+    install_kill_point(point, int(n))
+    mode_torture(shm, home, seed, ops, small)
+
+
+def verify_run(home: Path, shm: Path, seed: int, lines: list[str], small_disk: bool = False) -> dict:
+    """Reopen a store a torture run left behind (killed or not) and check it against the
+    run's own log: every acknowledged chain still whole (on the big disk; pinned ones on
+    the small disk) and byte-identical, invalidated chains gone, an interrupted
+    invalidation all-or-nothing, never a wrong byte, and a clean integrity check."""
+    acked: dict[int, bool] = {}  # chain -> pinned
+    gone: set[int] = set()
+    begun: set[int] = set()
+    pending_put: int | None = None
+    pending_inv: str | None = None
+    for line in lines:
+        p = line.split()
+        if p[:2] == ["BEGIN", "P"]:
+            pending_put = int(p[2])
+            begun.add(pending_put)
+        elif p[:2] == ["ACK", "P"]:
+            acked[int(p[2])] = p[3] == "PINNED"
+            pending_put = None
+        elif p[:2] == ["BEGIN", "I"]:
+            pending_inv = p[2]
+        elif p[:2] == ["ACK", "I"]:
+            for i in [i for i in acked if scope_of(seed, i).namespace == p[2]]:
+                del acked[i]
+                gone.add(i)
+            pending_inv = None
+    problems: list[str] = []
+    store = open_store(home, **{**store_options(str(shm), small_disk), "device_bytes": 16 * 1024})
+    try:
+        store.check_integrity()
+
+        def whole(i: int) -> bool:
+            tokens, scope = chain_tokens(seed, i), scope_of(seed, i)
+            return store.lookup(tokens, scope).num_blocks == len(tokens) // BS
+
+        for i in sorted(begun):  # never a wrong byte, whatever survived
+            tokens, scope = chain_tokens(seed, i), scope_of(seed, i)
+            with store.acquire(tokens, scope) as lease:
+                try:
+                    assert_lease_exact(lease)
+                except AssertionError as e:
+                    problems.append(f"chain {i}: {e}")
+        in_flux = [i for i in acked if pending_inv and scope_of(seed, i).namespace == pending_inv]
+        if in_flux and len({whole(i) for i in in_flux}) > 1:
+            problems.append(f"interrupted invalidation of {pending_inv} was not all-or-nothing")
+        for i, pinned in acked.items():
+            if i in in_flux or (small_disk and not pinned):
+                continue
+            if not whole(i):
+                problems.append(f"acknowledged chain {i} lost")
+        shared = set(acked) | ({pending_put} if pending_put is not None else set())
+        for i in gone:
+            if i in shared or (i % 3 == 1 and i + 1 in shared) or (i % 3 == 2 and i - 1 in shared):
+                continue
+            tokens, scope = chain_tokens(seed, i), scope_of(seed, i)
+            if store.lookup(tokens, scope).num_blocks:
+                problems.append(f"invalidated chain {i} still served")
+        stray = [p.name for p in (home / "segments").iterdir() if not p.name.endswith((".safetensors", ".bad"))]
+        if stray:
+            problems.append(f"stray files in segments/: {stray}")
+        stats = store.stats()
+    except AssertionError as e:
+        problems.append(f"integrity: {e}")
+        stats = {}
+    finally:
+        store.close()
+    return {"acked": len(acked), "gone": len(gone), "blocks": stats.get("blocks"),
+            "quarantined": stats.get("quarantined"), "problems": problems}
+
+
+def _forked_child(args: list[str]) -> tuple[int, "object"]:
+    """Run a torture mode in a forked copy of this process (torch already imported, so a
+    trial starts in milliseconds, not seconds); its stdout is the returned pipe. Call only
+    from a process with no other threads running."""
+    import os
+    import traceback
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(r)
+            sys.stdout = os.fdopen(w, "w", buffering=1)
+            mode, shm, *rest = args
+            {"torture": mode_torture, "killat": mode_killat}[mode](shm, *rest)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, os.fdopen(r)
+
+
+def run_trial(workdir: Path, seed: int, *, ops: int = 400, small_disk: bool = False, kill_after_acks: int | None = None,
+              point: str | None = None, n: int = 1, fork: bool = True, timeout: float = 120.0) -> dict:
+    """One crash trial: a torture child killed with SIGKILL after ``kill_after_acks``
+    acknowledgements (plus a random few milliseconds), or by itself at the ``n``-th call
+    of ``point``; then :func:`verify_run` on what it left. ``fork=False`` starts the child
+    as a fresh interpreter instead of a fork. Returns the report plus how the child ended."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    home, shm = workdir / "home", workdir / "shm"
+    args = [str(a) for a in (["killat", shm, home, seed, ops, int(small_disk), point, n] if point
+                             else ["torture", shm, home, seed, ops, int(small_disk)])]
+    proc = None
+    if fork:
+        pid, stream = _forked_child(args)
+    else:
+        proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+        pid, stream = proc.pid, proc.stdout
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    status = None
+    try:
+        acks = 0
+        for line in stream:  # type: ignore[attr-defined]
+            lines.append(line.strip())
+            if line.startswith("ACK"):
+                acks += 1
+            if (kill_after_acks is not None and acks >= kill_after_acks) or time.monotonic() > deadline:
+                time.sleep(random.Random(seed).random() * 0.02)  # land somewhere inside the next op
+                os.kill(pid, signal.SIGKILL)
+                break
+        lines += [x.strip() for x in stream.read().splitlines()]  # type: ignore[attr-defined]
+    finally:
+        if proc is not None:
+            proc.kill() if proc.poll() is None else None
+            status = proc.wait()
+        else:
+            _, raw = os.waitpid(pid, 0)
+            status = os.waitstatus_to_exitcode(raw)
+        stream.close()  # type: ignore[attr-defined]
+    report = verify_run(home, shm, seed, lines, small_disk)
+    report["killed"] = status == -signal.SIGKILL
+    report["returncode"] = status
+    return report
+
+
 def mode_check(shm: str, home: str, seed: str, n_chains: str) -> None:
     s, n = int(seed), int(n_chains)
-    store = open_store(Path(home), **store_options(shm))
+    # A device tier big enough to lease the longest chain (12 blocks) at once.
+    store = open_store(Path(home), **{**store_options(shm), "device_bytes": 16 * 1024})
     found = bad = 0
     for i in range(n):
         tokens, scope = chain_tokens(s, i), scope_of(s, i)
         with store.acquire(tokens, scope) as lease:
-            if lease.num_blocks == len(tokens) // BS:
+            if lease.num_blocks == len(tokens) // BS == store.lookup(tokens, scope).num_blocks:
                 found += 1
             try:
                 assert_lease_exact(lease)
@@ -125,12 +313,7 @@ def mode_hold(shm: str, home: str) -> None:
     store.close()
 
 
-def mode_keys(shm: str) -> None:
-    scope = Scope(MV1, namespace="tenant-a", extra_keys=("lora:x",))
-    keys = block_keys(list(range(1000, 1013)), scope, BS, [["img:1"]])
-    print(json.dumps([scope.seed.hex(), *[k.hex() for k in keys], keys_of(list(range(8)))[1].hex()]), flush=True)
-
-
 if __name__ == "__main__":
     mode, shm, *rest = sys.argv[1:]
-    {"put": mode_put, "torture": mode_torture, "check": mode_check, "hold": mode_hold, "keys": mode_keys}[mode](shm, *rest)
+    modes = {"put": mode_put, "torture": mode_torture, "killat": mode_killat, "check": mode_check, "hold": mode_hold}
+    modes[mode](shm, *rest)

@@ -24,3 +24,4 @@ ops.register(main)
 
 from . import serve  # noqa: E402  (the daemon: tierkv/cli/serve.py)
 serve.register(main)
+from . import cluster  # noqa: E402,F401

@@ -87,7 +87,7 @@ def emit(as_json: bool, obj: dict[str, Any], rows: Iterable[tuple[str, Any]] | N
 
 def progress_bar(desc: str, enabled: bool = True) -> tuple[Callable[[int, int], None], Callable[[], None]]:
     """A tqdm bar on stderr (tokens, tokens/s, ETA) as a ``progress(done, total)`` callback,
-    and a function that closes it."""
+    and a function that closes it (also closed by the update that reaches ``total``)."""
     from tqdm import tqdm
 
     state: dict[str, Any] = {}
@@ -103,6 +103,8 @@ def progress_bar(desc: str, enabled: bool = True) -> tuple[Callable[[int, int], 
             )
         bar.total = total
         bar.update(done - bar.n)
+        if done >= total:  # finished: stop the clock before whatever the command does next
+            close()
 
     def close() -> None:
         if "bar" in state:

@@ -44,6 +44,11 @@ def document_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
+def namespace_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--namespace", default="default", show_default=True,
+                        help="Tenant salt of the block keys: prefixes are shared only within a namespace.")(f)
+
+
 def _doc_options(include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool) -> DocumentOptions:
     return DocumentOptions(include=include, exclude=exclude, max_file_bytes=max_file_bytes, gitignore=not no_gitignore)
 
@@ -56,7 +61,17 @@ def _device(device: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    # The CLI owns the process: transformers' per-load progress bars and advice would bury
+    # tierkv's own output (errors still surface, as tierkv errors).
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None) -> LoadedModel:
+    quiet_transformers()
     return _load_model(model_dir, dtype=dtype, block_size=block_size, device=_device(device), memo_path=default_memo_path())
 
 
@@ -68,12 +83,13 @@ def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None)
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=DEFAULT_CHUNK_TOKENS, show_default=True,
               help="Tokens per prefill chunk; each chunk's full blocks are stored when it completes.")
 @click.option("--pin", is_flag=True, help="Store the prefix's blocks as pinned (never evicted).")
+@namespace_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @home_option
 @json_option
 def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size: int, device: str | None,
                 include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
-                max_tokens: int | None, name: str | None, chunk_tokens: int, pin: bool, no_progress: bool,
+                max_tokens: int | None, name: str | None, chunk_tokens: int, pin: bool, namespace: str, no_progress: bool,
                 home: Path, as_json: bool) -> None:
     """Prefill the files and trees PATHS into the store as one prefix document.
 
@@ -86,7 +102,7 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
     with open_store(home, lm.layout) as store:
         try:
             result = run(store, lm, list(paths), _doc_options(include, exclude, max_file_bytes, no_gitignore),
-                         name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens, pin=pin,
+                         name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens, pin=pin, namespace=namespace,
                          progress=progress, on_warning=warn)
         finally:
             close_bar()
@@ -117,12 +133,14 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
 @click.option("--top-k", type=click.IntRange(min=1), default=None, help="Sample among the k most likely tokens.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for sampling.")
 @click.option("--no-cache", is_flag=True, help="Recompute everything; the store is not even opened.")
+@click.option("--namespace", default=None,
+              help="Tenant salt of the block keys [default: the prefix's namespace, else 'default'].")
 @home_option
 @json_option
 def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | None, prefix_name: str | None,
                  prefix_paths: tuple[Path, ...], include: tuple[str, ...], exclude: tuple[str, ...],
                  max_file_bytes: int, no_gitignore: bool, max_tokens: int | None, prompt: str,
-                 max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool,
+                 max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool, namespace: str | None,
                  home: Path, as_json: bool) -> None:
     """Generate text after a prefix, restoring what the store holds of it."""
     from ..materialize import document_tokens, load_prefix
@@ -135,21 +153,22 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, seed=seed)
     opts = _doc_options(include, exclude, max_file_bytes, no_gitignore)
 
-    def request(store: Any) -> list[int]:
+    def request(store: Any) -> tuple[list[int], str]:
         if prefix_name:
-            return load_prefix(store, lm, prefix_name, on_warning=warn) + lm.encode_prompt(prompt)
+            loaded = load_prefix(store, lm, prefix_name, on_warning=warn)
+            return loaded.tokens + lm.encode_prompt(prompt), namespace or loaded.namespace
         if prefix_paths:
             prefix = document_tokens(lm, list(prefix_paths), opts, max_tokens=max_tokens, on_warning=warn).tokens
-            return prefix + lm.encode_prompt(prompt)
-        return lm.encode_document(prompt)
+            return prefix + lm.encode_prompt(prompt), namespace or "default"
+        return lm.encode_document(prompt), namespace or "default"
 
     if no_cache:
-        tokens = request(None)
+        tokens, _ = request(None)
         result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling)
     else:
         with open_store(home, lm.layout) as store:
-            tokens = request(store)
-            result = generate(lm.model, tokens, store=store, scope=lm.scope(), max_new_tokens=max_new_tokens,
+            tokens, ns = request(store)
+            result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
                               sampling=sampling)
     text = lm.decode(list(result.tokens))
     out = {
@@ -192,6 +211,7 @@ def quickstart(model_dir: Path | None, dtype: str, block_size: int, device: str 
     from ..quickstart import DEFAULT_QUESTION, ensure_quickstart_model, run_quickstart
 
     setup_start = time.perf_counter()
+    quiet_transformers()
     store_home = home
     if model_dir is None:
         # The demo keeps its own store: its layout would clash with a user's model in HOME.

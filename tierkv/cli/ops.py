@@ -54,6 +54,19 @@ def open_target(home: Path, socket_path: Path | None, **options: Any) -> Any:
     return tierkv.open(home, None, **{**OPS_STORE_OPTIONS, **options})
 
 
+def need(store: Any, *methods: str) -> None:
+    """Raise ProtocolError when ``store`` (a daemon client of another version) lacks a
+    method this command calls, instead of failing halfway with an AttributeError."""
+    from ..errors import ProtocolError
+
+    missing = [m for m in methods if not callable(getattr(store, m, None))]
+    if missing:
+        raise ProtocolError(
+            f"the daemon client does not offer {', '.join(missing)}, which this command needs",
+            hint="run the command without --socket (stop the daemon first), or upgrade tierkv",
+        )
+
+
 @contextlib.contextmanager
 def target(home: Path, socket_path: Path | None, **options: Any) -> Iterator[Any]:
     t = open_target(home, socket_path, **options)
@@ -138,10 +151,9 @@ def invalidate(model_dir: Path | None, model_version: str | None, namespace: str
         r = store.invalidate(model_version=model_version, namespace=namespace, dry_run=dry_run)
     out = {"model_version": model_version, "namespace": namespace, "removed_blocks": r.removed_blocks,
            "freed_bytes": r.freed_bytes, "dry_run": r.dry_run}
-    verb = "would remove" if dry_run else "removed"
     emit(as_json, out, [("model version", model_version or "(any)"), ("namespace", namespace or "(any)"),
-                        (f"blocks {verb}", r.removed_blocks), ("bytes freed" if not dry_run else "bytes to free",
-                                                               fmt_bytes(r.freed_bytes))])
+                        ("blocks to remove" if dry_run else "blocks removed", r.removed_blocks),
+                        ("bytes to free" if dry_run else "bytes freed", fmt_bytes(r.freed_bytes))])
 
 
 # ---- stats -----------------------------------------------------------------------------
@@ -200,6 +212,7 @@ def ls(home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Named prefixes (token count, model version, pinned, blocks per tier), then the model
     versions and namespaces in the store with their block counts."""
     with target(home, socket_path) as store:
+        need(store, "list_manifests", "chain_residency", "stats")
         prefixes = prefix_rows(store)
         s = store.stats()
     out = {"prefixes": prefixes, "model_versions": s["model_versions"], "namespaces": s["namespaces"],
@@ -225,6 +238,7 @@ def ls(home: Path, socket_path: Path | None, as_json: bool) -> None:
 # ---- pin / unpin -----------------------------------------------------------------------
 def _set_pinned(name: str, pinned: bool, home: Path, socket_path: Path | None, as_json: bool) -> None:
     with target(home, socket_path) as store:
+        need(store, "get_manifest", "set_priority_from", "save_manifest")
         manifest = store.get_manifest(name)
         last = manifest.get("last_block_key")
         changed = 0
@@ -269,7 +283,9 @@ def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | Non
     with target(home, socket_path) as store:
         r = store.verify(repair=repair)
         integrity_error: str | None = None
-        check = getattr(store, "check_integrity", None)
+        # Only a store opened here can check its index against its tiers; a daemon client's
+        # check_integrity covers the client's own state, so it is not reported as one.
+        check = store.check_integrity if socket_path is None else None
         if check is not None:
             try:
                 check()
@@ -313,6 +329,7 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
 
     versions = [v for v in (_check_model_version(v) for v in keep_versions) if v]
     with target(home, socket_path) as store:
+        need(store, "list_manifests", "chain_tokens", "chain_residency", "delete_manifest", "invalidate", "stats")
         versions += [_model_version_of(d, home, store) for d in keep_models]
         r = collect(store, versions, keep_namespaces, dry_run=dry_run)
     out = {
@@ -325,13 +342,13 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
     if as_json:
         emit(True, out)
         return
-    verb = "would remove" if dry_run else "removed"
     if r.removed:
         print_columns(["model version", "namespace", "blocks", "bytes"],
                       [[short(x.model_version), x.namespace or "(all)", x.blocks, fmt_bytes(x.freed_bytes)]
                        for x in r.removed])
         click.echo("")
-    print_table([(f"blocks {verb}", r.removed_blocks), ("bytes", fmt_bytes(r.freed_bytes)),
+    print_table([("blocks to remove" if dry_run else "blocks removed", r.removed_blocks),
+                 ("bytes to free" if dry_run else "bytes freed", fmt_bytes(r.freed_bytes)),
                  (f"prefixes {'to delete' if dry_run else 'deleted'}", ", ".join(r.deleted_manifests) or "none")])
 
 
@@ -349,12 +366,15 @@ def export_cmd(name: str, output: Path, home: Path, socket_path: Path | None, as
     """Write the prefix NAME (token ids, pages, checksums, manifest) to a portable bundle."""
     from ..bundle import export_prefix
 
+    if not output.resolve().parent.is_dir():
+        raise click.BadParameter(f"directory {output.parent} does not exist", param_hint="-o/--output")
     options: dict[str, Any] = {}
     if socket_path is None:
         # Export leases the whole prefix at once: size the (host-memory) device tier to
         # hold every page the home stores, which bounds any prefix in it.
         options["device_bytes"] = max(256 << 20, _segment_bytes(home))
     with target(home, socket_path, **options) as store:
+        need(store, "get_manifest", "chain_tokens", "acquire")
         r = export_prefix(store, name, output)
     emit(as_json, {"name": r.name, "path": str(r.path), "tokens": r.tokens, "blocks": r.blocks,
                    "model_version": r.model_version, "namespace": r.namespace, "file_bytes": r.file_bytes},
@@ -390,6 +410,7 @@ def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bo
     else:
         store_cm = target(home, socket_path)
     with store_cm as store:
+        need(store, "get_manifest", "put", "chain_residency", "save_manifest")
         r = import_bundle(store, bundle, name=name, force=force, model_version=expected, verified=header)
     for w in r.warnings:
         warn(w)

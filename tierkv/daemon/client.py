@@ -8,7 +8,7 @@ of shared memory. New pages are written into staging slots the daemon hands out,
 committed; the daemon stores them with ``Store.put``.
 
 On CUDA the daemon shares its device pool through a CUDA IPC handle instead
-(:func:`_cuda_pool`); that path is UNTESTED here (no GPU in CI).
+(:func:`tierkv.daemon.remote_lease.cuda_pool`); that path is UNTESTED here (no GPU in CI).
 
 Thread safety: one socket, a send lock and a reader thread that matches replies to
 requests by id, so several threads may call one client at once.
@@ -22,7 +22,6 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,36 +30,16 @@ import torch
 
 from .. import errors
 from ..blocks import Priority
-from ..errors import DaemonUnavailableError, LeaseError, ProtocolError, TierKVError
+from ..errors import CapacityError, DaemonUnavailableError, ForkedStoreError, LeaseError, ProtocolError, TierKVError
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import InvalidateResult, Lease, LookupResult, PutResult, VerifyResult
 from ..tiers.shm import SharedRegion
 from . import messages as m
 from .protocol import VERSION, Frame, Op, encode_frame, read_frame_sync
+from .remote_lease import RemoteLease, cuda_pool, pool_view
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class RemoteLease(Lease):
-    """A lease held by the daemon for this client; same attributes as :class:`Lease`.
-    It ends at :meth:`release`, when the client disconnects, or after the daemon's lease
-    timeout without :meth:`renew`; using it after that raises LeaseError."""
-
-    lease_id: int = 0
-    timeout_s: float = 600.0
-    renewed_at: float = field(default_factory=time.monotonic)
-
-    def _check(self) -> None:
-        super()._check()
-        if time.monotonic() - self.renewed_at > self.timeout_s:
-            raise LeaseError(f"lease {self.lease_id} expired ({self.timeout_s:g} s without renew); its pages may "
-                             "have been reused", hint="call lease.renew() while holding a lease for long")
-
-    def renew(self) -> None:
-        self._check()
-        self.store.renew(self)  # type: ignore[attr-defined]
 
 
 def _error_from(reply: m.ErrorReply) -> Exception:
@@ -74,31 +53,13 @@ def _error_from(reply: m.ErrorReply) -> Exception:
     return TierKVError(f"daemon error {reply.error}: {reply.message}", hint=reply.hint or None)
 
 
-def _pool_view(region: SharedRegion, layout: PageLayout, slots: int, stride_bytes: int) -> torch.Tensor:
-    """The region seen as ``[slots, *layout.shape]`` with the daemon's slot stride."""
-    assert region.bytes is not None
-    if not slots:
-        return torch.empty((0, *layout.shape), dtype=layout.torch_dtype)
-    inner = torch.empty(layout.shape).stride()
-    flat = region.bytes.view(layout.torch_dtype)
-    return flat.as_strided((slots, *layout.shape), (stride_bytes // layout.torch_dtype.itemsize, *inner))
-
-
-def _cuda_pool(info: dict[str, Any], layout: PageLayout) -> torch.Tensor:
-    """Open the daemon's CUDA device pool from its IPC handle. UNTESTED (needs a GPU)."""
-    parts = [bytes.fromhex(p["b"]) if isinstance(p, dict) else p for p in info["storage"]]
-    storage = torch.UntypedStorage._new_shared_cuda(*parts)
-    t = torch.empty(0, dtype=layout.torch_dtype, device=f"cuda:{parts[0]}")
-    t.set_(storage, 0, (info["slots"], *layout.shape), None)  # type: ignore[call-overload]
-    return t
-
-
 class Client:
     """Connected to a daemon; same methods as :class:`tierkv.Store` (data stays in shm)."""
 
     def __init__(self, socket_path: Path, timeout: float = 60.0, connect_timeout: float = 5.0) -> None:
         self.socket_path = Path(socket_path)
         self.timeout = timeout
+        self._pid = os.getpid()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(connect_timeout)
         try:
@@ -134,11 +95,11 @@ class Client:
             if info:
                 r = SharedRegion.attach(Path(info["path"]), int(info["nbytes"]))
                 self._regions.append(r)
-                regions[name] = _pool_view(r, self.layout, int(info["slots"]), int(info["stride_bytes"]))
+                regions[name] = pool_view(r, self.layout, int(info["slots"]), int(info["stride_bytes"]))
         if "device" in regions:
             self.device_pool = regions["device"]
         elif hello.get("device_ipc"):
-            self.device_pool = _cuda_pool(hello["device_ipc"], self.layout)
+            self.device_pool = cuda_pool(hello["device_ipc"], self.layout)
         else:
             raise ProtocolError("the daemon shares no device pool this client can map")
         self.host_pool = regions.get("host")
@@ -170,7 +131,7 @@ class Client:
         if frame.is_error:
             fut.set_exception(exc)
         else:
-            fut.set_result(frame.header)
+            fut.set_result(frame)
 
     def _fail_all(self, cause: Exception) -> None:
         exc = self._failure or DaemonUnavailableError(f"connection to the daemon on {self.socket_path} was lost ({cause})")
@@ -181,6 +142,9 @@ class Client:
             fut.set_exception(exc)
 
     def _call_async(self, op: Op, msg: Any) -> Future:
+        if os.getpid() != self._pid:
+            raise ForkedStoreError(f"this client was connected by pid {self._pid}, used from pid {os.getpid()}",
+                                   hint="connect again in the child with tierkv.connect()")
         if self._closed:
             raise DaemonUnavailableError("the client is closed", hint="connect again with tierkv.connect()")
         if self._failure is not None:
@@ -200,8 +164,16 @@ class Client:
             raise DaemonUnavailableError(f"cannot reach the daemon on {self.socket_path}: {e}") from None
         return fut
 
+    def _call_frame(self, op: Op, msg: Any) -> Frame:
+        fut = self._call_async(op, msg)
+        try:
+            return fut.result(timeout=self.timeout)
+        except TimeoutError:
+            raise DaemonUnavailableError(f"no reply from the daemon on {self.socket_path} within {self.timeout:g} s",
+                                         hint="check that the daemon is alive (its log, tierkv_request_seconds)") from None
+
     def _call(self, op: Op, msg: Any) -> dict[str, Any]:
-        return self._call_async(op, msg).result(timeout=self.timeout)
+        return self._call_frame(op, msg).header
 
     @staticmethod
     def _req(tokens: Any, scope: Scope, block_extra: Any = None, max_blocks: int | None = None) -> m.PrefixRequest:
@@ -211,17 +183,20 @@ class Client:
     # ---- data path -------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                block_extra: Sequence[Sequence[str | bytes]] | None = None) -> LookupResult:
-        r = self._call(Op.LOOKUP, self._req(tokens, scope, block_extra))
-        return LookupResult(int(r["tokens_matched"]), tuple(bytes.fromhex(k) for k in r["keys"]), tuple(r["tiers"]))
+        f = self._call_frame(Op.LOOKUP, self._req(tokens, scope, block_extra))
+        r = m.KeysReply.decode(f.header, f.payload)
+        return LookupResult(int(r.fields["tokens_matched"]), r.keys, tuple(r.fields["tiers"]))
 
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None) -> RemoteLease:
-        r = self._call(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks))
-        slots = tuple(int(s) for s in r["slots"])
-        if any(not 0 <= s < self.device_pool.shape[0] for s in slots):
-            raise ProtocolError(f"daemon returned device slots outside the pool of {self.device_pool.shape[0]}")
-        lease = RemoteLease(store=self, layout=self.layout, keys=tuple(bytes.fromhex(k) for k in r["keys"]),
-                            slots=slots, pool=self.device_pool, lease_id=int(r["lease_id"]), timeout_s=self.lease_timeout_s)
+        f = self._call_frame(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks))
+        r = m.KeysReply.decode(f.header, f.payload)
+        slots = tuple(r.fields["slots"])
+        n_pool = self.device_pool.shape[0]
+        if len(slots) != len(r.keys) or not all(isinstance(s, int) and 0 <= s < n_pool for s in slots):
+            raise ProtocolError(f"daemon returned device slots outside the pool of {n_pool}")
+        lease = RemoteLease(store=self, layout=self.layout, keys=r.keys, slots=slots, pool=self.device_pool,
+                            lease_id=int(r.fields["lease_id"]), timeout_s=self.lease_timeout_s)
         self._leases[lease.lease_id] = lease
         return lease
 
@@ -243,7 +218,8 @@ class Client:
             start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
             priority: Priority = Priority.NORMAL) -> PutResult:
         """Same as :meth:`Store.put`. Pages go through staging slots in shared memory, in
-        chunks of at most the daemon's per-connection quota."""
+        chunks of at most the daemon's per-connection quota (smaller, and after a wait,
+        while other clients hold the staging region)."""
         self.layout.check_pages(pages)
         arr = as_token_array(tokens)
         ws = m.WireScope(scope.model_version, scope.namespace, scope.extra_keys)
@@ -251,25 +227,45 @@ class Client:
         bs = self.layout.block_size
         stored = skipped = 0
         durable = True
-        for off in range(0, max(n, 1), self.stage_quota):
-            k = min(self.stage_quota, n - off)
-            slots: list[int] = []
-            if k > 0:
-                slots = [int(s) for s in self._call(Op.STAGE, m.Stage(k))["slots"]]
-                try:
-                    self._write_staging(slots, pages[off : off + k])
-                except BaseException:
-                    self._call(Op.UNSTAGE, m.Unstage(tuple(slots)))
-                    raise
-            end = len(arr) if k <= 0 else min(len(arr), (start_block + off + k) * bs)
+        off = 0
+        while True:
+            slots = self._stage(min(self.stage_quota, n - off)) if n > off else []
+            k = len(slots)
+            try:
+                self._write_staging(slots, pages[off : off + k])
+            except BaseException:
+                self._call(Op.UNSTAGE, m.Unstage(tuple(slots)))
+                raise
+            end = len(arr) if k == 0 else min(len(arr), (start_block + off + k) * bs)
             r = self._call(Op.COMMIT, m.Commit(ws, arr[:end], tuple(slots), start_block + off,
                                                block_extra, int(priority)))
             stored += int(r["stored"])
             skipped += int(r["skipped"])
             durable = durable and bool(r["durable"])
-        return PutResult(stored, skipped, durable)
+            off += k
+            if off >= n:
+                return PutResult(stored, skipped, durable)
+
+    def _stage(self, want: int) -> list[int]:
+        """Up to ``want`` staging slots: fewer when the shared region is busy, waiting (up
+        to the client timeout) when none is free. CapacityError if none frees up."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.001
+        while True:
+            try:
+                return [int(s) for s in self._call(Op.STAGE, m.Stage(want))["slots"]]
+            except CapacityError:
+                if want > 1:
+                    want //= 2
+                    continue
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
 
     def _write_staging(self, slots: list[int], pages: torch.Tensor) -> None:
+        if not slots:
+            return
         if any(not 0 <= s < self.staging_pool.shape[0] for s in slots):
             raise ProtocolError("daemon returned staging slots outside the staging region")
         if slots == list(range(slots[0], slots[0] + len(slots))):
@@ -289,7 +285,7 @@ class Client:
             if exc is not None:
                 out.set_exception(exc)
             else:
-                out.set_result(int(f.result()["tokens_warm"]))
+                out.set_result(int(f.result().header["tokens_warm"]))
 
         inner.add_done_callback(done)
         return out

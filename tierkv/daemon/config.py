@@ -94,19 +94,18 @@ def parse_size(value: int | str) -> int:
 
 def parse_layout(value: str | Mapping[str, Any]) -> PageLayout:
     """A layout from a mapping, JSON, or ``num_layers=32,num_kv_heads=8,head_dim=128[,block_size=16,dtype=bfloat16]``."""
-    if isinstance(value, str):
-        s = value.strip()
-        if s.startswith("{"):
-            value = json.loads(s)
-        else:
-            value = dict(kv.split("=", 1) for kv in s.split(",") if kv)
-    d = dict(value)
     try:
+        d: dict[str, Any]
+        if isinstance(value, str):
+            s = value.strip()
+            d = json.loads(s) if s.startswith("{") else dict(kv.split("=", 1) for kv in s.split(",") if kv)
+        else:
+            d = dict(value)
         return PageLayout(
             num_layers=int(d["num_layers"]), num_kv_heads=int(d["num_kv_heads"]), head_dim=int(d["head_dim"]),
             block_size=int(d.get("block_size", 16)), dtype=str(d.get("dtype", "float32")),
         )
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, TypeError) as e:
         raise ConfigError(f"bad layout {value!r}: {e}",
                           hint="give num_layers, num_kv_heads, head_dim (and block_size, dtype)") from None
 

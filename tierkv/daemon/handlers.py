@@ -58,7 +58,8 @@ class Handlers:
         self.staging_path = staging_path
         page = store.layout.page_bytes
         self.staging = StagingSlots(staging_pool.shape[0], max(1, config.client_staging_bytes // page))
-        self.table: dict[int, tuple[type, Callable[[Connection, Any], Awaitable[Reply]]]] = {
+        # opcode -> (message class with decode(header, payload), handler)
+        self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
             Op.HELLO: (m.Hello, self.hello), Op.LOOKUP: (m.PrefixRequest, self.lookup),
             Op.ACQUIRE: (m.PrefixRequest, self.acquire), Op.RELEASE: (m.LeaseRef, self.release),
             Op.RENEW: (m.LeaseRef, self.renew), Op.STAGE: (m.Stage, self.stage), Op.UNSTAGE: (m.Unstage, self.unstage),
@@ -97,14 +98,14 @@ class Handlers:
 
     async def lookup(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
         r = await self.run(self.store.lookup, msg.tokens, self.scope(conn, msg.scope), msg.block_extra)
-        return {"tokens_matched": r.tokens_matched, "keys": [k.hex() for k in r.keys], "tiers": list(r.tiers)}, b""
+        return m.KeysReply(r.keys, {"tokens_matched": r.tokens_matched, "tiers": list(r.tiers)}).encode()
 
     async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
         if self.leases.count(conn.id) >= MAX_LEASES_PER_CONNECTION:
             raise CapacityError(f"this connection holds {MAX_LEASES_PER_CONNECTION} leases", hint="release some first")
         lease = await self.run(self.store.acquire, msg.tokens, self.scope(conn, msg.scope), msg.block_extra, msg.max_blocks)
         held = self.leases.add(conn.id, lease)
-        return {"lease_id": held.lease_id, "keys": [k.hex() for k in lease.keys], "slots": list(lease.slots)}, b""
+        return m.KeysReply(lease.keys, {"lease_id": held.lease_id, "slots": list(lease.slots)}).encode()
 
     async def release(self, conn: "Connection", msg: m.LeaseRef) -> Reply:
         lease = self.leases.take(conn.id, msg.lease_id)

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import ProtocolError
+from ..identity import KEY_BYTES
 from .protocol import MAX_TOKENS
 
 MAX_NAME = 200
@@ -130,7 +131,7 @@ class PrefixRequest:
 
     scope: WireScope
     tokens: np.ndarray
-    block_extra: list | None = None
+    block_extra: Sequence[Sequence[str | bytes]] | None = None
     max_blocks: int | None = None
 
     def encode(self) -> tuple[Header, bytes]:
@@ -189,7 +190,7 @@ class Commit:
     tokens: np.ndarray
     slots: tuple[int, ...]
     start_block: int = 0
-    block_extra: list | None = None
+    block_extra: Sequence[Sequence[str | bytes]] | None = None
     priority: int = 1
 
     def encode(self) -> tuple[Header, bytes]:
@@ -288,6 +289,26 @@ class Reply:
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "Reply":
         return cls(h)
+
+
+@dataclass(frozen=True)
+class KeysReply:
+    """LOOKUP and ACQUIRE replies: block keys as raw 32-byte strings in the payload (hex in
+    JSON would triple their size), other fields in the header."""
+
+    keys: tuple[bytes, ...]
+    fields: Header = field(default_factory=dict)
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {**self.fields, "num_keys": len(self.keys)}, b"".join(self.keys)
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "KeysReply":
+        n = _int(h, "num_keys", 0, MAX_TOKENS)
+        if len(payload) != n * KEY_BYTES:
+            raise ProtocolError(f"{n} keys need {n * KEY_BYTES} payload bytes, got {len(payload)}")
+        keys = tuple(payload[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n))
+        return cls(keys, {k: v for k, v in h.items() if k != "num_keys"})
 
 
 @dataclass(frozen=True)

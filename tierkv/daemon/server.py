@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import StoreConfig
-from ..errors import DaemonUnavailableError, ProtocolError, TierKVError
+from ..errors import ConfigError, DaemonUnavailableError, ProtocolError, TierKVError
 from ..store import Store
 from ..tiers.shm import SharedRegion, default_shm_dir
 from . import messages, regions, security
@@ -52,6 +52,10 @@ class Connection:
     client_pid: int = 0
     tasks: set[asyncio.Task] = field(default_factory=set)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def request_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self.inflight.release()
 
     async def send(self, opcode: int, request_id: int, header: dict, payload: bytes = b"", flags: int = FLAG_REPLY) -> None:
         frame = encode_frame(opcode, request_id, header, payload, flags)
@@ -100,18 +104,33 @@ class Daemon:
             host_bytes=cfg.host_bytes, disk_bytes=cfg.disk_bytes, write_through=cfg.write_through,
             shm_dir=cfg.shm_dir, lease_timeout_s=cfg.lease_timeout_s,
         ), socket_path=str(cfg.socket))
+        staging: SharedRegion | None = None
+        sock = None
         try:
             staging, pool = regions.create_staging(shm_dir, cfg.layout, cfg.staging_bytes)
             self.handlers = Handlers(self.store, cfg, pool, str(staging.path))
+            self.metrics = DaemonMetrics(self.store.stats, self._daemon_stats, cfg.layout.page_bytes)
             sock = security.bind_private_socket(cfg.socket)
+            security.write_pid_file(cfg.resolved_pid_file)
+            if cfg.metrics_port is not None:
+                try:
+                    self.metrics_port = self.metrics.start(cfg.metrics_port)
+                except OSError as e:
+                    raise ConfigError(f"cannot serve metrics on 127.0.0.1:{cfg.metrics_port}: {e.strerror or e}",
+                                      hint="choose a free --metrics-port") from None
+                log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
         except BaseException:
+            # Undo in reverse: nothing of a daemon that failed to start may stay behind.
+            if sock is not None:
+                sock.close()
+                cfg.socket.unlink(missing_ok=True)
+                cfg.resolved_pid_file.unlink(missing_ok=True)
+            if staging is not None:
+                staging.close()
+            if self.handlers is not None:
+                self.handlers.executor.shutdown(wait=False)
             self.store.close()
             raise
-        security.write_pid_file(cfg.resolved_pid_file)
-        self.metrics = DaemonMetrics(self.store.stats, self._daemon_stats, cfg.layout.page_bytes)
-        if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.start(cfg.metrics_port)
-            log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
         return sock, staging
 
     def _daemon_stats(self) -> dict[str, Any]:
@@ -122,6 +141,10 @@ class Daemon:
     def run(self) -> None:
         """Open, serve until stopped, close. Blocks; call from the main thread to get
         signal handling (tests run it in a thread with ``install_signals=False``)."""
+        if self._install_signals:
+            # Until the loop's handler is installed, SIGHUP's default action would kill a
+            # daemon that is still opening (a reload sent too early by a supervisor).
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
         asyncio.run(self._main())
 
     def request_stop(self) -> None:
@@ -261,7 +284,7 @@ class Daemon:
             await conn.inflight.acquire()
             task = asyncio.create_task(self._serve_request(conn, frame))
             conn.tasks.add(task)
-            task.add_done_callback(lambda t: (conn.tasks.discard(t), conn.inflight.release()))
+            task.add_done_callback(conn.request_done)
 
     async def _serve_request(self, conn: Connection, frame: Frame) -> None:
         assert self.handlers is not None
@@ -278,8 +301,8 @@ class Daemon:
             cls, handler = entry
             header, payload = await handler(conn, cls.decode(frame.header, frame.payload))
             await conn.send(frame.opcode, frame.request_id, header, payload)
-        except (ConnectionError, asyncio.CancelledError):
-            raise
+        except ConnectionError:
+            return  # the peer is gone; the connection's reader notices and cleans up
         except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
             if not isinstance(e, (TierKVError, ValueError, OSError)):
                 log.exception("request %s failed", op_name)

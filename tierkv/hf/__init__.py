@@ -16,7 +16,15 @@ from .model import (
     resolve_dtype,
     version_of,
 )
-from .prefill import DEFAULT_CHUNK_TOKENS, PrefillResult, cache_from_kv, cache_layer_kv, cached_prefill, empty_cache
+from .prefill import (
+    DEFAULT_CHUNK_TOKENS,
+    PrefillResult,
+    cache_from_kv,
+    cache_layer_kv,
+    cached_prefill,
+    empty_cache,
+    lease_kv,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -35,6 +43,7 @@ __all__ = [
     "empty_cache",
     "generate",
     "layout_from_config",
+    "lease_kv",
     "layout_from_model",
     "load_config",
     "load_model",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -94,6 +94,20 @@ class LoadedModel:
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
+    def prefill(self, tokens: Sequence[int], store: Any = None, namespace: str = "default", **kwargs: Any) -> Any:
+        """:func:`tierkv.hf.cached_prefill` of this model under its own scope."""
+        from .prefill import cached_prefill
+
+        scope = self.scope(namespace) if store is not None else None
+        return cached_prefill(self.model, tokens, store=store, scope=scope, **kwargs)
+
+    def generate(self, tokens: Sequence[int], store: Any = None, namespace: str = "default", **kwargs: Any) -> Any:
+        """:func:`tierkv.hf.generate` with this model under its own scope."""
+        from .generate import generate
+
+        scope = self.scope(namespace) if store is not None else None
+        return generate(self.model, tokens, store=store, scope=scope, **kwargs)
+
 
 def check_model_dir(model_dir: str | os.PathLike[str]) -> Path:
     """Raise NotFoundError unless ``model_dir`` is a directory with a config.json."""
@@ -156,7 +170,7 @@ def load_model(
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"cannot load a tokenizer from {root}: {exc}", hint="save the tokenizer into the model directory") from exc
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             root,
             dtype=DTYPES[kv_dtype],
             attn_implementation=attn_implementation,

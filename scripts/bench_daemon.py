@@ -1,0 +1,214 @@
+"""Benchmark the daemon against the embedded store.
+
+    python scripts/bench_daemon.py --clients 32 --seconds 20 --json
+
+1. Lookups: N client processes each loop lookup + acquire + release of 4,096-token prompts
+   (all cached) against one daemon; then N threads do the same on an embedded store in one
+   process. Reports lookups/s and lookup latency percentiles (client side, round trip).
+2. Shared-memory reads: a client leases a 256 MiB prefix (256 pages of 1 MiB) and copies it
+   out with ``lease.pages()`` (reading the daemon's device tier in place through shm),
+   against a plain memcpy of 256 MiB in the same process (``np.copyto`` into a fresh array,
+   so both sides pay the same first-touch page faults of a new destination).
+   ``shm_read_ratio_vs_memcpy`` = memcpy time / shm read time (1.0: as fast as memcpy).
+
+With ``--json`` the last line of output is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MV = "ab" * 32
+SMALL = "num_layers=2,num_kv_heads=2,head_dim=64,block_size=16,dtype=float16"  # 16 KiB pages
+BIG = "num_layers=16,num_kv_heads=8,head_dim=128,block_size=16,dtype=float16"  # 1 MiB pages
+
+CLIENT = """
+import json, sys, time, numpy as np, tierkv
+from tierkv import Scope
+c = tierkv.connect(sys.argv[1])
+scope = Scope({mv!r}, "bench")
+prompts = [np.random.default_rng(i).integers(0, 30000, {tokens}).astype(np.int32) for i in range({n_prompts})]
+print("ready", flush=True)
+seconds = float(sys.stdin.readline())
+lat, n, i = [], 0, int(sys.argv[2])
+end = time.perf_counter() + seconds
+while time.perf_counter() < end:
+    toks = prompts[i % len(prompts)]; i += 1
+    t0 = time.perf_counter()
+    r = c.lookup(toks, scope)
+    lat.append(time.perf_counter() - t0)
+    assert r.tokens_matched == len(toks)
+    with c.acquire(toks, scope) as lease:
+        assert lease.tokens_matched == len(toks)
+    n += 1
+print(json.dumps({{"n": n, "lat": lat}}), flush=True)
+c.close()
+"""
+
+
+def prompts(n: int, tokens: int) -> list[np.ndarray]:
+    return [np.random.default_rng(i).integers(0, 30000, tokens).astype(np.int32) for i in range(n)]
+
+
+def start_daemon(work: Path, name: str, layout: str, *sizes: str) -> tuple[subprocess.Popen, Path]:
+    sock = work / f"run-{name}" / "d.sock"
+    cmd = [sys.executable, "-m", "tierkv.daemon.server", "--home", str(work / f"home-{name}"), "--socket", str(sock),
+           "--layout", layout, "--device", "cpu", "--log-level", "WARNING", *sizes]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 120
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"daemon did not start (rc {proc.poll()})")
+        time.sleep(0.05)
+    return proc, sock
+
+
+def stop_daemon(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(120)
+
+
+def populate(store, layout, n_prompts: int, tokens: int) -> None:
+    from tierkv import Scope
+
+    scope = Scope(MV, "bench")
+    n_blocks = tokens // layout.block_size
+    for i, toks in enumerate(prompts(n_prompts, tokens)):
+        pages = torch.full((n_blocks, *layout.shape), float(i), dtype=layout.torch_dtype)
+        store.put(toks, pages, scope)
+
+
+def bench_daemon(work: Path, args: argparse.Namespace) -> dict:
+    import tierkv
+
+    proc, sock = start_daemon(work, "lookup", SMALL, "--device-bytes", "96MiB", "--host-bytes", "32MiB",
+                              "--disk-bytes", "256MiB")
+    try:
+        with tierkv.connect(sock) as c:
+            populate(c, c.layout, args.prompts, args.tokens)
+        code = CLIENT.format(mv=MV, tokens=args.tokens, n_prompts=args.prompts)
+        kids = [subprocess.Popen([sys.executable, "-c", code, str(sock), str(i)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True) for i in range(args.clients)]
+        for k in kids:
+            assert k.stdout.readline().strip() == "ready"
+        t0 = time.perf_counter()
+        for k in kids:
+            k.stdin.write(f"{args.seconds}\n")
+            k.stdin.flush()
+        results = [json.loads(k.stdout.readline()) for k in kids]
+        wall = time.perf_counter() - t0
+        for k in kids:
+            k.wait(60)
+    finally:
+        stop_daemon(proc)
+    lat = np.array([x for r in results for x in r["lat"]]) * 1000
+    return {"lookups_per_s": sum(r["n"] for r in results) / wall, "lookup_p50_ms": float(np.percentile(lat, 50)),
+            "lookup_p99_ms": float(np.percentile(lat, 99)), "daemon_iterations": int(sum(r["n"] for r in results))}
+
+
+def bench_embedded(work: Path, args: argparse.Namespace) -> dict:
+    import tierkv
+    from tierkv import Scope
+    from tierkv.daemon.config import parse_layout
+
+    layout = parse_layout(SMALL)
+    store = tierkv.open(work / "home-embedded", layout, device="cpu", device_bytes=96 << 20, host_bytes=32 << 20,
+                        disk_bytes=256 << 20)
+    scope = Scope(MV, "bench")
+    counts = [0] * args.clients
+    lats: list[list[float]] = [[] for _ in range(args.clients)]
+    try:
+        populate(store, layout, args.prompts, args.tokens)
+        ps = prompts(args.prompts, args.tokens)
+        end = time.perf_counter() + args.seconds
+
+        def worker(j: int) -> None:
+            i = j
+            while time.perf_counter() < end:
+                toks = ps[i % len(ps)]
+                i += 1
+                t0 = time.perf_counter()
+                store.lookup(toks, scope)
+                lats[j].append(time.perf_counter() - t0)
+                with store.acquire(toks, scope):
+                    pass
+                counts[j] += 1
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(j,)) for j in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        store.close()
+    lat = np.array([x for ls in lats for x in ls]) * 1000
+    return {"embedded_lookups_per_s": sum(counts) / wall, "embedded_lookup_p50_ms": float(np.percentile(lat, 50)),
+            "embedded_lookup_p99_ms": float(np.percentile(lat, 99))}
+
+
+def bench_shm_read(work: Path, args: argparse.Namespace) -> dict:
+    import tierkv
+    from tierkv import Scope
+
+    proc, sock = start_daemon(work, "shm", BIG, "--device-bytes", "264MiB", "--host-bytes", "0", "--disk-bytes", "0")
+    try:
+        with tierkv.connect(sock) as c:
+            populate(c, c.layout, 1, 4096)
+            scope = Scope(MV, "bench")
+            with c.acquire(prompts(1, 4096)[0], scope) as lease:
+                nbytes = lease.num_blocks * c.layout.page_bytes
+                shm = min(_timed(lease.pages) for _ in range(args.repeats))
+            src = np.ones(nbytes, dtype=np.uint8)
+            mem = min(_timed(lambda: np.copyto(np.empty_like(src), src)) for _ in range(args.repeats))
+    finally:
+        stop_daemon(proc)
+    return {"shm_read_ratio_vs_memcpy": mem / shm, "shm_read_gbps": nbytes / shm / 1e9, "memcpy_gbps": nbytes / mem / 1e9,
+            "shm_read_bytes": nbytes}
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--tokens", type=int, default=4096, help="prompt length")
+    p.add_argument("--prompts", type=int, default=8, help="distinct cached prompts")
+    p.add_argument("--repeats", type=int, default=5, help="repeats of the 256 MiB read (best kept)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvb-"))
+    try:
+        out = {"clients": args.clients, "seconds": args.seconds, "prompt_tokens": args.tokens, "cpus": os.cpu_count()}
+        out.update(bench_daemon(work, args))
+        out.update(bench_embedded(work, args))
+        out.update(bench_shm_read(work, args))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
+
+
+if __name__ == "__main__":
+    main()

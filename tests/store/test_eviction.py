@@ -1,0 +1,193 @@
+"""Eviction: leaf first in every tier, pinned blocks stay on disk, leased blocks never move,
+ephemeral blocks go when their lease ends."""
+from __future__ import annotations
+
+import torch
+
+from tierkv import Priority
+from tierkv.tiers import TierName
+
+from .kit import (SCOPE, assert_lease_exact, assert_prefix_order, keys_of, page_for, pages_for, put_chain,
+                  tier_counts, tier_keys, toks)
+
+
+def _chain_prefix_in(store, chain, tier: str) -> list[bool]:
+    held = tier_keys(store)[tier]
+    return [k in held for k in keys_of(chain)]
+
+
+def _is_prefix(flags: list[bool]) -> bool:
+    """True, True, ..., False, False: what a tier holds of a chain is a prefix of it."""
+    return flags == sorted(flags, reverse=True)
+
+
+def test_leaf_first_in_device_and_host(make_store):
+    store = make_store()  # device 4, host 4
+    a = toks(100, 4)
+    put_chain(store, a)
+    put_chain(store, toks(101, 2))
+    # Room for the two new blocks came from a's leaves; a's prefix stays on the device.
+    assert _chain_prefix_in(store, a, "device") == [True, True, False, False]
+    assert _chain_prefix_in(store, a, "host") == [False, False, True, True]
+    put_chain(store, toks(102, 4))
+    put_chain(store, toks(103, 1))
+    assert _is_prefix(_chain_prefix_in(store, a, "host"))
+    assert_prefix_order(store)
+    # A lookup of a's prefix refreshes only that prefix.
+    store.lookup(a[:8], SCOPE)
+    put_chain(store, toks(104, 2))
+    assert _is_prefix(_chain_prefix_in(store, a, "host"))
+    assert_prefix_order(store)
+
+
+def test_leaf_first_on_disk(make_store):
+    store = make_store(disk_bytes=8 * 4096, segment_pages=4)
+    chains = [toks(110 + i, 3) for i in range(6)]
+    for c in chains:
+        put_chain(store, c)
+        for old in chains:
+            assert _is_prefix(_chain_prefix_in(store, old, "disk")), "a prefix left the disk before its extension"
+        assert_prefix_order(store)
+        store.check_integrity()
+    assert tier_counts(store)["disk"] == 8
+    # The oldest chain is gone from disk entirely; what lookup finds is a whole prefix.
+    for c in chains:
+        r = store.lookup(c, SCOPE)
+        assert r.keys == tuple(keys_of(c)[: r.num_blocks])
+
+
+def test_extension_stored_before_prefix_is_known_as_child(make_store):
+    # Regression: a suffix put before its prefix was not registered as the prefix's child,
+    # so leaf-first eviction could take the prefix from disk under it.
+    store = make_store(disk_bytes=4 * 4096, segment_pages=4)
+    chain = toks(120, 2)
+    pages = pages_for(chain)
+    store.put(chain, pages[1:], SCOPE, start_block=1)
+    store.put(chain, pages[:1], SCOPE)
+    k0, k1 = keys_of(chain)
+    assert k1 in store.table.get(k0).children
+    put_chain(store, toks(121, 3))  # disk pressure: 4 slots
+    assert _is_prefix(_chain_prefix_in(store, chain, "disk"))
+
+
+def test_pinned_never_evicted_from_disk(make_store):
+    store = make_store(disk_bytes=8 * 4096, segment_pages=4)
+    pinned = toks(130, 3)
+    put_chain(store, pinned, priority=Priority.PINNED)
+    later = toks(131, 2)
+    put_chain(store, later)
+    assert store.set_priority(later, SCOPE, Priority.PINNED) == 2
+    for i in range(12):
+        put_chain(store, toks(140 + i, 2))
+        assert _chain_prefix_in(store, pinned, "disk") == [True] * 3
+        assert _chain_prefix_in(store, later, "disk") == [True] * 2
+    assert store.lookup(pinned, SCOPE).tokens_matched == len(pinned)
+    assert store.stats()["evictions"]["disk"] > 0
+    # Unpinned, they are ordinary cache entries again.
+    store.set_priority(later, SCOPE, Priority.NORMAL)
+    for i in range(4):
+        put_chain(store, toks(160 + i, 2))
+    assert _chain_prefix_in(store, later, "disk") == [False, False]
+
+
+def test_put_into_disk_full_of_pinned_blocks_stays_in_memory(make_store):
+    # Regression: when the disk ran out of room halfway through a put, the blocks that did
+    # get a disk slot were placed there without being written or indexed.
+    store = make_store(disk_bytes=4 * 4096, segment_pages=4)
+    put_chain(store, toks(170, 3), priority=Priority.PINNED)
+    chain = toks(171, 2)
+    r = put_chain(store, chain)
+    assert r.stored == 2 and not r.durable
+    keys = keys_of(chain)
+    assert _chain_prefix_in(store, chain, "disk") == [True, False]
+    assert store.index.get_block(keys[0]) is not None and store.index.get_block(keys[1]) is None
+    store.check_integrity()
+    with store.acquire(chain, SCOPE) as lease:
+        assert lease.num_blocks == 2
+        assert_lease_exact(lease)
+
+
+def test_leased_blocks_never_evicted_or_moved(make_store):
+    store = make_store(disk_bytes=8 * 4096, segment_pages=4)
+    chain = toks(180, 3)
+    put_chain(store, chain)
+    with store.acquire(chain, SCOPE) as lease:
+        slots = lease.slots
+        snapshot = lease.pages().clone()
+        locs = [dict(store.table.get(k).loc) for k in lease.keys]
+        for i in range(10):  # device, host and disk pressure
+            put_chain(store, toks(181 + i, 2))
+            assert lease.slots == slots
+            assert [dict(store.table.get(k).loc) for k in lease.keys] == locs
+            assert torch.equal(lease.pages(), snapshot)
+            store.check_integrity()
+        assert_lease_exact(lease)
+        assert store.stats()["leased_blocks"] == 3
+        # Only one device slot is free for others; another chain's lease is shorter.
+        other = toks(190, 2)  # the newest chain, still cached
+        with store.acquire(other, SCOPE) as short:
+            assert short.num_blocks == 1
+            assert_lease_exact(short)
+    assert store.stats()["leased_blocks"] == 0
+
+
+def test_full_device_of_leases_gives_empty_lease_and_put_goes_below(make_store):
+    store = make_store()
+    a = toks(190, 4)
+    put_chain(store, a)
+    with store.acquire(a, SCOPE) as lease:
+        assert lease.num_blocks == 4
+        b = toks(191, 2)
+        r = put_chain(store, b)
+        assert r.stored == 2
+        assert _chain_prefix_in(store, b, "device") == [False, False]
+        assert _chain_prefix_in(store, b, "host") == [True, True]
+        with store.acquire(b, SCOPE) as none:
+            assert none.num_blocks == 0
+    with store.acquire(b, SCOPE) as got:
+        assert got.num_blocks == 2
+        assert_lease_exact(got)
+
+
+def test_ephemeral_dropped_when_lease_ends(make_store):
+    store = make_store()
+    eph = toks(200, 2)
+    r = put_chain(store, eph, priority=Priority.EPHEMERAL)
+    assert r.stored == 2 and not r.durable
+    assert tier_counts(store)["disk"] == 0
+    lease = store.acquire(eph, SCOPE)
+    assert lease.num_blocks == 2
+    assert store.lookup(eph, SCOPE).tokens_matched == 8  # still there while leased
+    lease.release()
+    assert store.lookup(eph, SCOPE).tokens_matched == 0
+    assert tier_counts(store) == {"device": 0, "host": 0, "disk": 0}
+
+
+def test_ephemeral_goes_first_and_is_never_written_back(make_store):
+    store = make_store(write_through=False)
+    eph = toks(210, 2)
+    put_chain(store, eph, priority=Priority.EPHEMERAL)
+    normal = toks(211, 3)
+    put_chain(store, normal)
+    put_chain(store, toks(212, 3))  # device: 4 slots; ephemeral blocks are the first victims
+    assert _chain_prefix_in(store, eph, "device") == [False, False]
+    assert _chain_prefix_in(store, normal, "device")[0]
+    for i in range(4):
+        put_chain(store, toks(213 + i, 2))
+    assert _chain_prefix_in(store, eph, "disk") == [False, False]
+    store.check_integrity()
+
+
+def test_dead_pages_not_reused_while_leased(make_store):
+    store = make_store()
+    chain = toks(220, 2)
+    put_chain(store, chain)
+    with store.acquire(chain, SCOPE) as lease:
+        store.invalidate(namespace="default")
+        for i in range(6):
+            put_chain(store, toks(221 + i, 2))
+        for i, k in enumerate(lease.keys):
+            assert torch.equal(lease.page(i), page_for(k))
+        assert store.device.slots.is_used(lease.slots[0])
+    assert store.lookup(chain, SCOPE).tokens_matched == 0
+    assert TierName.DEVICE  # keep the import used

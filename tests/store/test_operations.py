@@ -1,0 +1,158 @@
+"""Operations: invalidate, verify, manifests, pinning by manifest, prefetch, residency, stats."""
+from __future__ import annotations
+
+import pytest
+
+from tierkv import Priority, Scope
+from tierkv.errors import NotFoundError
+
+from .kit import (BS, MV1, MV2, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, segment_files,
+                  tier_counts, toks)
+
+
+def test_invalidate_model_version_everywhere(make_store, home):
+    store = make_store()
+    v1 = [toks(900 + i, 3) for i in range(3)]  # 9 blocks: spread over device, host, disk
+    v2 = Scope(MV2)
+    for c in v1:
+        put_chain(store, c)
+    put_chain(store, v1[0], v2)  # the same prompt under the new weights
+    assert len(segment_files(home)) == 4
+    dry = store.invalidate(model_version=MV1, dry_run=True)
+    assert dry.dry_run and dry.removed_blocks == 9
+    assert store.lookup(v1[0], SCOPE).num_blocks == 3  # a dry run changes nothing
+    r = store.invalidate(model_version=MV1)
+    assert r.removed_blocks == 9 and not r.dry_run
+    assert r.freed_bytes == dry.freed_bytes >= 9 * SLOT
+    for c in v1:
+        assert store.lookup(c, SCOPE).num_blocks == 0
+        with store.acquire(c, SCOPE) as lease:
+            assert lease.num_blocks == 0
+    assert store.lookup(v1[0], v2).num_blocks == 3
+    assert store.stats()["model_versions"] == {MV2: 3}
+    assert len(segment_files(home)) == 1  # v1's segments deleted: disk space given back
+    assert store.invalidate(model_version=MV1).removed_blocks == 0  # idempotent
+    store.close()
+    store = make_store()
+    assert store.lookup(v1[1], SCOPE).num_blocks == 0  # durable
+    assert store.lookup(v1[0], v2).num_blocks == 3
+
+
+def test_invalidate_namespace_and_both(make_store):
+    store = make_store()
+    a, b = Scope(MV1, namespace="a"), Scope(MV1, namespace="b")
+    chain = toks(910, 2)
+    put_chain(store, chain, a)
+    put_chain(store, chain, b)
+    put_chain(store, chain, Scope(MV2, namespace="a"))
+    assert store.invalidate(namespace="a", model_version=MV1).removed_blocks == 2
+    assert store.lookup(chain, Scope(MV2, namespace="a")).num_blocks == 2
+    assert store.invalidate(namespace="a").removed_blocks == 2
+    assert store.lookup(chain, b).num_blocks == 2
+    assert store.stats()["namespaces"] == {"b": 2}
+    with pytest.raises(ValueError):
+        store.invalidate()
+
+
+def test_invalidate_leased_blocks(make_store, home):
+    store = make_store()
+    chain = toks(920, 3)
+    put_chain(store, chain)
+    lease = store.acquire(chain, SCOPE)
+    r = store.invalidate(namespace="default")
+    assert r.removed_blocks == 3
+    # Unreachable at once, from every tier and after a restart ...
+    assert store.lookup(chain, SCOPE).num_blocks == 0
+    assert store.index.count_blocks() == 0
+    # ... but the leaseholder's pages stay intact and allocated until release.
+    assert_lease_exact(lease)
+    assert store.stats()["tiers"]["device"]["blocks"] == 3
+    assert store.stats()["tiers"]["disk"]["blocks"] == 3
+    store.check_integrity()
+    put_chain(store, chain)  # the same prompt stored again gets new slots
+    assert_lease_exact(lease)
+    with store.acquire(chain, SCOPE) as fresh:
+        assert set(fresh.slots).isdisjoint(lease.slots)
+        assert_lease_exact(fresh)
+    lease.release()
+    assert store.stats()["tiers"]["disk"]["blocks"] == 3  # only the new copies
+    store.invalidate(namespace="default")
+    assert tier_counts(store) == {"device": 0, "host": 0, "disk": 0}
+    assert segment_files(home) == []
+
+
+def test_verify_clean_store(make_store):
+    store = make_store()
+    for i in range(3):
+        put_chain(store, toks(930 + i, 2))
+    r = store.verify(repair=True)
+    assert r.checked == 6 and r.corrupt == () and r.repaired
+    assert store.stats()["quarantined"] == 0
+
+
+def test_manifests(make_store):
+    store = make_store()
+    chain = toks(940, 3)
+    put_chain(store, chain)
+    last = keys_of(chain)[-1]
+    store.save_manifest("system-prompt", {"last_key": last.hex(), "tokens": len(chain)})
+    assert store.get_manifest("system-prompt")["tokens"] == len(chain)
+    assert list(store.list_manifests()) == ["system-prompt"]
+    for bad in ("", "a/b", "x" * 201):
+        with pytest.raises(ValueError):
+            store.save_manifest(bad, {})
+    with pytest.raises(NotFoundError) as info:
+        store.get_manifest("nope")
+    assert "system-prompt" in str(info.value)
+    # Pin the chain a manifest names; it survives disk pressure.
+    assert store.set_priority_from(last, Priority.PINNED) == 3
+    assert store.chain_residency(last) == {"device": 3, "host": 0, "disk": 3, "blocks": 3}
+    store.close()
+    store = make_store(disk_bytes=8 * SLOT, segment_pages=4)
+    for i in range(6):
+        put_chain(store, toks(941 + i, 2))
+    assert store.chain_residency(last)["disk"] == 3
+    assert store.get_manifest("system-prompt")["tokens"] == len(chain)  # durable
+    assert store.delete_manifest("system-prompt") and not store.delete_manifest("system-prompt")
+    assert store.list_manifests() == {}
+
+
+def test_pinning_flushes_memory_only_blocks(make_store, home):
+    store = make_store(write_through=False)
+    chain = toks(950, 2)
+    put_chain(store, chain)
+    assert tier_counts(store)["disk"] == 0
+    assert store.set_priority(chain, SCOPE, Priority.PINNED) == 2
+    assert tier_counts(store)["disk"] == 2
+    store.close()
+    store = make_store()
+    assert store.lookup(chain, SCOPE).num_blocks == 2
+
+
+def test_prefetch_warms_the_device(make_store):
+    store = make_store()
+    chain = toks(960, 3)
+    put_chain(store, chain)
+    for i in range(3):
+        put_chain(store, toks(961 + i, 4))
+    assert store.lookup(chain, SCOPE).tiers == ("disk",) * 3
+    assert store.prefetch(chain, SCOPE).result(timeout=30) == 3 * BS
+    assert store.lookup(chain, SCOPE).tiers == ("device",) * 3
+    assert store.stats()["leased_blocks"] == 0
+    assert store.prefetch(toks(999, 2), SCOPE).result(timeout=30) == 0
+
+
+def test_stats_counters(make_store):
+    store = make_store()
+    chain = toks(970, 2)
+    put_chain(store, chain)
+    store.lookup(chain, SCOPE)
+    store.lookup(toks(971, 2), SCOPE)
+    with store.acquire(chain, SCOPE):
+        pass
+    st = store.stats()
+    assert st["lookups"] == 2 and st["lookup_blocks"] == 4 and st["hit_rate"] == 0.5
+    assert st["hits"]["device"] == 2 and st["acquires"] == 1 and st["puts"] == 1
+    assert st["blocks"] == 2 and st["layout"]["block_size"] == BS
+    assert st["tiers"]["device"]["capacity_bytes"] == 4 * PAGE
+    assert MV1 in st["model_versions"]

@@ -1,0 +1,194 @@
+"""Tier movement: device -> host -> disk under pressure, write-back, reopen in a new process,
+and the slot allocators underneath."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from tierkv import Priority
+from tierkv.tiers import SlotAllocator
+
+from .child import chain_tokens, scope_of
+from .kit import (BS, PAGE, SCOPE, SLOT, assert_lease_exact, assert_prefix_order, keys_of, pages_for,
+                  put_chain, segment_files, tier_counts, tier_keys, toks)
+
+
+def test_overfill_device_demotes_to_host_and_disk(make_store):
+    store = make_store()  # device 4 pages, host 4 slots, disk 32 slots
+    chains = [toks(10 + i, 4) for i in range(3)]
+    for c in chains:
+        assert put_chain(store, c).durable
+        store.check_integrity()
+    assert tier_counts(store) == {"device": 4, "host": 4, "disk": 12}
+    st = store.stats()
+    assert st["evictions"]["device"] >= 8 and st["demoted_bytes"] >= 4 * PAGE
+    assert st["tiers"]["device"]["used_bytes"] == 4 * PAGE
+    for c in chains:
+        assert store.lookup(c, SCOPE).tokens_matched == len(c)
+    # The newest chain is in the device tier, the one before in the host tier.
+    assert tier_keys(store)["device"] == set(keys_of(chains[2]))
+    assert tier_keys(store)["host"] == set(keys_of(chains[1]))
+    assert store.lookup(chains[0], SCOPE).tiers == ("disk",) * 4
+    with store.acquire(chains[0], SCOPE) as lease:  # promoted from disk, checksummed
+        assert lease.num_blocks == 4
+        assert_lease_exact(lease)
+    assert store.stats()["promoted_bytes"] >= 4 * PAGE
+    assert_prefix_order(store)
+
+
+def test_put_larger_than_device_keeps_prefix_on_top(make_store):
+    # Regression: a put of more blocks than the device holds used to leave the device with
+    # the chain's tail and push its own prefix down to the host tier.
+    store = make_store()
+    chain = toks(20, 10)
+    assert put_chain(store, chain).stored == 10
+    keys = keys_of(chain)
+    where = tier_keys(store)
+    assert where["device"] == set(keys[:4])
+    assert where["host"] == set(keys[4:8])
+    assert where["disk"] == set(keys)
+    assert_prefix_order(store)
+    with store.acquire(chain, SCOPE) as lease:
+        assert lease.num_blocks == 4  # the device tier holds 4 pages
+        assert_lease_exact(lease)
+
+
+def test_write_back_reaches_disk_on_eviction_and_close(make_store, home):
+    store = make_store(write_through=False)
+    chains = [toks(30 + i, 3) for i in range(4)]  # 12 blocks: 4 device, 4 host, 4 written back
+    for c in chains:
+        assert not put_chain(store, c).durable
+    counts = tier_counts(store)
+    assert counts["device"] == 4 and counts["host"] == 4
+    # Evicted from the host, a block is written back with whatever of its prefix is not on
+    # disk yet, so the disk holds whole prefixes.
+    assert counts["disk"] >= 4
+    on_disk = tier_keys(store)["disk"]
+    for c in chains:
+        flags = [k in on_disk for k in keys_of(c)]
+        assert flags == sorted(flags, reverse=True)
+    for c in chains:
+        assert store.lookup(c, SCOPE).tokens_matched == len(c)
+    eph = toks(39, 1)
+    put_chain(store, eph, priority=Priority.EPHEMERAL)
+    store.close()
+    store = make_store()
+    for c in chains:
+        with store.acquire(c, SCOPE) as lease:
+            assert lease.num_blocks == 3
+            assert_lease_exact(lease)
+    assert store.lookup(eph, SCOPE).tokens_matched == 0  # ephemeral blocks are never written
+
+
+def test_write_back_without_host_tier_keeps_evicted_blocks(make_store):
+    # Regression: with write_through=False and no host tier, a block evicted from the
+    # device was dropped instead of written back to disk.
+    store = make_store(write_through=False, host_bytes=0)
+    a, b = toks(40, 4), toks(42, 4)
+    put_chain(store, a)
+    assert tier_counts(store) == {"device": 4, "host": 0, "disk": 0}
+    put_chain(store, b)  # evicts a from the device: written back, not lost
+    assert tier_counts(store) == {"device": 4, "host": 0, "disk": 4}
+    long = toks(43, 8)  # more than memory holds in one put: the tail goes straight to disk
+    put_chain(store, long)
+    for c in (a, b, long):
+        assert store.lookup(c, SCOPE).tokens_matched == len(c)
+    assert_prefix_order(store)
+
+
+def test_memory_only_store(make_store):
+    store = make_store(host_bytes=0, disk_bytes=0)
+    chain = toks(41, 6)
+    r = put_chain(store, chain)
+    assert not r.durable and r.stored == 6
+    assert store.lookup(chain, SCOPE).tokens_matched == 4 * BS  # two blocks had nowhere to go
+    with store.acquire(chain, SCOPE) as lease:
+        assert_lease_exact(lease)
+
+
+@pytest.mark.slow
+def test_reopen_in_new_process_finds_every_disk_block(make_store, home, child_cmd):
+    from .child import store_options
+
+    store = make_store(**{k: v for k, v in store_options("").items() if k != "shm_dir"})
+    n = 24
+    for i in range(n):
+        tokens, scope = chain_tokens(7, i), scope_of(7, i)
+        assert store.put(tokens, pages_for(tokens, scope), scope).durable
+    blocks = store.stats()["blocks"]
+    assert tier_counts(store)["disk"] == blocks
+    store.close()
+    out = subprocess.run(child_cmd("check", home, 7, n), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"found": n, "bad": 0, "blocks": blocks}
+
+
+def test_reopen_same_process_restores_disk_tier(make_store, home):
+    store = make_store()
+    chains = [toks(50 + i, 5) for i in range(3)]
+    for c in chains:
+        put_chain(store, c)
+    files = segment_files(home)
+    store.close()
+    store = make_store()
+    assert segment_files(home) == files
+    assert tier_counts(store) == {"device": 0, "host": 0, "disk": 15}
+    for c in chains:
+        assert store.lookup(c, SCOPE).tiers == ("disk",) * 5
+        with store.acquire(c, SCOPE) as lease:
+            assert_lease_exact(lease)
+
+
+def test_segments_follow_model_version_and_are_deleted_when_empty(make_store, home):
+    from tierkv import Scope
+
+    from .kit import MV2
+
+    store = make_store()
+    a, b = toks(60, 3), toks(61, 3)
+    put_chain(store, a)
+    put_chain(store, b, Scope(MV2))
+    assert len(segment_files(home)) == 2  # one model version per segment
+    r = store.invalidate(model_version=MV2)
+    assert r.removed_blocks == 3
+    assert len(segment_files(home)) == 1
+    store.invalidate(model_version=SCOPE.model_version)
+    assert segment_files(home) == []
+    assert store.stats()["tiers"]["disk"]["file_bytes"] == 0
+
+
+def test_slot_allocator_transitions():
+    a = SlotAllocator(3)
+    assert [a.alloc(), a.alloc()] == [0, 1]
+    a.free(0)
+    assert a.alloc() == 0
+    with pytest.raises(ValueError):
+        a.free(2)  # never handed out
+    a.free(1)
+    with pytest.raises(ValueError):
+        a.free(1)  # double free
+    a.claim(2)
+    with pytest.raises(ValueError):
+        a.claim(2)
+    with pytest.raises(ValueError):
+        a.claim(3)
+    assert a.alloc() == 1 and a.alloc() is None
+    a.check_integrity()
+    assert a.num_used == 3 and a.num_free == 0
+    with pytest.raises(ValueError):
+        SlotAllocator(-1)
+
+
+def test_device_pool_views_are_pages(make_store):
+    store = make_store()
+    chain = toks(70, 2)
+    put_chain(store, chain)
+    with store.acquire(chain, SCOPE) as lease:
+        assert torch.equal(store.device.pool[lease.slots[1]], pages_for(chain)[1])
+        kv = lease.kv()
+        assert len(kv) == 2 and kv[0][0].shape == (1, 2, 2 * BS, 8)
+    assert SLOT == 4096

@@ -1,0 +1,257 @@
+"""A store that also reads and writes the cluster-wide remote tier.
+
+:class:`ClusterNode` wraps an embedded :class:`~tierkv.store.Store` (stand-in until the
+store grows the hooks listed in docs/cluster.md). ``lookup`` counts the blocks beyond the
+local prefix that the remote tier holds (one batched existence check); ``acquire`` first
+*pulls* them: fetches, verifies against the request (key, model version, namespace,
+parent, token ids, page checksum), ``put``s them into the local store, then serves the
+lease locally, so pages always reach the caller from the device tier as usual. Pages are
+published to the remote tier by :class:`~tierkv.cluster.publish.PublishPolicy`.
+
+Remote faults never reach a request: the remote tier answers "miss" while it is down, and
+a local error while storing fetched pages only costs the pages (counted, logged).
+Every other Store method is passed through unchanged.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..blocks import Priority
+from ..errors import TierKVError
+from ..identity import Scope, as_token_array, block_keys, iter_block_keys
+from ..results import Lease, LookupResult, PutResult
+from ..store import Store
+from ..tiers.remote import RemoteMeta, RemotePutResult, RemoteTier
+from .publish import Event, PublishPolicy
+
+log = logging.getLogger(__name__)
+REMOTE = "remote"
+
+
+@dataclass(frozen=True)
+class PullResult:
+    local_blocks: int  # blocks of the prefix this node already held
+    remote_blocks: int  # blocks fetched, verified and stored locally by this call
+    fetched_bytes: int
+    seconds: float
+
+
+class ClusterNode:
+    """A store plus the remote tier. Owns both: :meth:`close` closes both."""
+
+    def __init__(self, store: Store, remote: RemoteTier | None, policy: PublishPolicy | None = None) -> None:
+        if remote is not None and remote.layout != store.layout:
+            raise ValueError("the remote tier and the store must use the same page layout")
+        self.store = store
+        self.remote = remote
+        self.policy = policy if policy is not None else PublishPolicy()
+        self.layout = store.layout
+        self.counters: Counter[str] = Counter()
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetch_lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes ClusterNode lacks: the rest of the Store API.
+        store = self.__dict__.get("store")
+        if store is None:
+            raise AttributeError(name)
+        return getattr(store, name)
+
+    # ---- read path -----------------------------------------------------------------------
+    def _remote_for(self, scope: Scope) -> RemoteTier | None:
+        if self.remote is None or not self.policy.fetches(scope.namespace) or not self.remote.available:
+            return None
+        return self.remote
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+               block_extra: Sequence[Sequence[str | bytes]] | None = None) -> LookupResult:
+        """The local lookup, extended by the blocks right after it that the remote tier
+        holds (their tier is "remote"). Existence only: pages are checked when fetched."""
+        arr = as_token_array(tokens)
+        local = self.store.lookup(arr, scope, block_extra)
+        remote = self._remote_for(scope)
+        if remote is None:
+            return local
+        rest = block_keys(arr, scope, self.layout.block_size, block_extra)[local.num_blocks :]
+        n = _leading(remote.exists(rest))
+        if not n:
+            return local
+        return LookupResult((local.num_blocks + n) * self.layout.block_size, local.keys + tuple(rest[:n]),
+                            local.tiers + (REMOTE,) * n)
+
+    def pull(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+             block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None) -> PullResult:
+        """Fetch the blocks beyond the local prefix from the remote tier into the local store."""
+        t0 = time.perf_counter()
+        arr = as_token_array(tokens)
+        local = self.store.lookup(arr, scope, block_extra)
+        n_local = local.num_blocks
+        remote = self._remote_for(scope)
+        if remote is None:
+            return PullResult(n_local, 0, 0, time.perf_counter() - t0)
+        bs = self.layout.block_size
+        keys = list(iter_block_keys(arr, scope.seed, bs, block_extra))
+        limit = len(keys) if max_blocks is None else min(len(keys), max_blocks)
+        rest = keys[n_local:limit]
+        n = _leading(remote.exists(rest))
+        expect = [
+            RemoteMeta(key=keys[i], parent=keys[i - 1] if i else scope.seed, model_version=scope.model_version,
+                       namespace=scope.namespace, tokens=arr[i * bs : (i + 1) * bs].tobytes(), checksum=0)
+            for i in range(n_local, n_local + n)
+        ]
+        got = remote.get_pages(rest[:n], expect) if n else []
+        if not got:
+            return PullResult(n_local, 0, 0, time.perf_counter() - t0)
+        pages = torch.stack([p.page for p in got])
+        try:
+            self.store.put(arr[: (n_local + len(got)) * bs], pages, scope, start_block=n_local,
+                           block_extra=block_extra, priority=self.policy.promote_priority)
+        except TierKVError as e:
+            self.counters["promote_failed"] += 1
+            log.warning("storing %d fetched blocks failed: %s", len(got), e)
+            return PullResult(n_local, 0, 0, time.perf_counter() - t0)
+        self.counters["pulled_blocks"] += len(got)
+        return PullResult(n_local, len(got), len(got) * self.layout.page_bytes, time.perf_counter() - t0)
+
+    def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+                block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None) -> Lease:
+        """:meth:`Store.acquire` after a :meth:`pull` of what the remote tier holds."""
+        self.pull(tokens, scope, block_extra, max_blocks)
+        return self.store.acquire(tokens, scope, block_extra, max_blocks)
+
+    def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+                 block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:
+        """:meth:`Store.prefetch` that pulls from the remote tier first, in the background;
+        the future gives the number of tokens now warm. Nothing stays leased."""
+        arr = as_token_array(tokens)
+
+        def run() -> int:
+            with self.acquire(arr, scope, block_extra) as lease:
+                return lease.tokens_matched
+
+        with self._prefetch_lock:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-cluster-prefetch")
+            return self._prefetcher.submit(run)
+
+    # ---- write path ------------------------------------------------------------------------
+    def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
+            start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
+            priority: Priority | None = None) -> PutResult:
+        """:meth:`Store.put`, then publish the pages when the policy wants them."""
+        prio = Priority.NORMAL if priority is None else priority
+        result = self.store.put(tokens, pages, scope, start_block=start_block, block_extra=block_extra, priority=prio)
+        if self.remote is not None and self.policy.wants(Event.PUT, scope.namespace, prio):
+            arr = as_token_array(tokens)
+            n = int(pages.shape[0])
+            keys = block_keys(arr[: (start_block + n) * self.layout.block_size], scope, self.layout.block_size,
+                              block_extra)
+            self._publish(arr, keys, scope, start_block, pages)
+        return result
+
+    def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
+        changed = int(self.store.set_priority(tokens, scope, priority))
+        if priority == Priority.PINNED and self.policy.wants(Event.PINNED, scope.namespace):
+            self.publish_prefix(tokens, scope)
+        return changed
+
+    def save_manifest(self, name: str, manifest: dict) -> None:
+        """Record the manifest locally, then publish the named prefix's blocks (write-through
+        for materialised prefixes). The manifest itself stays local."""
+        self.store.save_manifest(name, manifest)
+        last = manifest.get("last_block_key")
+        if self.remote is None or not isinstance(last, str) or not last:
+            return
+        try:
+            tokens, mv, ns = self.store.chain_tokens(bytes.fromhex(last))
+        except (TierKVError, ValueError) as e:
+            log.warning("prefix %r not published: %s", name, e)
+            return
+        scope = Scope(mv, ns)
+        if not self.policy.wants(Event.MATERIALISED, ns):
+            return
+        keys = block_keys(tokens, scope, self.layout.block_size)
+        if not keys or keys[-1].hex() != last:
+            log.warning("prefix %r not published: its chain is incomplete on this node", name)
+            return
+        self.publish_prefix(tokens, scope)
+
+    def publish_prefix(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+                       block_extra: Sequence[Sequence[str | bytes]] | None = None) -> RemotePutResult:
+        """Publish the locally cached prefix of ``tokens`` (as much as one lease holds)."""
+        if self.remote is None or scope.namespace in self.policy.local_only_namespaces:
+            return RemotePutResult(0, 0, 0)
+        arr = as_token_array(tokens)
+        with self.store.acquire(arr, scope, block_extra) as lease:
+            if not lease.num_blocks:
+                return RemotePutResult(0, 0, 0)
+            return self._publish(arr, list(lease.keys), scope, 0, lease.pages().cpu())
+
+    def evicted(self, meta: RemoteMeta, page: torch.Tensor, priority: Priority = Priority.NORMAL) -> bool:
+        """The store's eviction hook: a block is leaving this node's last tier. Published
+        when the policy has ``write_back_evicted``; returns whether it was."""
+        if self.remote is None or not self.policy.wants(Event.EVICTED, meta.namespace, priority):
+            return False
+        return self.remote.put_pages([meta.key], page.unsqueeze(0), [meta]).failed == 0
+
+    def _publish(self, arr: np.ndarray, keys: list[bytes], scope: Scope, start: int,
+                 pages: torch.Tensor) -> RemotePutResult:
+        assert self.remote is not None
+        from ..checksum import page_checksum
+
+        bs = self.layout.block_size
+        n = int(pages.shape[0])
+        metas = [
+            RemoteMeta(key=keys[i], parent=keys[i - 1] if i else scope.seed, model_version=scope.model_version,
+                       namespace=scope.namespace, tokens=arr[i * bs : (i + 1) * bs].tobytes(),
+                       checksum=page_checksum(keys[i], pages[i - start]))
+            for i in range(start, start + n)
+        ]
+        result = self.remote.put_pages(keys[start : start + n], pages, metas)
+        self.counters["published_blocks"] += result.published
+        return result
+
+    # ---- operations --------------------------------------------------------------------------
+    def stats(self) -> dict[str, object]:
+        out = dict(self.store.stats())
+        out["cluster"] = dict(self.counters)
+        out["remote"] = self.remote.stats() if self.remote is not None else None
+        return out
+
+    def check_integrity(self) -> None:
+        self.store.check_integrity()
+        if self.remote is not None:
+            self.remote.check_integrity()
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+        try:
+            self.store.close()
+        finally:
+            if self.remote is not None:
+                self.remote.close()
+
+    def __enter__(self) -> "ClusterNode":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _leading(flags: Sequence[bool]) -> int:
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n

@@ -1,0 +1,139 @@
+"""The edge between vLLM's paged KV caches and tierkv pages.
+
+vLLM 0.32 hands the connector one tensor per attention layer, a standardized logical view
+``[num_kernel_blocks, num_kv_heads, kernel_block_tokens, 2 * head_dim]`` (RFC #42082). How
+K and V share the last two axes is the attention backend's business:
+
+* ``CPU_ATTN`` reads each (block, head) tile as ``[2 * tokens, head_dim]``: all K rows of the
+  block, then all V rows (:data:`KV_BY_TOKENS`);
+* ``FLASH_ATTN`` and ``TRITON_ATTN`` split the last axis: ``[..., :head_dim]`` is K and
+  ``[..., head_dim:]`` is V (:data:`KV_BY_CHANNELS`).
+
+:class:`PagedKV` turns each layer into one canonical strided view ``[kernel_blocks, H, 2,
+tokens, D]`` of the same memory, so gathering and scattering a page is the same code for
+both. A vLLM (manager) block may span several kernel blocks (``block_size`` 64 with kernel
+blocks of 32); their tokens are concatenated in order. A tierkv page is
+``[num_layers, 2, block_size, num_kv_heads, head_dim]``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping, Sequence
+
+import torch
+
+from ..layout import PageLayout
+
+KV_BY_TOKENS = "tokens"
+KV_BY_CHANNELS = "channels"
+BACKEND_KV_SPLIT = {
+    "CPU_ATTN": KV_BY_TOKENS,
+    "FLASH_ATTN": KV_BY_CHANNELS,
+    "TRITON_ATTN": KV_BY_CHANNELS,
+}
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class UnsupportedCacheError(Exception):
+    """vLLM's KV caches do not have a shape this module can map to pages."""
+
+
+def layer_order(names: Sequence[str]) -> list[str]:
+    """Layer names in model order (``model.layers.10.`` after ``model.layers.9.``)."""
+    def index(name: str) -> int:
+        found = _LAYER_INDEX.findall(name)
+        if not found:
+            raise UnsupportedCacheError(f"cannot tell the layer index of {name!r}")
+        return int(found[-1])
+
+    return sorted(names, key=index)
+
+
+def canonical_view(cache: torch.Tensor, layout: PageLayout, num_blocks: int, kv_split: str) -> torch.Tensor:
+    """A view ``[kernel_blocks, H, 2, kernel_block_tokens, D]`` of one layer's cache (no copy;
+    writes through it land in vLLM's cache)."""
+    H, D, B = layout.num_kv_heads, layout.head_dim, layout.block_size
+    if cache.dim() != 4 or cache.shape[1] != H or cache.shape[3] != 2 * D:
+        raise UnsupportedCacheError(f"KV cache of shape {tuple(cache.shape)} is not [blocks, {H}, tokens, {2 * D}]")
+    if num_blocks <= 0 or cache.shape[0] % num_blocks:
+        raise UnsupportedCacheError(f"{cache.shape[0]} kernel blocks is not a multiple of {num_blocks} vLLM blocks")
+    ratio = cache.shape[0] // num_blocks
+    n = cache.shape[2]
+    if ratio * n != B:
+        raise UnsupportedCacheError(f"{ratio} kernel blocks of {n} tokens do not make a block of {B}")
+    if cache.dtype != layout.torch_dtype:
+        raise UnsupportedCacheError(f"KV cache dtype {cache.dtype} differs from the page dtype {layout.dtype}")
+    try:
+        if kv_split == KV_BY_TOKENS:
+            return cache.view(cache.shape[0], H, 2, n, D)
+        if kv_split == KV_BY_CHANNELS:
+            return cache.view(cache.shape[0], H, n, 2, D).transpose(2, 3)
+    except RuntimeError as e:  # view() refuses strides that do not split this way
+        raise UnsupportedCacheError(f"KV cache strides {cache.stride()} cannot be split into K and V: {e}") from e
+    raise UnsupportedCacheError(f"unknown K/V split {kv_split!r}")
+
+
+class PagedKV:
+    """vLLM's per-layer KV caches, read and written one tierkv page per vLLM block.
+
+    Holds views of vLLM's tensors (not copies); callers must only touch blocks the scheduler
+    assigned to requests of the current step.
+    """
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], layout: PageLayout, num_blocks: int,
+                 kv_split: str) -> None:
+        names = layer_order(list(kv_caches))
+        if len(names) != layout.num_layers:
+            raise UnsupportedCacheError(f"{len(names)} KV cache layers, the model has {layout.num_layers}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.layer_names = names
+        self.views = [canonical_view(kv_caches[n], layout, num_blocks, kv_split) for n in names]
+        self.ratio = self.views[0].shape[0] // num_blocks
+        self.device = self.views[0].device
+
+    def _kernel_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise IndexError(f"block ids out of range [0, {self.num_blocks})")
+        r = self.ratio
+        return (ids[:, None] * r + torch.arange(r)[None, :]).reshape(-1).to(self.device)
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Pages ``[len(block_ids), L, 2, B, H, D]`` copied out of the given vLLM blocks."""
+        L = self.layout
+        k, r = len(block_ids), self.ratio
+        idx = self._kernel_index(block_ids)
+        per_layer = []
+        for view in self.views:
+            x = view.index_select(0, idx)  # [k*r, H, 2, n, D]
+            x = x.reshape(k, r, L.num_kv_heads, 2, -1, L.head_dim).permute(0, 3, 1, 4, 2, 5)
+            per_layer.append(x.reshape(k, 2, L.block_size, L.num_kv_heads, L.head_dim))
+        return torch.stack(per_layer, dim=1).contiguous()
+
+    def scatter(self, pages: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write pages ``[len(block_ids), L, 2, B, H, D]`` into the given vLLM blocks."""
+        L = self.layout
+        L.check_pages(pages, len(block_ids))
+        k, r = len(block_ids), self.ratio
+        idx = self._kernel_index(block_ids)
+        pages = pages.to(self.device)
+        for layer, view in enumerate(self.views):
+            x = pages[:, layer].reshape(k, 2, r, -1, L.num_kv_heads, L.head_dim)
+            x = x.permute(0, 2, 4, 1, 3, 5).reshape(k * r, L.num_kv_heads, 2, -1, L.head_dim)
+            view[idx] = x  # index_put_ on a view writes into vLLM's cache
+
+
+def backend_kv_split(vllm_config: object, layer_names: Sequence[str]) -> str:
+    """The K/V split of the attention backend serving ``layer_names`` (one for all)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)  # type: ignore[arg-type]
+    names = {layer.attn_backend.get_name() for layer in layers.values()}
+    if len(names) != 1:
+        raise UnsupportedCacheError(f"layers use several attention backends {sorted(names)}")
+    name = names.pop()
+    if name not in BACKEND_KV_SPLIT:
+        raise UnsupportedCacheError(f"attention backend {name} is not supported (known: {sorted(BACKEND_KV_SPLIT)})")
+    return BACKEND_KV_SPLIT[name]

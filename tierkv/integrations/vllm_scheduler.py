@@ -1,0 +1,192 @@
+"""The scheduler side of the vLLM connector: which tokens tierkv can supply, which vLLM
+blocks to fill, which newly computed blocks to save.
+
+Per step vLLM calls, for each request it considers, :meth:`SchedulerSide.matched` (how many
+tokens beyond its local prefix-cache hit tierkv holds), then :meth:`SchedulerSide.allocated`
+once blocks exist, then :meth:`SchedulerSide.build` once for the step. The plan travels to
+the worker as :class:`TierKVConnectorMetadata` (plain data: it is pickled to worker
+processes).
+
+Block arithmetic (``B`` = block size, the same in vLLM and tierkv): vLLM presents a local
+hit of ``local`` tokens (a multiple of B); tierkv's hit ``hit`` is a multiple of B and never
+covers the last prompt token (vLLM must compute at least one token to sample from). The
+worker loads chain blocks ``local/B .. (local+ext)/B - 1`` into the request's vLLM blocks at
+the same positions.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ..identity import Scope
+from ..layout import PageLayout
+from .vllm_config import cacheable, scope_of
+from .vllm_stats import Counters
+from .vllm_store import StoreHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Fill ``block_ids`` (vLLM blocks) with tierkv chain blocks ``first_block ..``."""
+
+    req_id: str
+    token_ids: tuple[int, ...]  # the prefix up to the last block to load
+    scope: Scope
+    first_block: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + len(self.block_ids)
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Store vLLM blocks ``block_ids`` as tierkv chain blocks ``first_block ..``."""
+
+    req_id: str
+    token_ids: tuple[int, ...]  # the prefix up to the last block to save
+    scope: Scope
+    first_block: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class TierKVConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: Any  # vLLM's Request; its token list grows as it decodes
+    scope: Scope
+    stored_blocks: int  # leading blocks known to be in tierkv (found or saved)
+
+
+@dataclass(frozen=True)
+class _Match:
+    local_tokens: int
+    hit_tokens: int
+
+
+class SchedulerSide:
+    """Scheduler-side state: the last lookup per waiting request, the loads planned for the
+    next step, and the requests whose new full blocks are saved as they are computed."""
+
+    def __init__(self, handle: StoreHandle, layout: PageLayout, model_version: str | None, save: bool,
+                 kv_cache_manager: Any = None) -> None:
+        self.handle = handle
+        self.block_size = layout.block_size
+        self.model_version = model_version  # None: the connector is disabled
+        self.save = save
+        self.kv_cache_manager = kv_cache_manager
+        self.counters = Counters()
+        self._matches: dict[str, _Match] = {}
+        self._loads: list[LoadSpec] = []
+        self._tracked: dict[str, _Tracked] = {}
+
+    # ---- get_num_new_matched_tokens -------------------------------------------------------
+    def matched(self, request: Any, local_tokens: int) -> int:
+        """Tokens beyond ``local_tokens`` that tierkv holds (0 on a miss or any failure)."""
+        if self.model_version is None or not cacheable(request):
+            return 0
+        prompt = request.prompt_token_ids
+        limit = (len(prompt) - 1) // self.block_size * self.block_size
+        if limit <= local_tokens:
+            return 0  # vLLM already has every block tierkv could give
+        scope = scope_of(request, self.model_version)
+        t0 = time.perf_counter()
+        hit = self.handle.lookup(list(prompt[:limit]), scope)
+        hit = min(hit - hit % self.block_size, limit)
+        self._matches[request.request_id] = _Match(local_tokens, hit)
+        ext = max(0, hit - local_tokens)
+        self.counters.add(lookups=1, hit_requests=int(ext > 0), hit_tokens=ext)
+        log.debug("tierkv lookup %s: local %d, tierkv %d tokens (%.2f ms)", request.request_id, local_tokens, hit,
+                  1000 * (time.perf_counter() - t0))
+        return ext
+
+    # ---- update_state_after_alloc ---------------------------------------------------------
+    def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """Plan the load of ``num_external_tokens`` and start tracking the request for saves."""
+        if self.model_version is None or not cacheable(request):
+            return
+        req_id = request.request_id
+        match = self._matches.pop(req_id, None)
+        scope = scope_of(request, self.model_version)
+        if req_id not in self._tracked:
+            known = match.hit_tokens // self.block_size if match else 0
+            self._tracked[req_id] = _Tracked(request, scope, known)
+        if num_external_tokens <= 0 or match is None:
+            return
+        B = self.block_size
+        first = match.local_tokens // B
+        # Round up: a load that covers part of a block fills the whole page; vLLM overwrites
+        # the tail it recomputes.
+        end = min(-(-(match.local_tokens + num_external_tokens) // B), match.hit_tokens // B, len(block_ids))
+        if end <= first:
+            return
+        self._loads.append(LoadSpec(
+            req_id=req_id, token_ids=tuple(request.prompt_token_ids[: end * B]), scope=scope,
+            first_block=first, block_ids=tuple(block_ids[first:end]),
+        ))
+
+    # ---- build_connector_meta -------------------------------------------------------------
+    def build(self, scheduler_output: Any) -> TierKVConnectorMetadata:
+        """The plan for this step: the loads planned since the last step, and a save of each
+        tracked request's blocks that become full and committed in this step."""
+        meta = TierKVConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if not self.save or self.model_version is None:
+            return meta
+        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        B = self.block_size
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None or req_id not in computed:
+                continue
+            tokens = tracked.request.all_token_ids
+            # Draft tokens are scheduled but not committed; their KV must not be stored.
+            after = computed[req_id] + n_sched - len(spec.get(req_id, ()))
+            full = min(after, len(tokens)) // B
+            if full <= tracked.stored_blocks:
+                continue
+            block_ids = self._block_ids(req_id)
+            if len(block_ids) < full:
+                continue
+            first = tracked.stored_blocks
+            meta.saves.append(SaveSpec(
+                req_id=req_id, token_ids=tuple(tokens[: full * B]), scope=tracked.scope,
+                first_block=first, block_ids=tuple(block_ids[first:full]),
+            ))
+            tracked.stored_blocks = full
+        return meta
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        if self.kv_cache_manager is None:
+            return []
+        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+
+    # ---- request_finished -----------------------------------------------------------------
+    def finished(self, request: Any) -> None:
+        """Forget the request (saves are synchronous, so its blocks can be freed now)."""
+        self._tracked.pop(request.request_id, None)
+        self._matches.pop(request.request_id, None)
+
+    def check_integrity(self) -> None:
+        """Every tracked request's stored blocks lie within its tokens; no load is planned
+        for a request that is not tracked."""
+        for req_id, t in self._tracked.items():
+            assert 0 <= t.stored_blocks * self.block_size <= len(t.request.all_token_ids), req_id
+        for spec in self._loads:
+            assert spec.req_id in self._tracked, spec.req_id
+            assert len(spec.token_ids) == spec.end_block * self.block_size, spec.req_id

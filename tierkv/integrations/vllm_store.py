@@ -1,0 +1,180 @@
+"""The connector's access to tierkv, where every failure becomes a miss.
+
+vLLM must never fail a request because of the cache: a lookup that raises, times out or
+finds a dead daemon answers "0 tokens"; an acquire that fails loads nothing; a put that
+fails is dropped. Each such event is logged (once per kind) and counted, and vLLM recomputes.
+
+An embedded home is opened once per process and shared by the scheduler-side and
+worker-side connector objects of one engine (``distributed_executor_backend="uni"``
+runs both in one process); a home can only be opened by one process at a time, so engines
+with separate worker processes use a daemon (``socket``) instead.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..identity import Scope
+from ..layout import PageLayout
+from ..results import Lease
+from .vllm_config import ConnectorConfig
+
+log = logging.getLogger(__name__)
+RECONNECT_INTERVAL_S = 5.0
+
+_shared_lock = threading.Lock()
+_shared: dict[str, list[Any]] = {}  # resolved home -> [store, refcount]
+
+
+def _open_shared(cfg: ConnectorConfig, layout: PageLayout) -> Any:
+    import tierkv
+    from pathlib import Path
+
+    key = str(Path(cfg.home).resolve())  # type: ignore[arg-type]
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None:
+            store = tierkv.open(cfg.home, layout, device="cpu", device_bytes=cfg.device_bytes,  # type: ignore[arg-type]
+                                host_bytes=cfg.host_bytes, disk_bytes=cfg.disk_bytes)
+            entry = _shared[key] = [store, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _close_shared(store: Any) -> None:
+    with _shared_lock:
+        for key, entry in list(_shared.items()):
+            if entry[0] is store:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _shared[key]
+                    store.close()
+                return
+
+
+class StoreHandle:
+    """A store or daemon client for one connector object, with failures turned into misses.
+
+    ``errors`` counts every call that failed; the store is (re)opened lazily, at most once
+    per :data:`RECONNECT_INTERVAL_S`, so a daemon restarted under a running engine is
+    picked up again.
+    """
+
+    def __init__(self, config: ConnectorConfig, layout: PageLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.errors = 0
+        self._store: Any = None
+        self._last_attempt = float("-inf")
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- opening -----------------------------------------------------------------------
+    def _get(self) -> Any:
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            now = time.monotonic()
+            if now - self._last_attempt < RECONNECT_INTERVAL_S:
+                return None
+            self._last_attempt = now
+            try:
+                self._store = self._open()
+            except Exception as e:
+                self._fail("open", e)
+            return self._store
+
+    def _open(self) -> Any:
+        if self.config.home is not None:
+            return _open_shared(self.config, self.layout)
+        import tierkv
+
+        client = tierkv.connect(self.config.socket, timeout=self.config.timeout_s)  # type: ignore[arg-type]
+        layout = getattr(client, "layout", None)
+        if layout is not None and layout != self.layout:
+            client.close()
+            raise ValueError(f"the daemon serves pages of layout {layout}, this model needs {self.layout}")
+        return client
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        self.errors += 1
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("tierkv %s failed, vLLM recomputes instead: %s: %s", what, type(e).__name__, e)
+        else:
+            log.debug("tierkv %s failed: %s", what, e)
+
+    def _drop_client(self) -> None:
+        # A daemon client that failed may be dead; reconnect on a later call. An embedded
+        # store stays open (its failures are per call, e.g. a corrupt page).
+        if self.config.socket is not None:
+            with self._lock:
+                store, self._store = self._store, None
+            if store is not None:
+                try:
+                    store.close()
+                except Exception:
+                    pass
+
+    # ---- the calls the connector makes --------------------------------------------------
+    def lookup(self, tokens: list[int], scope: Scope) -> int:
+        """Tokens of the longest stored prefix (a multiple of the block size); 0 on failure."""
+        store = self._get()
+        if store is None:
+            return 0
+        try:
+            return int(store.lookup(tokens, scope).tokens_matched)
+        except Exception as e:
+            self._fail("lookup", e)
+            self._drop_client()
+            return 0
+
+    def acquire(self, tokens: list[int], scope: Scope, max_blocks: int) -> Lease | None:
+        """A lease on up to ``max_blocks`` leading blocks, or None on failure. The caller
+        releases it (``with``)."""
+        store = self._get()
+        if store is None:
+            return None
+        try:
+            return store.acquire(tokens, scope, max_blocks=max_blocks)
+        except Exception as e:
+            self._fail("acquire", e)
+            self._drop_client()
+            return None
+
+    def put(self, tokens: list[int], pages: torch.Tensor, scope: Scope, start_block: int) -> bool:
+        """Store pages of blocks ``start_block..``; False when it failed (nothing to undo)."""
+        store = self._get()
+        if store is None:
+            return False
+        try:
+            store.put(tokens, pages, scope, start_block=start_block)
+            return True
+        except Exception as e:
+            self._fail("put", e)
+            self._drop_client()
+            return False
+
+    def stats(self) -> dict[str, object]:
+        store = self._get()
+        if store is None:
+            return {}
+        try:
+            return dict(store.stats())
+        except Exception as e:
+            self._fail("stats", e)
+            return {}
+
+    def close(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is None:
+            return
+        if self.config.home is not None:
+            _close_shared(store)
+        else:
+            store.close()
