@@ -145,7 +145,8 @@ def main() -> None:
           f"{res['new']} new tokens each, {res['device']}{' (Triton interpreter)' if res['interpreter'] else ''}")
     print(f"  batch     {res['batch_s']:8.3f} s  {res['batch_tok_s']:8.1f} tok/s  "
           f"(cascade steps {res['cascade_steps']}, plain {res['plain_steps']})")
-    print(f"  separate  {res['separate_s']:8.3f} s  {res['separate_tok_s']:8.1f} tok/s  same tokens: {res['same_tokens']}")
+    print(f"  separate  {res['separate_s']:8.3f} s  {res['separate_tok_s']:8.1f} tok/s  "
+          f"same tokens: {res['same_tokens']}")
     print(f"  prefix memory: {res['prefix_bytes_held'] / mib:.3f} MiB held once vs "
           f"{res['prefix_bytes_n_copies'] / mib:.3f} MiB for {res['n']} copies; "
           f"suffix pages {sum(res['per_request_suffix_bytes']) / mib:.3f} MiB in all")

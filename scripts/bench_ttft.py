@@ -52,7 +52,7 @@ def build_model(args: argparse.Namespace) -> Any:
     cfg = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation="sdpa",
+        max_position_embeddings=8192, tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(args.device).eval()

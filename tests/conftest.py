@@ -24,27 +24,13 @@ _drop_repo_root_from_sys_path()
 import pytest
 
 from helpers import tiny_models
+from helpers.stores import open_store
 
 
-def open_store(home: Path, layout, **options):
-    """The real store when it is importable and complete, else the in-memory stand-in."""
-    try:
-        import tierkv
-        from tierkv.store import Store
-
-        if hasattr(Store, "save_manifest"):
-            return tierkv.open(home, layout, **{"device_bytes": 64 << 20, "host_bytes": 64 << 20,
-                                                "disk_bytes": 256 << 20, **options})
-    except ImportError:
-        pass
-    from helpers.fake_store import FakeStore
-
-    return FakeStore(home, layout)
-
-
-@pytest.fixture(autouse=True)
-def _private_caches(tmp_path_factory, monkeypatch):
-    # model_version's digest memo and the CLI's default home must not touch the real ~.
+@pytest.fixture
+def private_caches(tmp_path_factory, monkeypatch):
+    """model_version's digest memo and the CLI's default home away from the real ~.
+    The main-job test modules use it for every test (pytestmark)."""
     base = tmp_path_factory.getbasetemp()
     monkeypatch.setenv("XDG_CACHE_HOME", str(base / "xdg-cache"))
     monkeypatch.setenv("XDG_DATA_HOME", str(base / "xdg-data"))

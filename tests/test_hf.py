@@ -21,6 +21,8 @@ from tierkv.hf import (
 from tierkv.identity import Scope
 from tierkv.layout import PageLayout
 
+pytestmark = pytest.mark.usefixtures("private_caches")
+
 BS = 16
 # fp32: a restored cache must give the logits of a full recomputation to 1e-5 (they agree to
 # ~1e-7 in practice; chunked matmuls may round differently).
@@ -192,3 +194,18 @@ def test_lease_kv_matches_lease_kv_for_scattered_and_consecutive_slots(store_fac
         assert len(mine) == 2
         for (k1, v1), (k2, v2) in zip(mine, theirs):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_lease_kv_of_a_single_block_does_not_alias_the_pool(store_factory):
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+    store = store_factory(layout)
+    scope = scope_for("one-block")
+    store.put(prompt(4), torch.randn(1, *layout.shape), scope)
+    from tierkv.hf import lease_kv
+
+    with store.acquire(prompt(4), scope) as lease:
+        k, v = lease_kv(lease, layout)[0]
+        pool = getattr(lease, "pool", None)
+    if pool is not None:
+        assert k.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr()
+    assert k.shape == (1, 2, 4, 8) and k.is_contiguous() and v.is_contiguous()

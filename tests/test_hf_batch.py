@@ -176,3 +176,15 @@ def test_suffix_pages_are_whole_runs_owned_once():
     pages.lens[0] = BS + 1
     with pytest.raises(AssertionError, match="more tokens"):
         pages.check_integrity()
+
+
+def test_a_loaded_model_uses_its_own_scope_and_gets_its_attention_back(llama_lm, store_factory):
+    store = store_factory(llama_lm.layout)  # blocks of 16; the model runs sdpa attention
+    llama_lm.model.to(store.device.pool.device)
+    prefix = tokens(20, seed=70)
+    prompts = [prefix + tokens(3, seed=71), prefix + tokens(1, seed=72)]
+    result = generate_batch(llama_lm, prompts, store, max_new_tokens=4, use_cascade=True)
+    assert [list(t) for t in result.tokens] == [list(llama_lm.generate(p, max_new_tokens=4).tokens) for p in prompts]
+    assert (result.shared_tokens, result.stored_blocks) == (16, 1)
+    assert store.lookup(prefix, llama_lm.scope()).num_blocks == 1
+    assert llama_lm.model.config._attn_implementation == "sdpa"

@@ -11,20 +11,14 @@ import time
 import pytest
 import torch
 
-from conftest import open_store
 from helpers import tiny_models
+from helpers.stores import open_store
 from tierkv.document import DocumentOptions
 from tierkv.errors import ConfigError, ModelVersionMismatchError, NotFoundError
 from tierkv.hf import load_model
 from tierkv.materialize import document_tokens, load_prefix, materialize, tokens_sha256
 
-
-def real_store_available() -> bool:
-    try:
-        from tierkv.store import Store
-    except ImportError:
-        return False
-    return hasattr(Store, "save_manifest")
+pytestmark = pytest.mark.usefixtures("private_caches")
 
 
 def test_materialize_then_repeat_does_no_work(llama_lm, repo, store_factory):
@@ -89,7 +83,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not real_store_available(), reason="needs the on-disk store (tierkv.store)")
 def test_materialize_resumes_after_sigkill(llama_dir, llama_lm, repo, tmp_path):
     home, marker = tmp_path / "home", tmp_path / "marker"
     script = tmp_path / "child.py"
@@ -125,7 +118,6 @@ def test_document_options_change_the_tokens(llama_lm, repo):
     assert len(only_src) < len(everything)
 
 
-@pytest.mark.skipif(not real_store_available(), reason="needs the real store's block table")
 def test_pin_covers_blocks_stored_by_an_earlier_unpinned_run(llama_lm, repo, store_factory):
     from tierkv.store import Priority
 

@@ -133,7 +133,9 @@ class Placement:
             return True
         ancestors = self._ancestors(b)
         for a in reversed(ancestors):
-            if DISK not in a.loc and not self._write_back(a, None, ancestors):
+            if DISK in a.loc or a.priority == Priority.EPHEMERAL:  # ephemeral: never on disk
+                continue
+            if not self._write_back(a, None, ancestors):
                 return False
         return self._write_back(b, page, ancestors)
 
@@ -145,7 +147,8 @@ class Placement:
         try:
             # Making room must not evict b nor its prefix.
             loc = self._alloc_disk(b.model_version, [*keep, b])
-        except DiskWriteError:
+        except (DiskWriteError, IndexFullError) as e:  # write-back is best effort
+            log.warning("write-back of block %s found no room: %s", b.key.hex()[:12], e)
             return False
         if loc is None:
             return False
@@ -210,9 +213,10 @@ class Placement:
             self._dead.remove(b)
             self._free_detached(b)
 
-    def _release_blocks(self, blocks: list[Block]) -> None:
+    def _release_blocks(self, blocks: list[Block], ended: bool = True) -> None:
         """Drop one lease from each block; free retired blocks whose last lease this was;
-        drop ephemeral blocks when their lease ends."""
+        drop ephemeral blocks when their lease ends (``ended=False``: the lease was never
+        handed out, as when acquire stops short, so ephemeral blocks stay)."""
         for b in blocks:
             if b.leases <= 0:
                 raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
@@ -222,7 +226,7 @@ class Placement:
                 continue
             if b.dead:
                 self._free_if_unheld(b)
-            elif b.priority == Priority.EPHEMERAL:
+            elif b.priority == Priority.EPHEMERAL and ended:
                 self._retire(b)
 
     # ---- quarantine ----------------------------------------------------------------------

@@ -43,9 +43,10 @@ DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 class Store(StoreOperations):
     """A tierkv store opened in this process. Build with :func:`tierkv.open`.
 
-    The data path (lookup, acquire, release, put, prefetch) and the placement machinery
-    live here; operations (pin, invalidate, verify, stats, manifests) in
-    :class:`~tierkv.operations.StoreOperations`."""
+    The data path (lookup, acquire, release, put, prefetch) lives here; operations (pin,
+    invalidate, verify, stats, manifests) in :class:`~tierkv.operations.StoreOperations`;
+    the placement machinery (allocation, eviction, demotion, write-back, retirement) in
+    :class:`~tierkv.placement.Placement`."""
 
     def __init__(self, config: StoreConfig, socket_path: str | None = None) -> None:
         self.config = config
@@ -179,26 +180,38 @@ class Store(StoreOperations):
             waits: list[tuple[int, threading.Event]] = []
             # Lease block by block: blocks further along the chain are not leased yet, so
             # making room may evict them; the lease stops where the device tier is full.
-            for i, b in enumerate(chain):
-                if b.dead or not b.loc:
-                    # Making room for an earlier block evicted this one from every tier.
-                    chain = chain[:i]
-                    break
-                b.leases += 1
-                if DEVICE in b.loc:
-                    continue
-                if b.key in self._promoting:
-                    waits.append((i, self._promoting[b.key]))
-                    continue
-                slot = self._alloc_mem(DEVICE)
-                if slot is None:
-                    self._release_blocks([b])
-                    chain = chain[:i]
-                    break
-                src = HOST if HOST in b.loc else DISK
-                b.busy += 1
-                self._promoting[b.key] = threading.Event()
-                plan.append((i, b, slot, src))
+            leased = 0
+            try:
+                for i, b in enumerate(chain):
+                    if b.dead or not b.loc:
+                        # Making room for an earlier block evicted this one from every tier.
+                        chain = chain[:i]
+                        break
+                    b.leases += 1
+                    leased = i + 1
+                    if DEVICE in b.loc:
+                        continue
+                    if b.key in self._promoting:
+                        waits.append((i, self._promoting[b.key]))
+                        continue
+                    slot = self._alloc_mem(DEVICE)
+                    if slot is None:
+                        self._release_blocks([b], ended=False)
+                        chain = chain[:i]
+                        break
+                    src = HOST if HOST in b.loc else DISK
+                    b.busy += 1
+                    self._promoting[b.key] = threading.Event()
+                    plan.append((i, b, slot, src))
+            except BaseException:
+                # Making room failed (the index could not record an eviction): undo this
+                # acquire's leases and plans so that nothing stays pinned or waited on.
+                for i, b, slot, _ in plan:
+                    self.device.slots.free(slot)
+                    self._promoting.pop(b.key).set()
+                    self._unbusy(b)
+                self._release_blocks(chain[:leased], ended=False)
+                raise
             self.stats_counters.record_acquire(tuple(b.top_tier.value for b in chain))  # type: ignore[union-attr]
         failed = self._promote(plan)
         for i, ev in waits:
@@ -207,7 +220,7 @@ class Store(StoreOperations):
                 failed = min(failed, i) if failed is not None else i
         if failed is not None:
             with self._lock:
-                self._release_blocks(chain[failed:])
+                self._release_blocks(chain[failed:], ended=False)
                 chain = chain[:failed]
         return Lease(
             store=self, layout=self.layout, keys=tuple(b.key for b in chain),
@@ -322,7 +335,7 @@ class Store(StoreOperations):
             try:
                 if durable_wanted and self.disk.capacity_slots and not self.disk.degraded:
                     for blk in cached:
-                        if DISK not in blk.loc:
+                        if DISK not in blk.loc and blk.priority != Priority.EPHEMERAL:
                             self._flush_to_disk(blk)
                     for b in new:
                         loc = self._alloc_disk(b.model_version, cached)

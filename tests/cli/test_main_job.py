@@ -6,11 +6,14 @@ import functools
 import json
 import re
 
+import pytest
 from click.testing import CliRunner
 
 from helpers import tiny_models
 from tierkv.cli import main
 from tierkv.hf import version_of
+
+pytestmark = pytest.mark.usefixtures("private_caches")
 
 
 def run(*args: str, ok: bool = True) -> object:

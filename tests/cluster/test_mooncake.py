@@ -33,7 +33,7 @@ def mooncake_results(tmp_path_factory) -> dict[str, str]:
         pytest.skip("cannot create a private network namespace (unshare -rn) for the Mooncake test cluster")
     work = tmp_path_factory.mktemp("mooncake")
     cmd = f'ip link set lo up && exec "{sys.executable}" "{SCRIPT}" "{work}"'
-    r = subprocess.run(["unshare", "-rn", "sh", "-c", cmd], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(["unshare", "-rn", "sh", "-c", cmd], capture_output=True, text=True, timeout=240)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         pytest.fail(f"scenario runner exited {r.returncode} without results:\n{r.stderr[-3000:]}")

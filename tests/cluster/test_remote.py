@@ -197,3 +197,13 @@ def test_check_master_refuses_absent_and_stalled_masters():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_exists_is_batched(cluster):
+    from tierkv.tiers import remote
+
+    tier = _tier(cluster)
+    keys = [bytes([i % 256, i // 256]) * 16 for i in range(remote.EXISTS_BATCH + 5)]
+    assert tier.exists(keys) == [False] * len(keys)
+    assert tier.counters["exists_calls"] == 2
+    tier.close()

@@ -26,6 +26,7 @@ from tierkv.integrations.vllm_scheduler import LoadSpec, SchedulerSide, TierKVCo
 from tierkv.integrations.vllm_store import StoreHandle  # noqa: E402
 from tierkv.integrations.vllm_worker import WorkerSide  # noqa: E402
 from tierkv.layout import PageLayout  # noqa: E402
+from tierkv.results import LookupResult  # noqa: E402
 
 MV = "ab" * 32
 B = 32
@@ -44,11 +45,13 @@ class FakeHandle:
 
     def __init__(self, layout: PageLayout, hit_tokens: int = 0, pages: torch.Tensor | None = None) -> None:
         self.layout, self.hit_tokens, self.pages = layout, hit_tokens, pages
+        self.tiers = ("device", "host", "disk", "disk") * 8
         self.puts: list[tuple[list[int], torch.Tensor, int]] = []
         self.errors = 0
 
     def lookup(self, tokens, scope):
-        return min(self.hit_tokens, len(tokens) // B * B)
+        n = min(self.hit_tokens, len(tokens) // B * B) // B
+        return LookupResult(n * B, tuple(bytes([i]) * 32 for i in range(n)), self.tiers[:n])
 
     def acquire(self, tokens, scope, max_blocks):
         if self.pages is None:
@@ -187,6 +190,16 @@ def test_load_plan_fills_the_blocks_after_the_local_hit():
     assert side.build(scheduler_output()).loads == []  # a plan is handed out once
 
 
+def test_hit_sources_split_the_load_by_tier():
+    blocks = [10, 11, 12, 13, 14]
+    side = make_scheduler(hit_tokens=4 * B, blocks_of={"a": blocks})  # tiers: device, host, disk, disk
+    req = request("a", list(range(5 * B)))
+    assert side.matched(req, B) == 3 * B
+    side.allocated(req, blocks, 3 * B)
+    assert side.hit_sources("a", 3 * B) == {"host": B, "disk": 2 * B}
+    assert side.hit_sources("a", 3 * B) == {}  # consumed
+
+
 def test_saves_follow_chunked_prefill_and_skip_draft_tokens():
     blocks = list(range(20, 26))
     side = make_scheduler(hit_tokens=0, blocks_of={"a": blocks})
@@ -217,11 +230,36 @@ def test_a_dead_daemon_is_a_miss(tmp_path):
     layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
     handle = StoreHandle(ConnectorConfig(socket=str(tmp_path / "none.sock"), timeout_s=0.5), layout)
     scope = Scope(MV)
-    assert handle.lookup(list(range(4 * B)), scope) == 0
+    assert handle.lookup(list(range(4 * B)), scope).tokens_matched == 0
     assert handle.acquire(list(range(4 * B)), scope, 4) is None
     assert handle.put(list(range(B)), torch.zeros(1, *layout.shape), scope, 0) is False
     assert handle.errors >= 1
     handle.close()
+
+
+def test_a_failing_daemon_is_left_alone_for_a_while(tmp_path):
+    from tierkv.integrations import vllm_store
+
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
+    client = mock.Mock(layout=layout)
+    client.lookup.side_effect = TimeoutError("the daemon did not answer")
+    handle = StoreHandle(ConnectorConfig(socket=str(tmp_path / "t.sock")), layout)
+    clock = [100.0]
+    with mock.patch("tierkv.connect", return_value=client) as connect, \
+            mock.patch.object(vllm_store.time, "monotonic", side_effect=lambda: clock[0]):
+        assert handle.lookup([1] * B, Scope(MV)).tokens_matched == 0
+        assert handle.lookup([1] * B, Scope(MV)).tokens_matched == 0  # within the back-off: not even tried
+        assert (connect.call_count, client.lookup.call_count, handle.errors) == (1, 1, 1)
+        clock[0] += vllm_store.RETRY_MIN_S
+        assert handle.lookup([1] * B, Scope(MV)).tokens_matched == 0
+        clock[0] += vllm_store.RETRY_MIN_S  # the second failure doubled the back-off
+        assert handle.lookup([1] * B, Scope(MV)).tokens_matched == 0
+        assert (connect.call_count, handle.errors) == (2, 2)
+        clock[0] += 2 * vllm_store.RETRY_MIN_S
+        client.lookup.side_effect = None
+        client.lookup.return_value = LookupResult(B, (b"k" * 32,), ("host",))
+        assert handle.lookup([1] * B, Scope(MV)).tokens_matched == B
+        assert handle._retry_s == vllm_store.RETRY_MIN_S
 
 
 def test_store_errors_are_misses(tmp_path):
@@ -230,10 +268,10 @@ def test_store_errors_are_misses(tmp_path):
                                          disk_bytes=4 << 20), layout)
     scope, tokens = Scope(MV), list(range(2 * B))
     assert handle.put(tokens, torch.randn(2, *layout.shape), scope, 0)
-    assert handle.lookup(tokens, scope) == 2 * B
+    assert handle.lookup(tokens, scope).tokens_matched == 2 * B
     store = handle._get()
     with mock.patch.object(store, "lookup", side_effect=OSError(5, "EIO")):
-        assert handle.lookup(tokens, scope) == 0
+        assert handle.lookup(tokens, scope).tokens_matched == 0
     with mock.patch.object(store, "acquire", side_effect=TimeoutError("slow")):
         assert handle.acquire(tokens, scope, 2) is None
     with mock.patch.object(store, "put", side_effect=OSError(28, "ENOSPC")):
@@ -290,9 +328,12 @@ PROMPT = [5 + (i * 7) % 300 for i in range(150)]  # 4 full blocks of 32 can come
 SHARED = 4 * B
 
 
-def run_engine(model_dir: Path, extra: dict | None = None, prompts=(PROMPT,)):
-    """Generate 3 tokens greedily with a fresh engine (no vLLM prefix caching); returns
-    (per prompt: token ids and first-token logprobs), scheduler stats, worker stats."""
+def run_engine(model_dir: Path, extra: dict | None = None, prompts=(PROMPT,), sequential: bool = False,
+               multiprocess: bool = False, **engine_kw):
+    """Generate 3 tokens greedily with a fresh engine (no vLLM prefix caching unless
+    ``engine_kw`` turns it on); ``prompts`` go in one batch, or one after the other with
+    ``sequential``. Returns (per prompt: token ids and first-token logprobs), scheduler
+    stats, worker stats (None with ``multiprocess``: the connectors live in other processes)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -303,15 +344,20 @@ def run_engine(model_dir: Path, extra: dict | None = None, prompts=(PROMPT,)):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
+    engine_kw = {"enable_prefix_caching": False, **engine_kw}
+    env = mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"})
+    env.start()
     llm = LLM(model=str(model_dir), enforce_eager=True, distributed_executor_backend="uni", block_size=B,
-              dtype="float32", max_model_len=1024, seed=0, enable_prefix_caching=False, **kw)
+              dtype="float32", max_model_len=1024, seed=0, **engine_kw, **kw)
     try:
-        outs = llm.generate([p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=3, temperature=0, logprobs=5))
+        inputs = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
+        params = SamplingParams(max_tokens=3, temperature=0, logprobs=5)
+        batches = [[p] for p in inputs] if sequential else [inputs]
+        outs = [o for batch in batches for o in llm.generate(batch, params)]
         results = [(list(o.outputs[0].token_ids), {k: v.logprob for k, v in o.outputs[0].logprobs[0].items()})
                    for o in outs]
         sched = wstats = None
-        if extra is not None:
+        if extra is not None and not multiprocess:
             sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.stats()
             wstats = get_kv_transfer_group().stats()
     finally:
@@ -319,6 +365,7 @@ def run_engine(model_dir: Path, extra: dict | None = None, prompts=(PROMPT,)):
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+        env.stop()
     return results, sched, wstats
 
 
@@ -432,6 +479,7 @@ def test_through_a_daemon(model_dir, reference, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
     sock = run_dir / "tierkv.sock"
+    (tmp_path / "shm").mkdir()
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-c", "from tierkv.cli import main; main()", "serve", "--home", str(tmp_path / "home"),
@@ -440,20 +488,52 @@ def test_through_a_daemon(model_dir, reference, tmp_path):
          "--shm-dir", str(tmp_path / "shm")],
         stdout=log, stderr=subprocess.STDOUT)
     try:
-        (tmp_path / "shm").mkdir(exist_ok=True)
         deadline = time.monotonic() + 60
         while not sock.exists():
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
             assert time.monotonic() < deadline, "the daemon did not start"
             time.sleep(0.2)
         extra = {"socket": str(sock), "timeout_s": 30}
-        results, _, worker = run_engine(model_dir, extra)
-        assert worker["saved_tokens"] == SHARED and results[0][0] == reference[0][0]
-        results, sched, worker = run_engine(model_dir, extra)
-        assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED
+        # vLLM's default multiprocess engine: the scheduler (engine core) and the worker are
+        # separate processes, each a client of the daemon.
+        results, _, _ = run_engine(model_dir, extra, multiprocess=True)
+        assert results[0][0] == reference[0][0]
+        import tierkv
+
+        with tierkv.connect(sock) as client:
+            assert client.stats()["blocks"] == SHARED // B
+        results, _, _ = run_engine(model_dir, extra, multiprocess=True)
+        with tierkv.connect(sock) as client:
+            stats = client.stats()
+        assert sum(stats["acquire_hits"].values()) == SHARED // B  # the second engine loaded them all
         assert results[0][0] == reference[0][0]
         assert max_diff(results[0][1], reference[0][1]) <= 1e-5
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+@pytest.mark.slow
+def test_tierkv_extends_a_local_prefix_cache_hit(model_dir, stored_home, reference, tmp_path):
+    # vLLM's own cache holds the first 2 blocks (from an earlier request sharing them);
+    # tierkv supplies blocks 2-3 on top, loaded into the request's blocks at positions 2-3.
+    home = copy_home(stored_home, tmp_path / "home")
+    other = PROMPT[: 2 * B + 5] + [7] * 40
+    results, sched, worker = run_engine(model_dir, store_options(home), prompts=(other, PROMPT), sequential=True,
+                                        enable_prefix_caching=True)
+    assert sched["hit_tokens"] == 2 * B + 2 * B  # 2 blocks for `other`, then 2 beyond vLLM's local hit
+    assert worker["loaded_tokens"] == 4 * B and worker["load_failed_blocks"] == 0
+    assert results[1][0] == reference[0][0]
+    assert max_diff(results[1][1], reference[0][1]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_chunked_prefill_saves_every_block(model_dir, reference, tmp_path):
+    home = tmp_path / "home"
+    results, _, worker = run_engine(model_dir, store_options(home), max_num_batched_tokens=64)
+    assert worker["saved_tokens"] == SHARED and results[0][0] == reference[0][0]
+    results, sched, worker = run_engine(model_dir, store_options(home), max_num_batched_tokens=64)
+    assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED
+    assert results[0][0] == reference[0][0]
+    assert max_diff(results[0][1], reference[0][1]) <= 1e-5

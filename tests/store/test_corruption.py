@@ -13,8 +13,7 @@ import tierkv.store
 from tierkv import Scope
 from tierkv.index import BlockRecord
 
-from .kit import (LAYOUT, SCOPE, SLOT, assert_lease_exact, keys_of, page_for, pages_for, put_chain,
-                  segment_files, tier_counts, toks)
+from .kit import LAYOUT, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, segment_files, tier_counts, toks
 
 
 def _flip(path, offset: int) -> None:
@@ -241,4 +240,3 @@ def test_model_version_retag_of_segment_drops_entries(make_store, home):
     assert store.lookup(chain, SCOPE).num_blocks == 0
     assert store.lookup(chain, Scope(MV2)).num_blocks == 0
     assert store.stats()["quarantined"] == 2
-    assert page_for(keys_of(chain)[0]) is not None and pages_for(chain).shape[0] == 2

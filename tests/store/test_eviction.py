@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 
 from tierkv import Priority
-from tierkv.tiers import TierName
-
 from .kit import (SCOPE, assert_lease_exact, assert_prefix_order, keys_of, page_for, pages_for, put_chain,
                   tier_counts, tier_keys, toks)
 
@@ -190,4 +188,33 @@ def test_dead_pages_not_reused_while_leased(make_store):
             assert torch.equal(lease.page(i), page_for(k))
         assert store.device.slots.is_used(lease.slots[0])
     assert store.lookup(chain, SCOPE).tokens_matched == 0
-    assert TierName.DEVICE  # keep the import used
+
+
+def test_ephemeral_survives_an_acquire_that_could_not_lease_it(make_store):
+    # Regression: when acquire stopped short (device full of leases), the ephemeral blocks it
+    # had tentatively leased were dropped as if their lease had ended.
+    store = make_store()
+    hog = toks(230, 4)
+    put_chain(store, hog)
+    eph = toks(231, 2)
+    with store.acquire(hog, SCOPE):
+        put_chain(store, eph, priority=Priority.EPHEMERAL)  # lands in the host tier
+        with store.acquire(eph, SCOPE) as none:
+            assert none.num_blocks == 0
+        assert store.lookup(eph, SCOPE).num_blocks == 2
+    with store.acquire(eph, SCOPE) as lease:
+        assert lease.num_blocks == 2
+        assert_lease_exact(lease)
+    assert store.lookup(eph, SCOPE).num_blocks == 0  # this lease did end
+
+
+def test_ephemeral_prefix_is_never_written_to_disk(make_store):
+    store = make_store()
+    head = toks(240, 2)
+    put_chain(store, head, priority=Priority.EPHEMERAL)
+    longer = head + toks(241, 1)
+    r = put_chain(store, longer)
+    assert r.stored == 1 and not r.durable  # the head is ephemeral: memory only
+    assert _chain_prefix_in(store, longer, "disk") == [False, False, True]
+    store.set_priority(longer, SCOPE, Priority.PINNED)  # pinning makes the whole prefix durable
+    assert _chain_prefix_in(store, longer, "disk") == [True, True, True]

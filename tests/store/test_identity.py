@@ -21,7 +21,7 @@ from tierkv.errors import InvalidTokensError, NotFoundError
 from tierkv.identity import as_token_array, block_keys, enc_field, enc_str
 from tierkv.model_version import model_version
 
-from .kit import BS, LAYOUT, MV1, MV2, SCOPE, keys_of, pages_for, put_chain, toks
+from .kit import BS, LAYOUT, MV1, MV2, SCOPE, pages_for, put_chain, toks
 
 ZERO_MV = "00" * 32
 
@@ -276,3 +276,18 @@ def test_model_version_memo_avoids_rehash(tmp_path):
         assert len(reads) == 2
     memo.write_text("not json")  # a damaged memo only costs a re-hash
     assert model_version(d, LAYOUT, memo_path=memo) == v1
+
+
+def test_store_block_extra_separates_blocks(make_store):
+    store = make_store()
+    tokens = toks(5, 2)
+    img_a, img_b = [["img:a"]], [["img:b"]]
+    store.put(tokens, pages_for(tokens, block_extra=img_a), SCOPE, block_extra=img_a)
+    assert store.lookup(tokens, SCOPE, block_extra=img_a).num_blocks == 2
+    assert store.lookup(tokens, SCOPE, block_extra=img_b).num_blocks == 0
+    assert store.lookup(tokens, SCOPE).num_blocks == 0
+    with store.acquire(tokens, SCOPE, block_extra=img_a) as lease:
+        assert lease.num_blocks == 2
+        from .kit import assert_lease_exact
+
+        assert_lease_exact(lease)

@@ -12,7 +12,7 @@ from tierkv import Priority
 from tierkv.tiers import SlotAllocator
 
 from .child import chain_tokens, scope_of
-from .kit import (BS, PAGE, SCOPE, SLOT, assert_lease_exact, assert_prefix_order, keys_of, pages_for,
+from .kit import (BS, PAGE, SCOPE, assert_lease_exact, assert_prefix_order, keys_of, pages_for,
                   put_chain, segment_files, tier_counts, tier_keys, toks)
 
 
@@ -191,4 +191,33 @@ def test_device_pool_views_are_pages(make_store):
         assert torch.equal(store.device.pool[lease.slots[1]], pages_for(chain)[1])
         kv = lease.kv()
         assert len(kv) == 2 and kv[0][0].shape == (1, 2, 2 * BS, 8)
-    assert SLOT == 4096
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_non_contiguous_pages_and_every_dtype_round_trip(tmp_path, dtype):
+    import tierkv
+    from tierkv import PageLayout
+
+    layout = PageLayout(2, 2, 8, 4, dtype=dtype)
+
+    def reopen():
+        return tierkv.open(tmp_path / "h", layout, device="cpu", device_bytes=4 * layout.page_bytes,
+                           host_bytes=2 * 4096, disk_bytes=16 * 4096, segment_pages=4, shm_dir=tmp_path / "shm")
+
+    store = reopen()
+    try:
+        chain = toks(80, 4)
+        raw = torch.randn(*layout.shape, 4).to(layout.torch_dtype)
+        pages = raw.permute(5, 0, 1, 2, 3, 4)  # [4, L, 2, B, H, D], not contiguous
+        assert not pages.is_contiguous()
+        store.put(chain, pages, SCOPE)
+        with store.acquire(chain, SCOPE) as lease:
+            assert torch.equal(lease.pages(), pages)
+        store.close()
+        store = reopen()
+        with store.acquire(chain, SCOPE) as lease:  # every page from disk, checksummed
+            assert lease.num_blocks == 4
+            assert torch.equal(lease.pages(), pages)
+        store.check_integrity()
+    finally:
+        store.close()

@@ -56,6 +56,7 @@ class ClusterNode:
         self.policy = policy if policy is not None else PublishPolicy()
         self.layout = store.layout
         self.counters: Counter[str] = Counter()
+        self._counters_lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_lock = threading.Lock()
 
@@ -116,10 +117,10 @@ class ClusterNode:
             self.store.put(arr[: (n_local + len(got)) * bs], pages, scope, start_block=n_local,
                            block_extra=block_extra, priority=self.policy.promote_priority)
         except TierKVError as e:
-            self.counters["promote_failed"] += 1
+            self._count("promote_failed")
             log.warning("storing %d fetched blocks failed: %s", len(got), e)
             return PullResult(n_local, 0, 0, time.perf_counter() - t0)
-        self.counters["pulled_blocks"] += len(got)
+        self._count("pulled_blocks", len(got))
         return PullResult(n_local, len(got), len(got) * self.layout.page_bytes, time.perf_counter() - t0)
 
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
@@ -217,13 +218,18 @@ class ClusterNode:
             for i in range(start, start + n)
         ]
         result = self.remote.put_pages(keys[start : start + n], pages, metas)
-        self.counters["published_blocks"] += result.published
+        self._count("published_blocks", result.published)
         return result
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counters_lock:
+            self.counters[name] += n
 
     # ---- operations --------------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
         out = dict(self.store.stats())
-        out["cluster"] = dict(self.counters)
+        with self._counters_lock:
+            out["cluster"] = dict(self.counters)
         out["remote"] = self.remote.stats() if self.remote is not None else None
         return out
 

@@ -189,20 +189,22 @@ class BatchAttention:
                                      head_dim=pool.shape[5], dtype_bytes=pool.element_size())
         if not use:
             return None
-        device = pool.device
-        level = SharedLevel(self.prefix_row[None, :], torch.tensor([self.shared_len], dtype=torch.int32, device=device),
-                            torch.zeros(m, dtype=torch.int32, device=device))
-        # The suffix lives in another pool, so the plan's own suffix pass is empty.
-        empty = torch.zeros(m, dtype=torch.int32, device=device)
-        return plan_cascade(pool, self.num_q_heads, [level], torch.zeros((m, 1), dtype=torch.int32, device=device), empty)
+        def ints(*shape: int, fill: int = 0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.int32, device=pool.device)
+
+        # One group holding every running request; the suffix lives in another pool, so the
+        # plan's own suffix pass is given empty ranges.
+        level = SharedLevel(self.prefix_row[None, :], ints(1, fill=self.shared_len), ints(m))
+        return plan_cascade(pool, self.num_q_heads, [level], ints(m, 1), ints(m))
 
     # ---- attention -------------------------------------------------------------------
     def _write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         s = self._step
         assert s is not None
-        # key [M, Hkv, T, D] -> new tokens [K, Hkv, D]
-        self.suffix.pool[s.write_slot, layer, 0, s.write_off] = key[s.write_row, :, s.write_tok].to(self.suffix.pool.dtype)
-        self.suffix.pool[s.write_slot, layer, 1, s.write_off] = value[s.write_row, :, s.write_tok].to(self.suffix.pool.dtype)
+        pool = self.suffix.pool
+        # key [M, Hkv, T, D] -> the new tokens [K, Hkv, D], each into its own (slot, offset).
+        pool[s.write_slot, layer, 0, s.write_off] = key[s.write_row, :, s.write_tok].to(pool.dtype)
+        pool[s.write_slot, layer, 1, s.write_off] = value[s.write_row, :, s.write_tok].to(pool.dtype)
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scaling: float) -> torch.Tensor:
@@ -295,8 +297,8 @@ def swapped_attention(model: Any) -> Iterator[None]:
     """Run ``model`` with ``"tierkv_cascade"`` attention inside the block, restoring its own
     after. The switch is on the shared config: do not run the model elsewhere meanwhile."""
     register()
-    configs = {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda **_: None)(decoder=True))
-               if c is not None}
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else None
+    configs = {id(c): c for c in (model.config, text) if c is not None}
     saved = {key: c._attn_implementation for key, c in configs.items()}
     try:
         for c in configs.values():

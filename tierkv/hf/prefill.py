@@ -63,10 +63,27 @@ def empty_cache() -> Any:
 
 
 def cache_from_kv(layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device, dtype: torch.dtype) -> Any:
-    """A DynamicCache holding per-layer ``(K, V)`` tensors ``[1, Hkv, T, D]``."""
+    """A DynamicCache holding per-layer ``(K, V)`` tensors ``[1, Hkv, T, D]``.
+
+    The cache takes the tensors themselves when they already have ``device`` and ``dtype``
+    (do not modify them afterwards). ``DynamicLayer.update`` would concatenate them onto an
+    empty tensor: a second full copy of the prefix, and on CPU a fresh allocation whose page
+    faults cost more than the copy (a third of the restore time at 190 MB in
+    scripts/bench_ttft.py). So each layer is initialised by an empty update and then handed
+    the tensors, through the same ``keys``/``values`` attributes :func:`cache_layer_kv`
+    reads; any other layer type gets a plain update.
+    """
+    from transformers.cache_utils import DynamicLayer
+
     cache = empty_cache()
     for layer_idx, (k, v) in enumerate(layer_kv):
-        cache.update(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype), layer_idx)
+        k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
+        cache.update(k[:, :, :0], v[:, :, :0], layer_idx)
+        layer = cache.layers[layer_idx]
+        if type(layer) is DynamicLayer:
+            layer.keys, layer.values = k, v
+        else:
+            cache.update(k, v, layer_idx)
     return cache
 
 
@@ -99,11 +116,12 @@ def lease_kv(lease: Any, layout: PageLayout) -> list[tuple[torch.Tensor, torch.T
     else:
         pages = lease.pages()
     layout.check_pages(pages, n)
-    # [n, L, 2, B, H, D] -> [L, 2, H, n, B, D] -> [L, 2, 1, H, n*B, D]: one copy.
-    kv = pages.permute(1, 2, 4, 0, 3, 5).reshape(
-        layout.num_layers, 2, 1, layout.num_kv_heads, n * layout.block_size, layout.head_dim
-    )
-    return [(kv[layer, 0], kv[layer, 1]) for layer in range(layout.num_layers)]
+    L, H, B, D = layout.num_layers, layout.num_kv_heads, layout.block_size, layout.head_dim
+    kv = torch.empty((L, 2, 1, H, n * B, D), dtype=pages.dtype, device=pages.device)
+    # [n, L, 2, B, H, D] -> [L, 2, H, n, B, D], copied. An explicit copy, not reshape(): for a
+    # single block reshape() would return a view of the pool, valid only while the lease is.
+    kv.view(L, 2, H, n, B, D).copy_(pages.permute(1, 2, 4, 0, 3, 5))
+    return [(kv[layer, 0], kv[layer, 1]) for layer in range(L)]
 
 
 def _restore(store: "Store", tokens: list[int], scope: Scope, blocks: int, model: Any) -> tuple[Any, int]:

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..layout import PageLayout
 from .vllm_config import VLLM_VERSION, ConnectorConfig, UnsupportedModelError, layout_from_vllm, served_model_version
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+_HIT_SOURCE = {"device": CacheHitSource.DEVICE, "host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 __all__ = ["TierKVConnector", "TierKVConnectorMetadata", "TierKVConnectorStats", "VLLM_VERSION"]
 
@@ -74,6 +76,10 @@ def _identity(vllm_config: "VllmConfig", cfg: ConnectorConfig, kv_cache_config: 
 
 class TierKVConnector(KVConnectorBase_V1):
     """vLLM KV connector backed by a tierkv store (embedded ``home``) or daemon (``socket``)."""
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a save lost to preemption is a later miss, nothing more
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -117,9 +123,20 @@ class TierKVConnector(KVConnectorBase_V1):
             return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        # Not wrapped like the lookup: once tokens are promised, losing their load plan would
+        # leave vLLM reading unfilled blocks. An error here stays loud instead.
         assert self.scheduler is not None
         block_ids = blocks.get_block_ids()
         self.scheduler.allocated(request, list(block_ids[0]) if block_ids else [], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Split a hit by the tierkv tier each block was found in (on a CPU-only store the
+        "device" tier is host memory)."""
+        assert self.scheduler is not None
+        by_tier = self.scheduler.hit_sources(request.request_id, num_external_tokens)
+        if sum(by_tier.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {_HIT_SOURCE[t]: n for t, n in by_tier.items()}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -174,7 +191,8 @@ class TierKVConnector(KVConnectorBase_V1):
         tokens and load latency on the worker side) and the store's own statistics."""
         side = self.scheduler or self.worker
         counters = side.counters.snapshot() if side is not None else {}
-        return {"role": self.role.name, "enabled": self.model_version is not None,
+        enabled = self.model_version is not None and (self.worker is None or self.worker.enabled)
+        return {"role": self.role.name, "enabled": enabled,
                 "model_version": self.model_version, "store_errors": self.handle.errors,
                 **counters, "store": self.handle.stats()}
 

@@ -56,7 +56,7 @@ class ConnectorConfig:
     device_bytes: int = 256 << 20
     host_bytes: int = 1 << 30
     disk_bytes: int = 16 << 30
-    timeout_s: float = 10.0
+    timeout_s: float = 5.0
     model_version: str | None = None
     save: bool = True
 

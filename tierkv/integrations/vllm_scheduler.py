@@ -74,6 +74,7 @@ class _Tracked:
 class _Match:
     local_tokens: int
     hit_tokens: int
+    tiers: tuple[str, ...]  # tierkv tier of each matched block ("device", "host", "disk")
 
 
 class SchedulerSide:
@@ -91,6 +92,7 @@ class SchedulerSide:
         self._matches: dict[str, _Match] = {}
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
+        self._sources: dict[str, tuple[str, ...]] = {}  # tiers of the blocks a planned load reads
 
     # ---- get_num_new_matched_tokens -------------------------------------------------------
     def matched(self, request: Any, local_tokens: int) -> int:
@@ -103,9 +105,9 @@ class SchedulerSide:
             return 0  # vLLM already has every block tierkv could give
         scope = scope_of(request, self.model_version)
         t0 = time.perf_counter()
-        hit = self.handle.lookup(list(prompt[:limit]), scope)
-        hit = min(hit - hit % self.block_size, limit)
-        self._matches[request.request_id] = _Match(local_tokens, hit)
+        found = self.handle.lookup(list(prompt[:limit]), scope)
+        hit = min(found.tokens_matched - found.tokens_matched % self.block_size, limit)
+        self._matches[request.request_id] = _Match(local_tokens, hit, found.tiers)
         ext = max(0, hit - local_tokens)
         self.counters.add(lookups=1, hit_requests=int(ext > 0), hit_tokens=ext)
         log.debug("tierkv lookup %s: local %d, tierkv %d tokens (%.2f ms)", request.request_id, local_tokens, hit,
@@ -132,10 +134,23 @@ class SchedulerSide:
         end = min(-(-(match.local_tokens + num_external_tokens) // B), match.hit_tokens // B, len(block_ids))
         if end <= first:
             return
+        self._sources[req_id] = match.tiers[first:end]
         self._loads.append(LoadSpec(
             req_id=req_id, token_ids=tuple(request.prompt_token_ids[: end * B]), scope=scope,
             first_block=first, block_ids=tuple(block_ids[first:end]),
         ))
+
+    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the planned load by the tierkv tier they come from (consumed once)."""
+        tiers = self._sources.pop(req_id, ())
+        counts: dict[str, int] = {}
+        for t in tiers:
+            counts[t] = counts.get(t, 0) + self.block_size
+        # The last block may be partly recomputed by vLLM: count only the promised tokens.
+        excess = sum(counts.values()) - num_external_tokens
+        if tiers and excess > 0:
+            counts[tiers[-1]] -= excess
+        return {t: n for t, n in counts.items() if n > 0}
 
     # ---- build_connector_meta -------------------------------------------------------------
     def build(self, scheduler_output: Any) -> TierKVConnectorMetadata:
@@ -181,6 +196,7 @@ class SchedulerSide:
         """Forget the request (saves are synchronous, so its blocks can be freed now)."""
         self._tracked.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
+        self._sources.pop(request.request_id, None)
 
     def check_integrity(self) -> None:
         """Every tracked request's stored blocks lie within its tokens; no load is planned

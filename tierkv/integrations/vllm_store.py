@@ -20,12 +20,16 @@ import torch
 
 from ..identity import Scope
 from ..layout import PageLayout
-from ..results import Lease
+from ..results import Lease, LookupResult
 from .vllm_config import ConnectorConfig
 
 log = logging.getLogger(__name__)
-RECONNECT_INTERVAL_S = 5.0
+# After a failure the store is left alone for RETRY_MIN_S, doubling per consecutive failure up
+# to RETRY_MAX_S: a hung daemon then costs one timeout per minute, not one per request.
+RETRY_MIN_S = 1.0
+RETRY_MAX_S = 60.0
 
+MISS = LookupResult(0, (), ())
 _shared_lock = threading.Lock()
 _shared: dict[str, list[Any]] = {}  # resolved home -> [store, refcount]
 
@@ -59,9 +63,10 @@ def _close_shared(store: Any) -> None:
 class StoreHandle:
     """A store or daemon client for one connector object, with failures turned into misses.
 
-    ``errors`` counts every call that failed; the store is (re)opened lazily, at most once
-    per :data:`RECONNECT_INTERVAL_S`, so a daemon restarted under a running engine is
-    picked up again.
+    ``errors`` counts every call that failed. The store is (re)opened lazily; after a
+    failure, calls answer "miss" without trying for a back-off period (see
+    :data:`RETRY_MIN_S`), so a daemon restarted under a running engine is picked up again and
+    a dead or hung one does not stall vLLM's scheduler on every request.
     """
 
     def __init__(self, config: ConnectorConfig, layout: PageLayout) -> None:
@@ -69,7 +74,8 @@ class StoreHandle:
         self.layout = layout
         self.errors = 0
         self._store: Any = None
-        self._last_attempt = float("-inf")
+        self._retry_at = float("-inf")
+        self._retry_s = RETRY_MIN_S
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
@@ -78,22 +84,30 @@ class StoreHandle:
         with self._lock:
             if self._store is not None:
                 return self._store
-            now = time.monotonic()
-            if now - self._last_attempt < RECONNECT_INTERVAL_S:
+            if time.monotonic() < self._retry_at:
                 return None
-            self._last_attempt = now
             try:
                 self._store = self._open()
             except Exception as e:
                 self._fail("open", e)
+                self._back_off()
             return self._store
+
+    def _back_off(self) -> None:
+        # Held: self._lock.
+        self._retry_at = time.monotonic() + self._retry_s
+        self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
+
+    def _succeeded(self) -> None:
+        self._retry_s = RETRY_MIN_S
 
     def _open(self) -> Any:
         if self.config.home is not None:
             return _open_shared(self.config, self.layout)
         import tierkv
 
-        client = tierkv.connect(self.config.socket, timeout=self.config.timeout_s)  # type: ignore[arg-type]
+        client = tierkv.connect(self.config.socket, timeout=self.config.timeout_s,  # type: ignore[arg-type]
+                                connect_timeout=min(5.0, self.config.timeout_s))
         layout = getattr(client, "layout", None)
         if layout is not None and layout != self.layout:
             client.close()
@@ -108,12 +122,17 @@ class StoreHandle:
         else:
             log.debug("tierkv %s failed: %s", what, e)
 
-    def _drop_client(self) -> None:
-        # A daemon client that failed may be dead; reconnect on a later call. An embedded
-        # store stays open (its failures are per call, e.g. a corrupt page).
-        if self.config.socket is not None:
+    def _drop_client(self, e: BaseException) -> None:
+        # A daemon client whose connection failed may be dead: reconnect on a later call,
+        # after the back-off. Errors about one call (bad tokens, a full tier) and every error
+        # of an embedded store leave the store in place.
+        from ..errors import DaemonUnavailableError, ProtocolError, TierKVError
+
+        per_call = isinstance(e, TierKVError) and not isinstance(e, (DaemonUnavailableError, ProtocolError))
+        if self.config.socket is not None and not per_call:
             with self._lock:
                 store, self._store = self._store, None
+                self._back_off()
             if store is not None:
                 try:
                     store.close()
@@ -121,17 +140,20 @@ class StoreHandle:
                     pass
 
     # ---- the calls the connector makes --------------------------------------------------
-    def lookup(self, tokens: list[int], scope: Scope) -> int:
-        """Tokens of the longest stored prefix (a multiple of the block size); 0 on failure."""
+    def lookup(self, tokens: list[int], scope: Scope) -> LookupResult:
+        """The longest stored prefix (tokens a multiple of the block size, and the tier of
+        each block); an empty result on failure."""
         store = self._get()
         if store is None:
-            return 0
+            return MISS
         try:
-            return int(store.lookup(tokens, scope).tokens_matched)
+            found = store.lookup(tokens, scope)
+            self._succeeded()
+            return LookupResult(int(found.tokens_matched), tuple(found.keys), tuple(found.tiers))
         except Exception as e:
             self._fail("lookup", e)
-            self._drop_client()
-            return 0
+            self._drop_client(e)
+            return MISS
 
     def acquire(self, tokens: list[int], scope: Scope, max_blocks: int) -> Lease | None:
         """A lease on up to ``max_blocks`` leading blocks, or None on failure. The caller
@@ -143,7 +165,7 @@ class StoreHandle:
             return store.acquire(tokens, scope, max_blocks=max_blocks)
         except Exception as e:
             self._fail("acquire", e)
-            self._drop_client()
+            self._drop_client(e)
             return None
 
     def put(self, tokens: list[int], pages: torch.Tensor, scope: Scope, start_block: int) -> bool:
@@ -156,7 +178,7 @@ class StoreHandle:
             return True
         except Exception as e:
             self._fail("put", e)
-            self._drop_client()
+            self._drop_client(e)
             return False
 
     def stats(self) -> dict[str, object]:

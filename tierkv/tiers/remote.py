@@ -51,6 +51,7 @@ _U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
 MAX_NAMESPACE_BYTES = 1024
 MAX_LAYOUT_BYTES = 1024
 MAX_TOKEN_BYTES = 1 << 20
+EXISTS_BATCH = 1024  # keys per existence call: bounds one RPC message
 _MAX_HEADER = _FIXED.size + 8 + 8 + MAX_NAMESPACE_BYTES + MAX_LAYOUT_BYTES + MAX_TOKEN_BYTES
 _KEY_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:/-]{0,128}$")
 
@@ -341,19 +342,22 @@ class RemoteTier:
 
     # ---- data path ---------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which of ``keys`` the remote store holds (one batched call); all False when down."""
-        if not keys:
-            return []
-        try:
-            client = self._connected()
-            codes = self._call(client, "batch_is_exist", client.batch_is_exist, [self.name(k) for k in keys])
-        except _Down:
-            return [False] * len(keys)
-        if len(codes) != len(keys) or any(c < 0 for c in codes):
-            self._fault("unreachable", f"batch_is_exist status {sorted(set(codes))[:3]}", client)
-            return [False] * len(keys)
-        self._count(self.counters, "exists_calls")
-        return [c == 1 for c in codes]
+        """Which of ``keys`` the remote store holds (batched, ``EXISTS_BATCH`` keys a call);
+        False from the first fault on (the tier is then down)."""
+        out: list[bool] = []
+        for start in range(0, len(keys), EXISTS_BATCH):
+            chunk = keys[start : start + EXISTS_BATCH]
+            try:
+                client = self._connected()
+                codes = self._call(client, "batch_is_exist", client.batch_is_exist, [self.name(k) for k in chunk])
+            except _Down:
+                break
+            if len(codes) != len(chunk) or any(c < 0 for c in codes):
+                self._fault("unreachable", f"batch_is_exist status {sorted(set(codes))[:3]}", client)
+                break
+            self._count(self.counters, "exists_calls")
+            out.extend(c == 1 for c in codes)
+        return out + [False] * (len(keys) - len(out))
 
     def put_pages(self, keys: Sequence[bytes], pages: torch.Tensor | Sequence[torch.Tensor],
                   metas: Sequence[RemoteMeta]) -> RemotePutResult:
