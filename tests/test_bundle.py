@@ -186,12 +186,29 @@ def test_export_then_import_on_stores(tmp_path):
         assert c.stats()["blocks"] == 0
 
 
-def test_export_needs_the_whole_prefix_leased(tmp_path):
+def test_export_of_a_prefix_larger_than_the_device_tier(tmp_path):
+    # Export leases a window of blocks at a time (acquire start_block/max_blocks), so a
+    # 10-block prefix exports through a 4-slot device tier, byte-identical.
     tokens, pages = tokens_of(40, 3), pages_of(10, 3)
     with make_store(tmp_path / "a", device_bytes=4 * LAYOUT.page_bytes) as a:
         store_prefix(a, "p", tokens, pages)
-        with pytest.raises(CapacityError, match="only 4 of the 10 blocks"):
-            export_prefix(a, "p", tmp_path / "p.tkv")
+        r = export_prefix(a, "p", tmp_path / "p.tkv")
+        assert r.blocks == 10
+        assert a.stats()["leased_blocks"] == 0
+        a.check_integrity()
+    with make_store(tmp_path / "b") as b:
+        assert import_bundle(b, tmp_path / "p.tkv", name="p").stored == 10
+        with b.acquire(tokens, Scope(MV)) as lease:
+            assert torch.equal(lease.pages().view(torch.uint8), pages.view(torch.uint8))
+
+
+def test_export_fails_cleanly_when_nothing_can_be_leased(tmp_path):
+    tokens, pages = tokens_of(40, 3), pages_of(10, 3)
+    with make_store(tmp_path / "a", device_bytes=4 * LAYOUT.page_bytes) as a:
+        store_prefix(a, "p", tokens, pages)
+        with a.acquire(tokens, Scope(MV), max_blocks=4):  # every device slot held: blocks 4.. cannot come in
+            with pytest.raises(CapacityError, match="could not lease block 4 of the 10"):
+                export_prefix(a, "p", tmp_path / "p.tkv")
         assert not (tmp_path / "p.tkv").exists()
         assert a.stats()["leased_blocks"] == 0
         a.check_integrity()

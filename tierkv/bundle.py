@@ -328,17 +328,25 @@ def export_prefix(store: Any, name: str, path: Path) -> ExportResult:
         extra_keys=scope.extra_keys,
         created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
-    lease = store.acquire(tokens, scope)
-    try:
-        if lease.num_blocks < n:
-            raise CapacityError(
-                f"could lease only {lease.num_blocks} of the {n} blocks of {name!r} into the device tier",
-                hint="export from the home directly (without --socket), or raise the daemon's device tier",
-            )
-        size = write_bundle(path, header, tokens, (lease.page(i) for i in range(n)))
-    finally:
-        lease.release()
+    size = write_bundle(path, header, tokens, _leased_pages(store, tokens, scope, n, name))
     return ExportResult(name, Path(path), len(tokens), n, mv, ns, size)
+
+
+def _leased_pages(store: Any, tokens: np.ndarray, scope: Scope, n: int, name: str,
+                  window: int = 64) -> Iterator[torch.Tensor]:
+    """Pages 0..n-1 of the prefix, leased ``window`` blocks at a time (so a prefix larger
+    than the device tier exports with a small one); each page is yielded while leased."""
+    start = 0
+    while start < n:
+        with store.acquire(tokens, scope, max_blocks=min(window, n - start), start_block=start) as lease:
+            if lease.num_blocks == 0:
+                raise CapacityError(
+                    f"could not lease block {start} of the {n} blocks of {name!r} into the device tier",
+                    hint="release other leases, or raise the device tier",
+                )
+            for i in range(lease.num_blocks):
+                yield lease.page(i)
+            start += lease.num_blocks
 
 
 def check_compatible(header: BundleHeader, layout: PageLayout, model_version: str | None, force: bool) -> None:

@@ -5,7 +5,8 @@ changes locations only through ``BlockTable.place`` / ``unplace`` paired with th
 ``alloc`` / ``free``. Making room evicts least-recently-used evictable blocks (leaf first,
 see :meth:`BlockTable.victim`); a block evicted from memory moves one tier down
 (device -> host, or write-back to disk when it has no copy below), never silently lost
-while a tier below can take it.
+while a tier below can take it. Write-back takes a block's missing prefix along first, so
+the disk tier holds whole prefixes and everything on it is reachable after a restart.
 
 A block that is being moved is marked ``busy`` for the duration, so that the nested
 evictions a move can trigger (device -> host -> disk) never pick the same block.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from .blocks import Block, BlockTable, Priority
 from .errors import DiskWriteError, IndexFullError, LeaseError
@@ -64,7 +65,7 @@ class Placement:
             slot = tier.slots.alloc()
         return slot
 
-    def _alloc_disk(self, model_version: str, keep: list[Block] = ()) -> int | None:  # type: ignore[assignment]
+    def _alloc_disk(self, model_version: str, keep: Sequence[Block] = ()) -> int | None:
         """A free disk slot for ``model_version``, never evicting the blocks in ``keep``;
         None when nothing can be evicted. Raises DiskWriteError when a new segment cannot be
         created (the tier is then degraded)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .layout import PageLayout, unpack_pages
@@ -58,6 +59,7 @@ class Lease:
     pool: torch.Tensor  # the device pool the slots index
     blocks: list["Block"] = field(default_factory=list, repr=False)
     released: bool = False
+    start_block: int = 0  # the chain position of the first leased block
 
     @property
     def num_blocks(self) -> int:
@@ -65,7 +67,8 @@ class Lease:
 
     @property
     def tokens_matched(self) -> int:
-        return len(self.slots) * self.layout.block_size
+        """Tokens of the prefix up to the lease's last block (all cached and verified)."""
+        return (self.start_block + len(self.slots)) * self.layout.block_size if self.slots else 0
 
     def _check(self) -> None:
         if self.released:
@@ -79,12 +82,23 @@ class Lease:
         return self.pool[self.slots[i]]
 
     def pages(self) -> torch.Tensor:
-        """A copy of all leased pages, ``[n, L, 2, B, H, D]``."""
+        """A copy of all leased pages, ``[n, L, 2, B, H, D]``.
+
+        On the CPU, page by page with numpy into a numpy-allocated buffer: on a 2-core VM
+        torch's ``index_select`` over the shared-memory pool ran at 0.27 GB/s, and a fresh
+        ``torch.empty`` paid a 4 KiB page fault per page of output, together 6x slower than
+        memcpy (scripts/bench_daemon.py)."""
         self._check()
         if not self.slots:
             return torch.empty((0, *self.layout.shape), dtype=self.layout.torch_dtype, device=self.pool.device)
-        idx = torch.tensor(self.slots, dtype=torch.long, device=self.pool.device)
-        return self.pool.index_select(0, idx)
+        if self.pool.device.type != "cpu":
+            idx = torch.tensor(self.slots, dtype=torch.long, device=self.pool.device)
+            return self.pool.index_select(0, idx)
+        n, nbytes = len(self.slots), self.layout.page_bytes
+        dst = np.empty((n, nbytes), dtype=np.uint8)
+        for i, slot in enumerate(self.slots):
+            np.copyto(dst[i], self.pool[slot].reshape(-1).view(torch.uint8).numpy())
+        return torch.from_numpy(dst).view(self.layout.torch_dtype).view(n, *self.layout.shape)
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) in transformers' layout ``[1, H, n*B, D]`` (copies)."""

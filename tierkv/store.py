@@ -162,8 +162,13 @@ class Store(StoreOperations):
 
     # ---- acquire / release -------------------------------------------------------------
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
-                block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None) -> Lease:
+                block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
+                start_block: int = 0) -> Lease:
         """Lease the longest cached prefix, promoted into the device tier.
+
+        ``start_block``/``max_blocks`` lease only blocks ``start_block ..`` of that prefix
+        (the whole prefix is still matched and verified), so a prefix larger than the device
+        tier can be read a window at a time.
 
         The lease covers fewer blocks than ``lookup`` finds when the device tier cannot hold
         them all (other leases) or a page fails verification (it is quarantined). Leased
@@ -172,7 +177,9 @@ class Store(StoreOperations):
         self._check_usable()
         arr = as_token_array(tokens)
         with self._lock:
-            chain = self._match(arr, scope, block_extra)
+            if start_block < 0:
+                raise ValueError("start_block must be >= 0")
+            chain = self._match(arr, scope, block_extra)[start_block:]
             if max_blocks is not None:
                 chain = chain[:max_blocks]
             self.table.touch_chain(chain)
@@ -225,6 +232,7 @@ class Store(StoreOperations):
         return Lease(
             store=self, layout=self.layout, keys=tuple(b.key for b in chain),
             slots=tuple(b.loc[DEVICE] for b in chain), pool=self.device.pool, blocks=chain,
+            start_block=start_block,
         )
 
     def _promote(self, plan: list[tuple[int, Block, int, TierName]]) -> int | None:

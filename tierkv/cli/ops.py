@@ -353,10 +353,6 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
 
 
 # ---- export / import -------------------------------------------------------------------
-def _segment_bytes(home: Path) -> int:
-    return sum(p.stat().st_size for p in (home / "segments").glob("seg-*.safetensors"))
-
-
 @click.command(name="export")
 @click.argument("name")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
@@ -368,12 +364,7 @@ def export_cmd(name: str, output: Path, home: Path, socket_path: Path | None, as
 
     if not output.resolve().parent.is_dir():
         raise click.BadParameter(f"directory {output.parent} does not exist", param_hint="-o/--output")
-    options: dict[str, Any] = {}
-    if socket_path is None:
-        # Export leases the whole prefix at once: size the (host-memory) device tier to
-        # hold every page the home stores, which bounds any prefix in it.
-        options["device_bytes"] = max(256 << 20, _segment_bytes(home))
-    with target(home, socket_path, **options) as store:
+    with target(home, socket_path) as store:
         need(store, "get_manifest", "chain_tokens", "acquire")
         r = export_prefix(store, name, output)
     emit(as_json, {"name": r.name, "path": str(r.path), "tokens": r.tokens, "blocks": r.blocks,

@@ -176,9 +176,10 @@ class Client:
         return self._call_frame(op, msg).header
 
     @staticmethod
-    def _req(tokens: Any, scope: Scope, block_extra: Any = None, max_blocks: int | None = None) -> m.PrefixRequest:
+    def _req(tokens: Any, scope: Scope, block_extra: Any = None, max_blocks: int | None = None,
+             start_block: int = 0) -> m.PrefixRequest:
         return m.PrefixRequest(m.WireScope(scope.model_version, scope.namespace, scope.extra_keys),
-                               as_token_array(tokens), block_extra, max_blocks)
+                               as_token_array(tokens), block_extra, max_blocks, start_block)
 
     # ---- data path -------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
@@ -188,15 +189,17 @@ class Client:
         return LookupResult(int(r.fields["tokens_matched"]), r.keys, tuple(r.fields["tiers"]))
 
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
-                block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None) -> RemoteLease:
-        f = self._call_frame(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks))
+                block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
+                start_block: int = 0) -> RemoteLease:
+        f = self._call_frame(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks, start_block))
         r = m.KeysReply.decode(f.header, f.payload)
         slots = tuple(r.fields["slots"])
         n_pool = self.device_pool.shape[0]
         if len(slots) != len(r.keys) or not all(isinstance(s, int) and 0 <= s < n_pool for s in slots):
             raise ProtocolError(f"daemon returned device slots outside the pool of {n_pool}")
         lease = RemoteLease(store=self, layout=self.layout, keys=r.keys, slots=slots, pool=self.device_pool,
-                            lease_id=int(r.fields["lease_id"]), timeout_s=self.lease_timeout_s)
+                            lease_id=int(r.fields["lease_id"]), timeout_s=self.lease_timeout_s,
+                            start_block=start_block)
         self._leases[lease.lease_id] = lease
         return lease
 

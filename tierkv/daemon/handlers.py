@@ -103,7 +103,8 @@ class Handlers:
     async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
         if self.leases.count(conn.id) >= MAX_LEASES_PER_CONNECTION:
             raise CapacityError(f"this connection holds {MAX_LEASES_PER_CONNECTION} leases", hint="release some first")
-        lease = await self.run(self.store.acquire, msg.tokens, self.scope(conn, msg.scope), msg.block_extra, msg.max_blocks)
+        lease = await self.run(self.store.acquire, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
+                               msg.max_blocks, msg.start_block)
         held = self.leases.add(conn.id, lease)
         return m.KeysReply(lease.keys, {"lease_id": held.lease_id, "slots": list(lease.slots)}).encode()
 

@@ -133,15 +133,17 @@ class PrefixRequest:
     tokens: np.ndarray
     block_extra: Sequence[Sequence[str | bytes]] | None = None
     max_blocks: int | None = None
+    start_block: int = 0
 
     def encode(self) -> tuple[Header, bytes]:
-        h = {"scope": self.scope.to_wire(), "block_extra": extra_to_wire(self.block_extra), "max_blocks": self.max_blocks}
+        h = {"scope": self.scope.to_wire(), "block_extra": extra_to_wire(self.block_extra), "max_blocks": self.max_blocks,
+             "start_block": self.start_block}
         return h, tokens_payload(self.tokens)
 
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "PrefixRequest":
         return cls(WireScope.from_wire(h), tokens_from(payload), extra_from_wire(h),
-                   _int(h, "max_blocks", 0, MAX_TOKENS, None))
+                   _int(h, "max_blocks", 0, MAX_TOKENS, None), _int(h, "start_block", 0, MAX_TOKENS, 0))
 
 
 @dataclass(frozen=True)

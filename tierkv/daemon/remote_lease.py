@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import LeaseError
@@ -36,22 +35,6 @@ class RemoteLease(Lease):
     def renew(self) -> None:
         self._check()
         self.store.renew(self)  # type: ignore[attr-defined]
-
-    def pages(self) -> torch.Tensor:
-        """A copy of all leased pages, ``[n, L, 2, B, H, D]``, read from shared memory.
-
-        Page by page with numpy into a numpy-allocated buffer: on a 2-core VM torch's
-        ``index_select`` over the shm pool ran at 0.27 GB/s, and a fresh ``torch.empty``
-        paid a 4 KiB page fault per page of output (numpy asks for huge pages), together
-        6x slower than memcpy (scripts/bench_daemon.py)."""
-        self._check()
-        if self.pool.device.type != "cpu" or not self.slots:
-            return super().pages()
-        n, nbytes = len(self.slots), self.layout.page_bytes
-        dst = np.empty((n, nbytes), dtype=np.uint8)
-        for i, slot in enumerate(self.slots):
-            np.copyto(dst[i], self.pool[slot].reshape(-1).view(torch.uint8).numpy())
-        return torch.from_numpy(dst).view(self.layout.torch_dtype).view(n, *self.layout.shape)
 
 
 def pool_view(region: SharedRegion, layout: PageLayout, slots: int, stride_bytes: int) -> torch.Tensor:
