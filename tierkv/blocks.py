@@ -40,6 +40,9 @@ class Block:
     busy: int = 0  # in-flight reads of this block's pages (outside the store lock)
     children: set[bytes] = field(default_factory=set)
     dead: bool = False  # invalidated or quarantined; freed when the last lease ends
+    # The fastest tier holding the block ("" for none), kept by BlockTable.place/unplace so
+    # that a lookup of thousands of blocks need not search each block's locations.
+    top: str = ""
 
     @property
     def top_tier(self) -> TierName | None:
@@ -47,6 +50,10 @@ class Block:
             if t in self.loc:
                 return t
         return None
+
+    def _update_top(self) -> None:
+        t = self.top_tier
+        self.top = t.value if t is not None else ""
 
 
 class BlockTable:
@@ -124,10 +131,12 @@ class BlockTable:
     def place(self, block: Block, tier: TierName, slot: int) -> None:
         assert tier not in block.loc, f"block already in {tier.value}"
         block.loc[tier] = slot
+        block._update_top()
         self._lru[tier][block.priority][block.key] = None
 
     def unplace(self, block: Block, tier: TierName) -> int:
         slot = block.loc.pop(tier)
+        block._update_top()
         self._lru[tier][block.priority].pop(block.key, None)
         return slot
 
@@ -177,6 +186,7 @@ class BlockTable:
                 assert all(self.blocks[k].priority == prio for k in d), "block listed under the wrong priority"
         for k, b in self.blocks.items():
             assert b.key == k and b.leases >= 0 and b.busy >= 0
+            assert b.top == (b.top_tier.value if b.top_tier is not None else ""), "cached top tier is stale"
             assert b.loc, f"block {k.hex()[:12]} has no pages in any tier"
             assert b.children <= self.blocks.keys(), "child set names a block not in the table"
             for c in b.children:

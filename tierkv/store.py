@@ -29,8 +29,9 @@ from .home import HomeLock
 from .identity import Scope, as_token_array, iter_block_keys
 from .index import NO_DISK, Index
 from .layout import PageLayout
+from .ingest import Ingest
 from .operations import StoreOperations
-from .results import Lease, LookupResult, PutResult
+from .results import Lease, LookupResult
 from .stats import Counters
 from .tiers import DiskTier, MemoryTier, TierName
 from .tiers.shm import default_shm_dir
@@ -40,10 +41,11 @@ FORMAT_VERSION = "1"
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
-class Store(StoreOperations):
+class Store(StoreOperations, Ingest):
     """A tierkv store opened in this process. Build with :func:`tierkv.open`.
 
-    The data path (lookup, acquire, release, put, prefetch) lives here; operations (pin,
+    The read path (lookup, acquire, release, prefetch) lives here; ``put`` in
+    :class:`~tierkv.ingest.Ingest`; operations (pin,
     invalidate, verify, stats, manifests) in :class:`~tierkv.operations.StoreOperations`;
     the placement machinery (allocation, eviction, demotion, write-back, retirement) in
     :class:`~tierkv.placement.Placement`."""
@@ -135,12 +137,15 @@ class Store(StoreOperations):
         request's (held: the lock). A block whose stored ids differ is a collision or a
         corrupt record: quarantined, and the chain ends there."""
         bs = self.layout.block_size
+        step = 4 * bs
+        raw = arr.tobytes()
+        get = self.table.blocks.get
         chain: list[Block] = []
         for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra)):
-            b = self.table.get(key)
+            b = get(key)
             if b is None or b.dead:
                 break
-            if b.tokens != arr[i * bs : (i + 1) * bs].tobytes():
+            if b.tokens != raw[i * step : (i + 1) * step]:
                 self.stats_counters.token_mismatch += 1
                 self._quarantine(b, "stored token ids differ from the request's")
                 break
@@ -149,14 +154,16 @@ class Store(StoreOperations):
 
     def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                block_extra: Sequence[Sequence[str | bytes]] | None = None) -> LookupResult:
-        """Longest cached prefix of ``tokens`` across all tiers, token ids verified."""
+        """Longest cached prefix of ``tokens`` across all tiers, token ids verified.
+
+        A lookup is a probe, not a use: it does not refresh the blocks' LRU position
+        (``acquire`` and ``put`` do). Refreshing 8k blocks cost a third of a 128k-token lookup."""
         self._check_usable()
         arr = as_token_array(tokens)
         t0 = time.perf_counter()
         with self._lock:
             chain = self._match(arr, scope, block_extra)
-            self.table.touch_chain(chain)
-            tiers = tuple(b.top_tier.value for b in chain)  # type: ignore[union-attr]
+            tiers = tuple(b.top for b in chain)
             self.stats_counters.record_lookup(len(arr) // self.layout.block_size, tiers, time.perf_counter() - t0)
         return LookupResult(len(chain) * self.layout.block_size, tuple(b.key for b in chain), tiers)
 
@@ -219,7 +226,7 @@ class Store(StoreOperations):
                     self._unbusy(b)
                 self._release_blocks(chain[:leased], ended=False)
                 raise
-            self.stats_counters.record_acquire(tuple(b.top_tier.value for b in chain))  # type: ignore[union-attr]
+            self.stats_counters.record_acquire(tuple(b.top for b in chain))
         failed = self._promote(plan)
         for i, ev in waits:
             ev.wait()
@@ -288,131 +295,6 @@ class Store(StoreOperations):
             self._release_blocks(lease.blocks)
 
     # ---- put -------------------------------------------------------------------------
-    def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
-            start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
-            priority: Priority = Priority.NORMAL) -> PutResult:
-        """Store pages ``[n, L, 2, B, H, D]`` of blocks ``start_block .. start_block+n-1``.
-
-        Blocks already stored (or being stored by another thread) are skipped. With
-        write-through (the default) and for pinned blocks, the pages are on disk, fsynced and
-        indexed when this returns (``durable=True``); ephemeral blocks stay in memory.
-        Raises PageFormatError, InvalidTokensError, or DiskWriteError (the tier is then marked
-        degraded; later puts keep to memory until it recovers).
-        """
-        self._check_usable()
-        arr = as_token_array(tokens)
-        n_full = len(arr) // self.layout.block_size
-        n = int(pages.shape[0]) if isinstance(pages, torch.Tensor) and pages.dim() > 0 else 0
-        self.layout.check_pages(pages)
-        if start_block < 0 or start_block + n > n_full:
-            from .errors import PageFormatError
-
-            raise PageFormatError(
-                f"{n} pages from block {start_block} exceed the {n_full} full blocks of {len(arr)} tokens"
-            )
-        keys = list(iter_block_keys(arr[: (start_block + n) * self.layout.block_size], scope.seed,
-                                    self.layout.block_size, block_extra))
-        bs = self.layout.block_size
-        durable_wanted = priority == Priority.PINNED or (self.config.write_through and priority != Priority.EPHEMERAL)
-        new: list[Block] = []
-        page_of: dict[bytes, torch.Tensor] = {}
-        disk_plan: list[tuple[int, Block]] = []
-        with self._lock:
-            for i in range(start_block, start_block + n):
-                old = self.table.get(keys[i])
-                if old is not None and old.tokens != arr[i * bs : (i + 1) * bs].tobytes():
-                    # A stored block under this key with other token ids (a corrupt record or
-                    # a collision): it can never be served, so the new block replaces it.
-                    self.stats_counters.token_mismatch += 1
-                    self._quarantine(old, "stored token ids differ from a put's")
-                    old = None
-                if keys[i] in self._writing or old is not None:
-                    continue
-                self._writing.add(keys[i])
-                page = page_of[keys[i]] = pages[i - start_block]
-                b = Block(
-                    key=keys[i], parent=keys[i - 1] if i else scope.seed, model_version=scope.model_version,
-                    namespace=scope.namespace, tokens=arr[i * bs : (i + 1) * bs].tobytes(),
-                    checksum=page_checksum(keys[i], page), priority=priority,
-                )
-                new.append(b)
-            # Making room on disk must not evict this request's own blocks; those cached only
-            # in memory (put while the disk was degraded, or in write-back mode) go to disk
-            # first, so that the disk tier holds whole prefixes.
-            cached = [blk for k in keys if (blk := self.table.get(k)) is not None]
-            try:
-                if durable_wanted and self.disk.capacity_slots and not self.disk.degraded:
-                    for blk in cached:
-                        if DISK not in blk.loc and blk.priority != Priority.EPHEMERAL:
-                            self._flush_to_disk(blk)
-                    for b in new:
-                        loc = self._alloc_disk(b.model_version, cached)
-                        if loc is None:
-                            break  # disk full of pinned/leased blocks: the rest stays in memory
-                        disk_plan.append((loc, b))
-            except BaseException:
-                self._abort_put(new, disk_plan)
-                raise
-        try:
-            if disk_plan:
-                items = [(loc, page_of[b.key].detach().cpu()) for loc, b in disk_plan]
-                # Order matters: pages written and fsynced, then the index commit, then we ack.
-                with self._io_lock:
-                    self.disk.write_pages(items)
-                    self.index.put_blocks(self._record(b, loc) for loc, b in disk_plan)
-        except BaseException:
-            with self._lock:
-                self._abort_put(new, disk_plan)
-            raise
-        with self._lock:
-            self._place_new(keys, new, disk_plan, page_of)
-            self.stats_counters.puts += 1
-            self.stats_counters.blocks_stored += len(new)
-            all_durable = all((blk := self.table.get(k)) is not None and DISK in blk.loc for k in keys[start_block:])
-        return PutResult(stored=len(new), skipped=n - len(new), durable=all_durable)
-
-    def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]]) -> None:
-        """Undo a failed put (held: the lock): its disk slots and its claim on the keys."""
-        for loc, _ in disk_plan:
-            self.disk.free(loc)
-        self._writing.difference_update(b.key for b in new)
-
-    def _place_new(self, keys: list[bytes], new: list[Block], disk_plan: list[tuple[int, Block]],
-                   page_of: dict[bytes, torch.Tensor]) -> None:
-        """Enter a put's blocks in the table and copy them into memory (held: the lock).
-
-        The request's whole chain is held busy meanwhile, so that making room evicts other
-        blocks, never this prefix; once the device tier has no room left, the rest of the
-        blocks go to the host tier, so a prefix never sits below its own extensions."""
-        for loc, b in disk_plan:
-            self.table.add(b)
-            self.table.place(b, DISK, loc)
-        for b in new:
-            if self.table.get(b.key) is None:
-                self.table.add(b)
-        chain = [blk for k in keys if (blk := self.table.get(k)) is not None]
-        for blk in chain:
-            blk.busy += 1
-        try:
-            tiers = [DEVICE, HOST]
-            for b in new:
-                while tiers:
-                    slot = self._alloc_mem(tiers[0])
-                    if slot is not None:
-                        self._tier(tiers[0]).write(slot, page_of[b.key])
-                        self.table.place(b, tiers[0], slot)
-                        break
-                    tiers.pop(0)
-                if not b.loc and b.priority != Priority.EPHEMERAL:
-                    self._flush_to_disk(b, page_of[b.key])  # write-back: memory is full
-                if not b.loc:
-                    self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
-        finally:
-            for blk in chain:
-                self._unbusy(blk)
-            self._writing.difference_update(b.key for b in new)
-        self.table.touch_chain([blk for blk in chain if self.table.get(blk.key) is blk])
-
     def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:
         """Start promoting the cached prefix of ``tokens`` to the device tier in the

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+import tierkv.ingest
 import tierkv.store
 from tierkv import Scope
 from tierkv.index import BlockRecord
@@ -186,7 +187,8 @@ def _colliding_keys(tokens, seed, block_size, block_extra=None):
 
 
 def test_forced_key_collision_is_a_miss(make_store, monkeypatch):
-    monkeypatch.setattr(tierkv.store, "iter_block_keys", _colliding_keys)
+    monkeypatch.setattr(tierkv.store, "iter_block_keys", _colliding_keys)  # lookup, acquire
+    monkeypatch.setattr(tierkv.ingest, "iter_block_keys", _colliding_keys)  # put
     store = make_store()
     a, b = toks(330, 2), toks(331, 2)
     zeros = torch.zeros((2, *LAYOUT.shape))

@@ -45,6 +45,35 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
               help="Directory of the shared-memory tier files (default /dev/shm).")
 @click.option("--namespace-per-uid/--no-namespace-per-uid", default=None,
               help="Prefix each client's namespace with its uid (isolates users sharing a daemon).")
+@click.option("--remote-master", default=None,
+              help="Join a cluster: the Mooncake master's HOST:PORT (RPC). Without it the daemon is local only.")
+@click.option("--remote-metadata-url", default=None,
+              help="The cluster's metadata server, e.g. http://HOST:8080/metadata (the master's own HTTP server).")
+@click.option("--remote-hostname", default=None,
+              help="This node's address on the cluster network, as other nodes reach it (default 127.0.0.1).")
+@click.option("--remote-bind", default=None,
+              help="MC_TCP_BIND_ADDRESS for the transfer engine (default: $MC_TCP_BIND_ADDRESS, else 127.0.0.1).")
+@click.option("--remote-key-prefix", default=None, help="Prefix of this cluster's object names (default tierkv/).")
+@click.option("--remote-segment-bytes", default=None,
+              help="Memory this node lends to the cluster pool (default 512MiB; 0 lends none).")
+@click.option("--remote-buffer-bytes", default=None,
+              help="Transfer buffer of the remote client; bounds one batched put or get (default 64MiB).")
+@click.option("--remote-protocol", default=None, help="Transfer protocol: tcp (default) or rdma.")
+@click.option("--remote-device-name", default=None, help="RDMA NIC list for --remote-protocol rdma.")
+@click.option("--remote-op-timeout", "remote_op_timeout_s", type=float, default=None,
+              help="Deadline of one remote call, seconds (default 5); past it the tier is marked down.")
+@click.option("--remote-backoff-max", "remote_backoff_max_s", type=float, default=None,
+              help="Longest wait between reconnect attempts while the remote tier is down (default 30 s).")
+@click.option("--publish-pinned/--no-publish-pinned", default=None,
+              help="Write pinned prefixes through to the cluster (default on).")
+@click.option("--publish-materialised/--no-publish-materialised", default=None,
+              help="Write materialised (named) prefixes through to the cluster (default on).")
+@click.option("--publish-puts/--no-publish-puts", default=None,
+              help="Publish every normal put too (default off).")
+@click.option("--write-back-evicted/--no-write-back-evicted", default=None,
+              help="Publish blocks as they leave this node's last tier (default off).")
+@click.option("--local-only-namespace", "local_only_namespaces", multiple=True,
+              help="A namespace that never leaves this node (neither published nor fetched); repeatable.")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(config_file: Path | None, log_level: str, socket_path: Path | None, **flags: Any) -> None:
     """Run the tierkv daemon: the only process that opens HOME; clients use tierkv.connect(SOCKET)."""
@@ -52,6 +81,8 @@ def serve(config_file: Path | None, log_level: str, socket_path: Path | None, **
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     flags["socket"] = socket_path
+    if not flags.get("local_only_namespaces"):
+        flags["local_only_namespaces"] = None  # not given: the config file's list applies
     try:
         cfg = _build(flags, config_file)
         reload = (lambda: _build(flags, config_file)) if config_file else None

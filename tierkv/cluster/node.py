@@ -59,6 +59,9 @@ class ClusterNode:
         self._counters_lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_lock = threading.Lock()
+        self._publisher: ThreadPoolExecutor | None = None
+        if remote is not None and self.policy.write_back_evicted:
+            self._install_eviction_hook()
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes ClusterNode lacks: the rest of the Store API.
@@ -86,6 +89,7 @@ class ClusterNode:
         n = _leading(remote.exists(rest))
         if not n:
             return local
+        self._count("lookup_remote_blocks", n)
         return LookupResult((local.num_blocks + n) * self.layout.block_size, local.keys + tuple(rest[:n]),
                             local.tiers + (REMOTE,) * n)
 
@@ -124,10 +128,14 @@ class ClusterNode:
         return PullResult(n_local, len(got), len(got) * self.layout.page_bytes, time.perf_counter() - t0)
 
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
-                block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None) -> Lease:
-        """:meth:`Store.acquire` after a :meth:`pull` of what the remote tier holds."""
-        self.pull(tokens, scope, block_extra, max_blocks)
-        return self.store.acquire(tokens, scope, block_extra, max_blocks)
+                block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
+                start_block: int = 0) -> Lease:
+        """:meth:`Store.acquire` after a :meth:`pull` of what the remote tier holds (up to
+        the end of the window ``start_block .. start_block + max_blocks``)."""
+        if start_block < 0:
+            raise ValueError("start_block must be >= 0")
+        self.pull(tokens, scope, block_extra, None if max_blocks is None else start_block + max_blocks)
+        return self.store.acquire(tokens, scope, block_extra, max_blocks, start_block)
 
     def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:
@@ -204,6 +212,49 @@ class ClusterNode:
             return False
         return self.remote.put_pages([meta.key], page.unsqueeze(0), [meta]).failed == 0
 
+    def _install_eviction_hook(self) -> None:
+        """Stand-in for store hook 5 (docs/cluster.md): wrap this store's ``_evict`` so a
+        block leaving its last local tier is handed to :meth:`evicted`. The page is copied
+        while the store still holds it (under the store lock: a disk read for the disk
+        tier); publishing runs on a one-thread executor, never under the lock."""
+        from ..tiers import TierName
+
+        store = self.store
+        original = store._evict
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-cluster-publish")
+
+        def evict(b: Any, t: Any) -> None:
+            captured = None
+            if (set(b.loc) == {t} and not b.leases
+                    and self.policy.wants(Event.EVICTED, b.namespace, b.priority)):
+                try:
+                    if t == TierName.DISK:
+                        page = store.disk.read_page(b.loc[t]).cpu()
+                    else:
+                        page = store._tier(t).page(b.loc[t]).detach().to("cpu", copy=True)
+                    captured = (RemoteMeta(key=b.key, parent=b.parent, model_version=b.model_version,
+                                           namespace=b.namespace, tokens=bytes(b.tokens), checksum=0),
+                                page, b.priority)
+                except Exception as e:  # noqa: BLE001 - write-back is best effort
+                    log.warning("evicted block %s not captured for the remote tier: %s", b.key.hex()[:12], e)
+            original(b, t)
+            if captured is not None and not b.loc and self._publisher is not None:
+                try:
+                    self._publisher.submit(self._write_back, *captured)
+                except RuntimeError:  # closing
+                    pass
+
+        store._evict = evict
+
+    def _write_back(self, meta: RemoteMeta, page: torch.Tensor, priority: Priority) -> None:
+        from dataclasses import replace
+
+        from ..checksum import page_checksum
+
+        meta = replace(meta, checksum=page_checksum(meta.key, page))
+        if self.evicted(meta, page, priority):
+            self._count("written_back_blocks")
+
     def _publish(self, arr: np.ndarray, keys: list[bytes], scope: Scope, start: int,
                  pages: torch.Tensor) -> RemotePutResult:
         assert self.remote is not None
@@ -227,11 +278,55 @@ class ClusterNode:
 
     # ---- operations --------------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
+        """The store's stats, plus ``cluster`` (this node's pull/publish counters),
+        ``remote`` (the remote tier's own stats) and ``tiers.remote`` (its state and main
+        counters, see :meth:`remote_summary`); lookup hits in the remote tier are counted
+        under ``hits.remote``."""
         out = dict(self.store.stats())
         with self._counters_lock:
-            out["cluster"] = dict(self.counters)
+            cluster = dict(self.counters)
+        out["cluster"] = cluster
         out["remote"] = self.remote.stats() if self.remote is not None else None
+        if self.remote is not None:
+            tiers = dict(out.get("tiers") or {})  # type: ignore[call-overload]
+            tiers[REMOTE] = self.remote_summary()
+            out["tiers"] = tiers
+            hits = out.get("hits")
+            if isinstance(hits, dict):
+                n = cluster.get("lookup_remote_blocks", 0)
+                out["hits"] = {**hits, REMOTE: n}
+                asked = out.get("lookup_blocks") or 0
+                by_tier = out.get("hit_rate_by_tier")
+                if isinstance(by_tier, dict):
+                    out["hit_rate_by_tier"] = {**by_tier, REMOTE: n / asked if asked else 0.0}  # type: ignore[operator]
         return out
+
+    def remote_summary(self) -> dict[str, object]:
+        """The remote tier at a glance: ``state`` is "up", "degraded" (down after a fault;
+        ``degraded_reason`` says which, and requests are served locally meanwhile) or
+        "connecting" (no call made yet)."""
+        assert self.remote is not None
+        r = self.remote.stats()
+        faults = dict(r.get("faults") or {})  # type: ignore[call-overload]
+        up = bool(r.get("up"))
+        if up:
+            state = "up"
+        elif faults or r.get("connects"):
+            state = "degraded"
+        else:
+            state = "connecting"
+        with self._counters_lock:
+            pulled, published = self.counters["pulled_blocks"], self.counters["published_blocks"]
+        return {
+            "state": state, "available": up, "degraded_reason": None if up else (r.get("last_fault") or None),
+            "master": r.get("master"), "key_prefix": r.get("key_prefix"),
+            "hits": int(r.get("hits", 0)), "fetched_bytes": int(r.get("fetched_bytes", 0)),
+            "misses": int(r.get("misses", 0)), "verify_failures": int(faults.get("verify_failed", 0)),
+            "connects": int(r.get("connects", 0)), "reconnects": int(r.get("reconnects", 0)),
+            "published": int(r.get("published", 0)), "published_bytes": int(r.get("published_bytes", 0)),
+            "publish_failed": int(r.get("publish_failed", 0)), "pulled_blocks": pulled,
+            "published_blocks": published, "faults": faults,
+        }
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
@@ -241,6 +336,9 @@ class ClusterNode:
     def close(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.shutdown(wait=True)
         try:
             self.store.close()
         finally:

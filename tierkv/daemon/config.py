@@ -23,6 +23,8 @@ from ..layout import PageLayout
 
 SOCKET_ENV = "TIERKV_SOCKET"
 HOME_ENV = "TIERKV_HOME"
+BIND_ENV = "MC_TCP_BIND_ADDRESS"  # the Mooncake transfer engine's bind address
+DEFAULT_BIND = "127.0.0.1"
 
 
 def default_socket() -> Path:
@@ -56,6 +58,25 @@ class DaemonConfig:
     namespace_per_uid: bool = False  # prefix every namespace with "uid<N>/" (trusted side)
     allowed_uids: tuple[int, ...] = ()  # peers besides the daemon's own uid
     shm_dir: Path | None = None
+    # ---- the remote tier (docs/cluster.md); off unless remote_master is given ----
+    remote_master: str | None = None  # HOST:PORT of the Mooncake master's RPC service
+    remote_metadata_url: str | None = None  # transfer-engine metadata, e.g. http://HOST:8080/metadata
+    remote_hostname: str = "127.0.0.1"  # this node's address other nodes reach its segment on
+    remote_bind: str | None = None  # MC_TCP_BIND_ADDRESS; None: $MC_TCP_BIND_ADDRESS, else 127.0.0.1
+    remote_key_prefix: str = "tierkv/"
+    remote_segment_bytes: int = 512 * MiB  # memory this node lends to the cluster pool (0: none)
+    remote_buffer_bytes: int = 64 * MiB  # the client's transfer buffer: bounds one batched put or get
+    remote_protocol: str = "tcp"
+    remote_device_name: str = ""
+    remote_op_timeout_s: float = 5.0
+    remote_setup_timeout_s: float = 10.0
+    remote_backoff_max_s: float = 30.0  # reconnect attempts back off up to this
+    # ---- what this node publishes (tierkv.cluster.PublishPolicy) ----
+    publish_pinned: bool = True  # write-through of pinned prefixes
+    publish_materialised: bool = True  # write-through of materialised (named) prefixes
+    publish_puts: bool = False  # every normal put too
+    write_back_evicted: bool = False  # blocks leaving this node's last tier
+    local_only_namespaces: tuple[str, ...] = ()  # neither published nor fetched
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +95,45 @@ class DaemonConfig:
         for name in ("max_connections", "max_inflight", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        object.__setattr__(self, "local_only_namespaces", tuple(self.local_only_namespaces))
+        if self.remote_master is not None:
+            if not self.remote_metadata_url:
+                raise ValueError("remote_master needs remote_metadata_url (the master's metadata server, "
+                                 "e.g. http://HOST:8080/metadata)")
+            self.remote_config()  # validates the remote settings now, not when the daemon opens
+        self.publish_policy()
+
+    @property
+    def remote_enabled(self) -> bool:
+        return self.remote_master is not None
+
+    @property
+    def resolved_remote_bind(self) -> str:
+        return self.remote_bind or DEFAULT_BIND
+
+    def remote_config(self) -> Any:
+        """The :class:`~tierkv.tiers.remote.RemoteConfig` of these settings, or None when
+        the daemon runs without a remote tier."""
+        if self.remote_master is None:
+            return None
+        from ..tiers.remote import RemoteConfig
+
+        return RemoteConfig(
+            master_address=self.remote_master, metadata_url=str(self.remote_metadata_url),
+            local_hostname=self.remote_hostname, key_prefix=self.remote_key_prefix,
+            global_segment_bytes=self.remote_segment_bytes, local_buffer_bytes=self.remote_buffer_bytes,
+            protocol=self.remote_protocol, device_name=self.remote_device_name,
+            op_timeout_s=self.remote_op_timeout_s, setup_timeout_s=self.remote_setup_timeout_s,
+            backoff_max_s=self.remote_backoff_max_s,
+            backoff_initial_s=min(0.5, self.remote_backoff_max_s),
+        )
+
+    def publish_policy(self) -> Any:
+        from ..cluster.publish import PublishPolicy
+
+        return PublishPolicy(publish_pinned=self.publish_pinned, publish_materialised=self.publish_materialised,
+                             publish_puts=self.publish_puts, write_back_evicted=self.write_back_evicted,
+                             local_only_namespaces=frozenset(self.local_only_namespaces))
 
     @property
     def resolved_pid_file(self) -> Path:
@@ -118,7 +178,14 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
     data = dict(raw.pop("daemon", {}))
+    remote = raw.pop("remote", None)
     data.update(raw)
+    if remote is not None:
+        # [remote] master = "..." is remote_master = "..."; publish keys keep their names.
+        if not isinstance(remote, dict):
+            raise ConfigError(f"{path}: 'remote' must be a table")
+        for k, v in remote.items():
+            data[k if k in _PUBLISH_KEYS else f"remote_{k}"] = v
     known = {f.name for f in fields(DaemonConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -126,13 +193,22 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-_SIZES = ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "client_staging_bytes")
+REMOTE_FIELDS = ("remote_master", "remote_metadata_url", "remote_hostname", "remote_bind", "remote_key_prefix",
+                 "remote_segment_bytes", "remote_buffer_bytes", "remote_protocol", "remote_device_name",
+                 "remote_op_timeout_s", "remote_setup_timeout_s", "remote_backoff_max_s", "publish_pinned",
+                 "publish_materialised", "publish_puts", "write_back_evicted", "local_only_namespaces")
+_SIZES = ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "client_staging_bytes",
+          "remote_segment_bytes", "remote_buffer_bytes")
+_PUBLISH_KEYS = frozenset({"publish_pinned", "publish_materialised", "publish_puts", "write_back_evicted",
+                           "local_only_namespaces"})
 _PATHS = ("home", "socket", "pid_file", "shm_dir")
 
 
 def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping[str, str]) -> DaemonConfig:
     """Flags (None = not given) over the config file over the environment and defaults."""
     values: dict[str, Any] = {"home": env.get(HOME_ENV) or default_home(), "socket": env.get(SOCKET_ENV) or default_socket()}
+    if env.get(BIND_ENV):
+        values["remote_bind"] = env[BIND_ENV]
     values.update({k: v for k, v in file_values.items() if v is not None})
     values.update({k: v for k, v in flags.items() if v is not None})
     for k in _SIZES:
@@ -145,6 +221,9 @@ def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping
         values["layout"] = parse_layout(values["layout"])
     if "allowed_uids" in values:
         values["allowed_uids"] = tuple(int(u) for u in values["allowed_uids"])
+    if "local_only_namespaces" in values:
+        ns = values["local_only_namespaces"]
+        values["local_only_namespaces"] = tuple([ns] if isinstance(ns, str) else ns)
     try:
         return DaemonConfig(**values)
     except (TypeError, ValueError) as e:

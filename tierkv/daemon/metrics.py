@@ -69,6 +69,8 @@ class StoreCollector(Collector):
         cap = GaugeMetricFamily("tierkv_tier_capacity_bytes", "Capacity, by tier", labels=["tier"])
         blocks = GaugeMetricFamily("tierkv_tier_blocks", "Blocks held, by tier", labels=["tier"])
         for tier, t in s["tiers"].items():
+            if "used_bytes" not in t:
+                continue  # the remote tier: cluster-wide, its own metrics below
             used.add_metric([tier], t["used_bytes"])
             cap.add_metric([tier], t["capacity_bytes"])
             blocks.add_metric([tier], t["blocks"])
@@ -78,12 +80,43 @@ class StoreCollector(Collector):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
+        remote = s["tiers"].get("remote")
+        if isinstance(remote, dict):
+            yield from remote_metrics(remote)
         d = self._daemon_stats()
         for key, doc in (("leases", "Leases held by clients"), ("connections", "Client connections"),
                          ("staging_slots_used", "Staging slots in use")):
             g = GaugeMetricFamily(f"tierkv_daemon_{key}", doc)
             g.add_metric([], d.get(key, 0))
             yield g
+
+
+REMOTE_COUNTERS = (
+    ("hits", "tierkv_remote_hit_blocks", "Blocks fetched from the remote tier and verified"),
+    ("fetched_bytes", "tierkv_remote_fetched_bytes", "Bytes fetched from the remote tier (verified objects)"),
+    ("misses", "tierkv_remote_misses", "Blocks gone from the remote tier between the existence check and the fetch"),
+    ("verify_failures", "tierkv_remote_verify_failures", "Remote objects that failed verification (a miss each)"),
+    ("reconnects", "tierkv_remote_reconnects", "Times the remote tier came back up after being down"),
+    ("published", "tierkv_remote_published_blocks", "Blocks this node published to the remote tier"),
+    ("published_bytes", "tierkv_remote_published_bytes", "Bytes this node published to the remote tier"),
+    ("publish_failed", "tierkv_remote_publish_failed_blocks", "Blocks not published (tier down, pool full)"),
+    ("pulled_blocks", "tierkv_remote_pulled_blocks", "Blocks pulled from the remote tier into the local store"),
+)
+
+
+def remote_metrics(r: dict[str, Any]) -> Iterator[Any]:
+    """tierkv_remote_* from the ``tiers.remote`` summary (ClusterNode.remote_summary)."""
+    g = GaugeMetricFamily("tierkv_remote_up", "1 while the remote tier is up, 0 while degraded (served locally)")
+    g.add_metric([], 1 if r.get("available") else 0)
+    yield g
+    for key, name, doc in REMOTE_COUNTERS:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], int(r.get(key, 0) or 0))
+        yield c
+    f = CounterMetricFamily("tierkv_remote_faults", "Remote tier faults, by reason", labels=["reason"])
+    for reason, n in (r.get("faults") or {}).items():
+        f.add_metric([str(reason)], n)
+    yield f
 
 
 class DaemonMetrics:

@@ -10,6 +10,12 @@ blocks), the socket and pid file are removed. SIGHUP re-reads the config file: l
 timeout, staging quota, allowed uids and limits apply at once; tier capacities cannot be
 resized live and apply at the next start (logged).
 
+Cluster: with ``remote_master`` set the daemon wraps its store in a
+:class:`~tierkv.cluster.ClusterNode` (lookups count the remote tier, acquires pull from it,
+puts publish by the policy), sets ``MC_TCP_BIND_ADDRESS`` before any Mooncake client
+exists, and connects the remote tier from a keeper thread: a master that is absent or
+fails never stops the daemon, which serves locally meanwhile (docs/cluster.md).
+
 Per connection: frames are read in order; each request runs as its own task (at most
 ``max_inflight`` per connection) and replies carry the request id, so a slow put does not
 hold up a lookup. A bad head (magic, version, length) or a truncated frame gets one error
@@ -34,13 +40,14 @@ from ..errors import ConfigError, DaemonUnavailableError, ProtocolError, TierKVE
 from ..store import Store
 from ..tiers.shm import SharedRegion, default_shm_dir
 from . import messages, regions, security
-from .config import DaemonConfig, resolve_layout
+from .config import BIND_ENV, REMOTE_FIELDS, DaemonConfig, resolve_layout
 from .handlers import Handlers
 from .metrics import DaemonMetrics
 from .protocol import FLAG_ERROR, FLAG_REPLY, BadHeaderError, FatalFrameError, Frame, Op, encode_frame, read_frame
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 60.0
+REMOTE_CHECK_S = 5.0  # while the remote tier is up, the keeper checks it this often
 
 
 @dataclass(eq=False)
@@ -77,8 +84,11 @@ class Connection:
 
 class Daemon:
     def __init__(self, config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = None,
-                 install_signals: bool = True) -> None:
+                 install_signals: bool = True, remote_backend_factory: Callable[[Any], Any] | None = None) -> None:
         self.config = config
+        self._remote_factory = remote_backend_factory  # tests: a stand-in for the Mooncake client
+        self._remote_stop = threading.Event()
+        self._remote_keeper: threading.Thread | None = None
         self._reload = reload
         self._install_signals = install_signals
         self._ids = itertools.count(1)
@@ -87,7 +97,7 @@ class Daemon:
         self.metrics_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self.store: Store | None = None
+        self.store: Any = None  # the Store, or a ClusterNode wrapping it when the remote tier is on
         self.handlers: Handlers | None = None
         self.metrics: DaemonMetrics | None = None
 
@@ -107,6 +117,8 @@ class Daemon:
         staging: SharedRegion | None = None
         sock = None
         try:
+            if cfg.remote_enabled:
+                self.store = self._join_cluster(self.store)
             staging, pool = regions.create_staging(shm_dir, cfg.layout, cfg.staging_bytes)
             self.handlers = Handlers(self.store, cfg, pool, str(staging.path))
             self.metrics = DaemonMetrics(self.store.stats, self._daemon_stats, cfg.layout.page_bytes)
@@ -132,6 +144,50 @@ class Daemon:
             self.store.close()
             raise
         return sock, staging
+
+    def _join_cluster(self, store: Store) -> Any:
+        """Wrap ``store`` in a ClusterNode with the configured remote tier. Nothing remote
+        happens here: the tier connects from the keeper thread (:meth:`_keep_remote`), and
+        while it cannot, the daemon serves from its local tiers."""
+        from ..cluster import ClusterNode
+        from ..tiers.remote import RemoteTier
+
+        cfg = self.config
+        # Before any Mooncake client exists: the transfer engine reads it once, at setup.
+        os.environ[BIND_ENV] = cfg.resolved_remote_bind
+        rcfg = cfg.remote_config()
+        kw = {} if self._remote_factory is None else {"backend_factory": self._remote_factory}
+        remote = RemoteTier(rcfg, store.layout, **kw)
+        log.info("remote tier: master %s, metadata %s, this node %s (bind %s), lends %d MiB, key prefix %r",
+                 rcfg.master_address, rcfg.metadata_url, rcfg.local_hostname, cfg.resolved_remote_bind,
+                 rcfg.global_segment_bytes >> 20, rcfg.key_prefix)
+        return ClusterNode(store, remote, cfg.publish_policy())
+
+    def _keep_remote(self, remote: Any) -> None:
+        """Keeper thread: connect the remote tier at start, reconnect it while it is down
+        (as often as its backoff allows) and check it now and then while it is up, so that
+        ``stats`` tells its state even when no request has touched it."""
+        probe = [b"\0" * 32]
+        last_check = 0.0
+        wait = 0.0
+        while not self._remote_stop.wait(wait):
+            wait = 0.25
+            try:
+                if not remote.up:
+                    if remote.available:
+                        remote.exists(probe)
+                elif time.monotonic() - last_check >= REMOTE_CHECK_S:
+                    last_check = time.monotonic()
+                    remote.exists(probe)
+            except Exception:  # noqa: BLE001 - the keeper must outlive any surprise
+                log.exception("remote tier keeper")
+
+    def _stop_remote_keeper(self) -> None:
+        self._remote_stop.set()
+        if self._remote_keeper is not None:
+            rcfg = self.config.remote_config()
+            self._remote_keeper.join(rcfg.setup_timeout_s + rcfg.op_timeout_s + 5 if rcfg else 5)
+            self._remote_keeper = None
 
     def _daemon_stats(self) -> dict[str, Any]:
         d = self.handlers.daemon_stats() if self.handlers else {}
@@ -163,6 +219,11 @@ class Daemon:
             self._loop.add_signal_handler(signal.SIGINT, self._stop.set)
             self._loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         sweeper = asyncio.create_task(self._sweep_leases())
+        remote = getattr(self.store, "remote", None)
+        if remote is not None:
+            self._remote_keeper = threading.Thread(target=self._keep_remote, args=(remote,),
+                                                   name="tierkv-remote-keeper", daemon=True)
+            self._remote_keeper.start()
         log.info("tierkv daemon (pid %d) serving %s on %s", os.getpid(), self.config.home, self.config.socket)
         self.ready.set()
         try:
@@ -174,6 +235,7 @@ class Daemon:
             await self._drain()
             await server.wait_closed()
             self.handlers.executor.shutdown(wait=True)
+            self._stop_remote_keeper()
             self.store.close()  # flushes write-back blocks, releases the home
             staging.close()
             for p in (self.config.socket, self.config.resolved_pid_file):
@@ -210,7 +272,9 @@ class Daemon:
     def apply_reload(self, new: DaemonConfig) -> None:
         """Apply what can change live; tier capacities apply at the next start."""
         old = self.config
-        for name in ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "device", "home", "socket"):
+        restart_only = ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "device", "home", "socket",
+                        *REMOTE_FIELDS)
+        for name in restart_only:
             if getattr(new, name) != getattr(old, name):
                 log.warning("SIGHUP: %s changed (%s -> %s); it applies when the daemon restarts",
                             name, getattr(old, name), getattr(new, name))

@@ -1,0 +1,157 @@
+"""Ingest: ``put``, the write path of the store, and its undo.
+
+A mixin of :class:`tierkv.store.Store` (it uses the store's lock, table, tiers and index and
+the placement helpers of :class:`~tierkv.placement.Placement`). The order that makes a put
+crash-safe: claim the keys and disk slots under the lock; outside it, write the pages and
+fsync them, then commit the index; only then enter the blocks in the table and return.
+A crash before the commit leaves slots nothing points to, reclaimed at the next open.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .blocks import Block, Priority
+from .checksum import page_checksum
+from .errors import PageFormatError
+from .identity import Scope, as_token_array, iter_block_keys
+from .placement import Placement
+from .results import PutResult
+from .tiers import TierName
+
+DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
+
+
+class Ingest(Placement):
+    _io_lock: threading.Lock  # serialises disk writes (one fsync stream); made by Store
+    _writing: set[bytes]  # keys a put has claimed and not yet entered or abandoned
+
+    def _check_usable(self) -> None: ...  # provided by Store
+
+    def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
+            start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
+            priority: Priority = Priority.NORMAL) -> PutResult:
+        """Store pages ``[n, L, 2, B, H, D]`` of blocks ``start_block .. start_block+n-1``.
+
+        Blocks already stored (or being stored by another thread) are skipped. With
+        write-through (the default) and for pinned blocks, the pages are on disk, fsynced and
+        indexed when this returns (``durable=True``); ephemeral blocks stay in memory.
+        Raises PageFormatError, InvalidTokensError, or DiskWriteError (the tier is then marked
+        degraded; later puts keep to memory until it recovers).
+        """
+        self._check_usable()
+        arr = as_token_array(tokens)
+        n_full = len(arr) // self.layout.block_size
+        n = int(pages.shape[0]) if isinstance(pages, torch.Tensor) and pages.dim() > 0 else 0
+        self.layout.check_pages(pages)
+        if start_block < 0 or start_block + n > n_full:
+            raise PageFormatError(
+                f"{n} pages from block {start_block} exceed the {n_full} full blocks of {len(arr)} tokens"
+            )
+        keys = list(iter_block_keys(arr[: (start_block + n) * self.layout.block_size], scope.seed,
+                                    self.layout.block_size, block_extra))
+        bs = self.layout.block_size
+        step = 4 * bs
+        raw = arr.tobytes()
+        durable_wanted = priority == Priority.PINNED or (self.config.write_through and priority != Priority.EPHEMERAL)
+        new: list[Block] = []
+        page_of: dict[bytes, torch.Tensor] = {}
+        disk_plan: list[tuple[int, Block]] = []
+        with self._lock:
+            for i in range(start_block, start_block + n):
+                old = self.table.get(keys[i])
+                if old is not None and old.tokens != raw[i * step : (i + 1) * step]:
+                    # A stored block under this key with other token ids (a corrupt record or
+                    # a collision): it can never be served, so the new block replaces it.
+                    self.stats_counters.token_mismatch += 1
+                    self._quarantine(old, "stored token ids differ from a put's")
+                    old = None
+                if keys[i] in self._writing or old is not None:
+                    continue
+                self._writing.add(keys[i])
+                page = page_of[keys[i]] = pages[i - start_block]
+                b = Block(
+                    key=keys[i], parent=keys[i - 1] if i else scope.seed, model_version=scope.model_version,
+                    namespace=scope.namespace, tokens=raw[i * step : (i + 1) * step],
+                    checksum=page_checksum(keys[i], page), priority=priority,
+                )
+                new.append(b)
+            # Making room on disk must not evict this request's own blocks; those cached only
+            # in memory (put while the disk was degraded, or in write-back mode) go to disk
+            # first, so that the disk tier holds whole prefixes.
+            cached = [blk for k in keys if (blk := self.table.get(k)) is not None]
+            try:
+                if durable_wanted and self.disk.capacity_slots and not self.disk.degraded:
+                    for blk in cached:
+                        if DISK not in blk.loc and blk.priority != Priority.EPHEMERAL:
+                            self._flush_to_disk(blk)
+                    for b in new:
+                        loc = self._alloc_disk(b.model_version, cached)
+                        if loc is None:
+                            break  # disk full of pinned/leased blocks: the rest stays in memory
+                        disk_plan.append((loc, b))
+            except BaseException:
+                self._abort_put(new, disk_plan)
+                raise
+        try:
+            if disk_plan:
+                items = [(loc, page_of[b.key].detach().cpu()) for loc, b in disk_plan]
+                # Order matters: pages written and fsynced, then the index commit, then we ack.
+                with self._io_lock:
+                    self.disk.write_pages(items)
+                    self.index.put_blocks(self._record(b, loc) for loc, b in disk_plan)
+        except BaseException:
+            with self._lock:
+                self._abort_put(new, disk_plan)
+            raise
+        with self._lock:
+            self._place_new(keys, new, disk_plan, page_of)
+            self.stats_counters.puts += 1
+            self.stats_counters.blocks_stored += len(new)
+            all_durable = all((blk := self.table.get(k)) is not None and DISK in blk.loc for k in keys[start_block:])
+        return PutResult(stored=len(new), skipped=n - len(new), durable=all_durable)
+
+    def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]]) -> None:
+        """Undo a failed put (held: the lock): its disk slots and its claim on the keys."""
+        for loc, _ in disk_plan:
+            self.disk.free(loc)
+        self._writing.difference_update(b.key for b in new)
+
+    def _place_new(self, keys: list[bytes], new: list[Block], disk_plan: list[tuple[int, Block]],
+                   page_of: dict[bytes, torch.Tensor]) -> None:
+        """Enter a put's blocks in the table and copy them into memory (held: the lock).
+
+        The request's whole chain is held busy meanwhile, so that making room evicts other
+        blocks, never this prefix; once the device tier has no room left, the rest of the
+        blocks go to the host tier, so a prefix never sits below its own extensions."""
+        for loc, b in disk_plan:
+            self.table.add(b)
+            self.table.place(b, DISK, loc)
+        for b in new:
+            if self.table.get(b.key) is None:
+                self.table.add(b)
+        chain = [blk for k in keys if (blk := self.table.get(k)) is not None]
+        for blk in chain:
+            blk.busy += 1
+        try:
+            tiers = [DEVICE, HOST]
+            for b in new:
+                while tiers:
+                    slot = self._alloc_mem(tiers[0])
+                    if slot is not None:
+                        self._tier(tiers[0]).write(slot, page_of[b.key])
+                        self.table.place(b, tiers[0], slot)
+                        break
+                    tiers.pop(0)
+                if not b.loc and b.priority != Priority.EPHEMERAL:
+                    self._flush_to_disk(b, page_of[b.key])  # write-back: memory is full
+                if not b.loc:
+                    self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
+        finally:
+            for blk in chain:
+                self._unbusy(blk)
+            self._writing.difference_update(b.key for b in new)
+        self.table.touch_chain([blk for blk in chain if self.table.get(blk.key) is blk])
