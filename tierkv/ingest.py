@@ -9,6 +9,7 @@ A crash before the commit leaves slots nothing points to, reclaimed at the next 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 class Ingest(Placement):
     _io_lock: threading.Lock  # serialises disk writes (one fsync stream); made by Store
     _writing: set[bytes]  # keys a put has claimed and not yet entered or abandoned
+    _checksummer: ThreadPoolExecutor  # made by Store
 
     def _check_usable(self) -> None: ...  # provided by Store
 
@@ -72,11 +74,12 @@ class Ingest(Placement):
                 if keys[i] in self._writing or old is not None:
                     continue
                 self._writing.add(keys[i])
-                page = page_of[keys[i]] = pages[i - start_block]
+                page_of[keys[i]] = pages[i - start_block]
+                # The checksum is filled in below, before the block is indexed or entered in
+                # the table (nothing sees it before then).
                 b = Block(
                     key=keys[i], parent=keys[i - 1] if i else scope.seed, model_version=scope.model_version,
-                    namespace=scope.namespace, tokens=raw[i * step : (i + 1) * step],
-                    checksum=page_checksum(keys[i], page), priority=priority,
+                    namespace=scope.namespace, tokens=raw[i * step : (i + 1) * step], checksum=0, priority=priority,
                 )
                 new.append(b)
             # Making room on disk must not evict this request's own blocks; those cached only
@@ -97,12 +100,18 @@ class Ingest(Placement):
                 self._abort_put(new, disk_plan)
                 raise
         try:
+            # Checksums on a helper thread (xxhash releases the GIL) while the pages are written.
+            sums = [(b, self._checksummer.submit(page_checksum, b.key, page_of[b.key])) for b in new]
             if disk_plan:
                 items = [(loc, page_of[b.key].detach().cpu()) for loc, b in disk_plan]
                 # Order matters: pages written and fsynced, then the index commit, then we ack.
                 with self._io_lock:
                     self.disk.write_pages(items)
+                    for b, f in sums:
+                        b.checksum = f.result()
                     self.index.put_blocks(self._record(b, loc) for loc, b in disk_plan)
+            for b, f in sums:
+                b.checksum = f.result()
         except BaseException:
             with self._lock:
                 self._abort_put(new, disk_plan)

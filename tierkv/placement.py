@@ -69,10 +69,12 @@ class Placement:
         """A free disk slot for ``model_version``, never evicting the blocks in ``keep``;
         None when nothing can be evicted. Raises DiskWriteError when a new segment cannot be
         created (the tier is then degraded)."""
+        loc = self.disk.alloc(model_version)
+        if loc is not None:
+            return loc  # the common case: no eviction, so nothing to protect
         for k in keep:
             k.busy += 1
         try:
-            loc = self.disk.alloc(model_version)
             while loc is None:
                 victim = self.table.victim(DISK)
                 if victim is None:

@@ -77,6 +77,8 @@ class Store(StoreOperations, Ingest):
             self._dead: list[Block] = []
             self._load_index()
             self._executor = ThreadPoolExecutor(max(1, config.prefetch_workers), thread_name_prefix="tierkv-prefetch")
+            # Verifies promoted pages while the next run is read (xxhash releases the GIL).
+            self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-verify")
         except BaseException:
             # Close what was opened: the LMDB environment (opening it twice in one process
             # breaks its locking) and the shared-memory files (nothing else unlinks them).
@@ -249,16 +251,15 @@ class Store(StoreOperations, Ingest):
         planned block is settled and its waiters woken, so no other thread hangs."""
         outcomes: dict[int, str | None] = {}
         try:
+            direct: list[tuple[int, Block, int, memoryview]] = []
             for i, b, slot, src in plan:
+                target = self.device.direct_target(slot) if src == DISK else None
+                if target is not None and len(target) == self.layout.slot_bytes:
+                    direct.append((i, b, slot, target))
+                    continue
                 try:
                     if src == HOST:
                         self.device.write(slot, self.host.page(b.loc[HOST]))
-                    elif (target := self.device.direct_target(slot)) is not None:
-                        # One read straight into the device slot (shared memory), verified in
-                        # place: a bad page is never visible, since the slot is not placed.
-                        self.disk.read_into(b.loc[DISK], target)
-                        if page_checksum(b.key, self.device.page(slot)) != b.checksum:
-                            raise OSError("page checksum mismatch on read")
                     else:
                         page = self.disk.read_page(b.loc[DISK])
                         if page_checksum(b.key, page) != b.checksum:
@@ -267,6 +268,7 @@ class Store(StoreOperations, Ingest):
                     outcomes[i] = None
                 except OSError as e:
                     outcomes[i] = f"read failed: {e}"
+            self._read_direct(direct, outcomes)
         finally:
             first_bad: int | None = None
             with self._lock:
@@ -283,6 +285,37 @@ class Store(StoreOperations, Ingest):
                     self._unbusy(b)
                     self._promoting.pop(b.key).set()
         return first_bad
+
+    def _read_direct(self, reads: list[tuple[int, Block, int, memoryview]], outcomes: dict[int, str | None]) -> None:
+        """Disk pages straight into their device slots (shared memory), consecutive slots in
+        one request, each then verified in place: a bad page is never visible, since its slot
+        is placed only after the check."""
+        failed: set[int] = set()
+        sums: dict[int, Future[int]] = {}
+
+        def verify_run(positions: list[int]) -> None:
+            for p in positions:  # checksummed by a helper thread while the next run is read
+                _, b, slot, _ = reads[p]
+                sums[p] = self._checksummer.submit(page_checksum, b.key, self.device.page(slot))
+
+        try:
+            self.disk.read_many([(b.loc[DISK], target) for _, b, _, target in reads], verify_run)
+        except OSError:
+            for f in sums.values():
+                f.cancel()
+            sums.clear()
+            # One by one, so that a bad read fails only its own page.
+            for i, b, _, target in reads:
+                try:
+                    self.disk.read_into(b.loc[DISK], target)
+                except OSError as e:
+                    outcomes[i] = f"read failed: {e}"
+                    failed.add(i)
+        for p, (i, b, slot, _) in enumerate(reads):
+            if i not in failed:
+                got = sums[p].result() if p in sums else page_checksum(b.key, self.device.page(slot))
+                ok = got == b.checksum
+                outcomes[i] = None if ok else "read failed: page checksum mismatch on read"
 
     def release(self, lease: Lease) -> None:
         """End a lease; its blocks become evictable again. Releasing twice is an error."""
@@ -313,6 +346,7 @@ class Store(StoreOperations, Ingest):
         if self._closed or os.getpid() != self._pid:
             return
         self._executor.shutdown(wait=True)
+        self._checksummer.shutdown(wait=True)
         with self._lock:
             if not self.config.write_through:
                 for b in list(self.table.blocks.values()):

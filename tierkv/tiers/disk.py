@@ -17,8 +17,10 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -33,6 +35,13 @@ log = logging.getLogger(__name__)
 SEG_SHIFT = 20
 SEG_RE = re.compile(r"^seg-(\d{6})\.safetensors$")
 DEGRADED_RETRY_S = 30.0
+RUN_BYTES = 8 << 20  # largest single transfer: a few times dd's bs=4M, bounded staging memory
+
+
+def _pwrite_all(fd: int, data: memoryview, off: int) -> None:
+    n = os.pwrite(fd, data, off)
+    if n != len(data):
+        raise OSError(errno.EIO, f"short write {n} of {len(data)}")
 
 
 def location(seg_id: int, index: int) -> int:
@@ -210,39 +219,73 @@ class DiskTier:
         segment). Only after this returns may the index point at them."""
         self._guard_io(self._write_pages, items)
 
-    def _bounce(self) -> BounceBuffer:
+    def _bounce(self, nbytes: int = 0) -> BounceBuffer:
+        """This thread's aligned staging buffer, grown to at least ``nbytes``."""
         bounce = getattr(self._local, "bounce", None)
-        if bounce is None:
-            bounce = self._local.bounce = BounceBuffer(self.layout.slot_bytes)
+        want = max(nbytes, self.layout.slot_bytes)
+        if bounce is None or bounce.nbytes < want:
+            if bounce is not None:
+                bounce.close()
+            bounce = self._local.bounce = BounceBuffer(want)
         return bounce
+
+    def _runs(self, locs: list[int]) -> list[list[int]]:
+        """Positions of ``locs`` grouped into runs of consecutive slots of one segment (at
+        most RUN_BYTES each), so that a transfer is one large request, as dd's bs=4M is."""
+        per_run = max(1, RUN_BYTES // self.layout.slot_bytes)
+        order = sorted(range(len(locs)), key=lambda k: locs[k])
+        runs: list[list[int]] = []
+        for k in order:
+            if runs and locs[k] == locs[runs[-1][-1]] + 1 and len(runs[-1]) < per_run \
+                    and split_location(locs[k])[0] == split_location(locs[runs[-1][0]])[0]:
+                runs[-1].append(k)
+            else:
+                runs.append([k])
+        return runs
 
     def _write_pages(self, items: list[tuple[int, torch.Tensor]]) -> None:
         touched: dict[int, int] = {}
-        page_bytes = self.layout.page_bytes
+        page_bytes, slot = self.layout.page_bytes, self.layout.slot_bytes
+        locs = [loc for loc, _ in items]
+        runs = self._runs(locs)
+        # Double buffering: run k is copied into one staging buffer while run k-1 is written
+        # from the other by a writer thread (os.pwrite and numpy's copy both release the GIL).
+        staging = self._staging(max((len(r) for r in runs), default=1) * slot)
+        pending: Future[None] | None = None
         try:
-            for loc, page in items:
-                seg, seg_id, off = self._offset(loc)
-                if seg_id not in touched:
-                    # O_DIRECT: the pages bypass (and do not evict) the page cache; the
-                    # whole padded slot is written from an aligned buffer as it requires.
-                    touched[seg_id] = os.open(seg.path, os.O_WRONLY | (os.O_DIRECT if self.odirect else 0))
-                src = page.detach().contiguous().view(torch.uint8).reshape(-1)
-                if self.odirect:
-                    bounce = self._bounce()
-                    np.copyto(bounce.tensor[:page_bytes].numpy(), src.numpy())
-                    data: object = memoryview(bounce.mm)
-                    want = self.layout.slot_bytes
-                else:
-                    data, want = src.numpy(), page_bytes
-                n = os.pwrite(touched[seg_id], data, off)  # type: ignore[arg-type]
-                if n != want:
-                    raise OSError(errno.EIO, f"short write {n} of {want}")
+            with ThreadPoolExecutor(1, thread_name_prefix="tierkv-write") as writer:
+                for r_i, run in enumerate(runs):
+                    seg, seg_id, off = self._offset(locs[run[0]])
+                    if seg_id not in touched:
+                        # O_DIRECT: the pages bypass (and do not evict) the page cache; whole
+                        # padded slots are written from an aligned buffer as it requires.
+                        touched[seg_id] = os.open(seg.path, os.O_WRONLY | (os.O_DIRECT if self.odirect else 0))
+                    bounce = staging[r_i % 2]
+                    dst = bounce.tensor.numpy()
+                    for j, k in enumerate(run):
+                        src = items[k][1].detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+                        np.copyto(dst[j * slot : j * slot + page_bytes], src)
+                    if pending is not None:
+                        pending.result()
+                    pending = writer.submit(_pwrite_all, touched[seg_id], memoryview(bounce.mm)[: len(run) * slot], off)
+                if pending is not None:
+                    pending.result()
             if self.fsync:
                 for fd in touched.values():
                     os.fdatasync(fd)
         finally:
             for fd in touched.values():
                 os.close(fd)
+
+    def _staging(self, nbytes: int) -> tuple[BounceBuffer, BounceBuffer]:
+        """This thread's two aligned write buffers, grown to at least ``nbytes`` each."""
+        pair = getattr(self._local, "staging", None)
+        if pair is None or pair[0].nbytes < nbytes:
+            if pair is not None:
+                for b in pair:
+                    b.close()
+            pair = self._local.staging = (BounceBuffer(nbytes), BounceBuffer(nbytes))
+        return pair
 
     def _read_fd(self, seg_id: int) -> int:
         with self._fd_lock:
@@ -260,10 +303,27 @@ class DiskTier:
         _, seg_id, off = self._offset(loc)
         pread_full(self._read_fd(seg_id), buf, off)
 
+    def read_many(self, items: list[tuple[int, memoryview]],
+                  on_run: Callable[[list[int]], None] | None = None) -> None:
+        """Read whole slots into buffers of ``slot_bytes`` each (aligned, for O_DIRECT):
+        consecutive slots in one ``preadv`` with one buffer per slot. ``on_run`` is called
+        with the positions (in ``items``) of each run as soon as it has been read, so the
+        caller can verify it while the next run is read."""
+        locs = [loc for loc, _ in items]
+        for run in self._runs(locs):
+            _, seg_id, off = self._offset(locs[run[0]])
+            bufs = [items[k][1] for k in run]
+            want = sum(len(b) for b in bufs)
+            n = os.preadv(self._read_fd(seg_id), bufs, off)
+            if n != want:
+                raise OSError(errno.EIO, f"short read: {n} of {want} bytes at offset {off}")
+            if on_run is not None:
+                on_run(run)
+
     def read_page(self, loc: int) -> torch.Tensor:
         """The page at ``loc`` as a new CPU tensor in the layout's shape and dtype."""
         bounce = self._bounce()
-        self.read_into(loc, memoryview(bounce.mm))
+        self.read_into(loc, memoryview(bounce.mm)[: self.layout.slot_bytes])
         page_u8 = torch.from_numpy(bounce.tensor[: self.layout.page_bytes].numpy().copy())
         return page_u8.view(self.layout.torch_dtype).view(self.layout.shape)
 
