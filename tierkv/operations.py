@@ -5,13 +5,12 @@ table, tiers and index, and the placement helpers (``_retire``, ``_quarantine``,
 """
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
-from .blocks import TIERS, Block, BlockTable, Priority
+from .blocks import TIERS, Block, Priority
 from .checksum import page_checksum
 from .errors import NotFoundError
 from .identity import as_token_array
@@ -20,30 +19,15 @@ from .results import InvalidateResult, VerifyResult
 from .tiers import TierName
 
 if TYPE_CHECKING:
-    from .config import StoreConfig
     from .identity import Scope
-    from .index import Index
-    from .layout import PageLayout
-    from .stats import Counters
-    from .tiers import DiskTier, MemoryTier
 
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
 class StoreOperations(Placement):
-    config: "StoreConfig"
-    layout: "PageLayout"
-    table: BlockTable
-    index: "Index"
-    device: "MemoryTier"
-    host: "MemoryTier"
-    disk: "DiskTier"
-    stats_counters: "Counters"
-    _lock: threading.RLock
-    _dead: list[Block]
-
-    # Provided by Store (declared for readers and type checkers); the placement helpers
-    # (_retire, _quarantine, _flush_to_disk, _record, _unbusy) come from Placement.
+    # The store's state is declared on Placement. Provided by Store (declared for readers and
+    # type checkers); the placement helpers (_retire, _quarantine, _flush_to_disk, _record,
+    # _unbusy) come from Placement.
     def _check_usable(self) -> None: ...
     def _match(self, arr: np.ndarray, scope: "Scope", block_extra: Sequence[Sequence[str | bytes]] | None) -> list[Block]: ...
 

@@ -260,6 +260,13 @@ class Store(StoreOperations, Ingest):
                 try:
                     if src == HOST:
                         self.device.write(slot, self.host.page(b.loc[HOST]))
+                    elif self.disk.reads_to_device and self.device.device.type == "cuda":
+                        # kvikio: one read straight into the CUDA slot (GPUDirect, or kvikio's
+                        # compat bounce); verified through a host copy: integrity first.
+                        dest = self.device.page(slot)
+                        self.disk.read_to_device(b.loc[DISK], dest)
+                        if page_checksum(b.key, dest) != b.checksum:
+                            raise OSError("page checksum mismatch on read")
                     else:
                         page = self.disk.read_page(b.loc[DISK])
                         if page_checksum(b.key, page) != b.checksum:

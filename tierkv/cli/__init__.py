@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from . import main_job
+from . import cluster, main_job, ops, serve
 from .common import TierKVGroup
 
 
@@ -15,13 +15,7 @@ def main() -> None:
     """tierkv: a tiered KV-cache store for LLM serving."""
 
 
-main_job.register(main)
+for module in (main_job, ops, serve, cluster):
+    module.register(main)
 
 __all__ = ["main"]
-
-from . import ops  # noqa: E402  (operations commands: tierkv/cli/ops.py)
-ops.register(main)
-
-from . import serve  # noqa: E402  (the daemon: tierkv/cli/serve.py)
-serve.register(main)
-from . import cluster  # noqa: E402,F401

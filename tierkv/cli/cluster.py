@@ -1,6 +1,6 @@
 """``tierkv route``: which node would serve a request from the most cached tokens.
 
-Registered on the group by importing this module (tierkv/cli/__init__.py). Parses, asks
+Registered on the group by ``register`` (tierkv/cli/__init__.py). Parses, asks
 :func:`tierkv.cluster.route` and prints.
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ import click
 
 from ..errors import ConfigError
 from ..hf import DEFAULT_BLOCK_SIZE, DTYPE_CHOICES
-from . import main
 from .common import emit, json_option, warn
 
 
@@ -125,4 +124,5 @@ def route_cmd(node_specs: tuple[str, ...], prefix_name: str | None, prompt: str 
     emit(as_json, out, rows)
 
 
-main.add_command(route_cmd)
+def register(group: click.Group) -> None:
+    group.add_command(route_cmd)
