@@ -110,3 +110,44 @@ def test_quickstart_builds_its_model_once(tmp_path, monkeypatch):
     second = run_json("quickstart", "--home", home, "--max-tokens", "128", "--max-new-tokens", "2")
     assert (home / "quickstart" / "model" / "config.json").read_text() == config
     assert second["cached_tokens"] == second["prefix_tokens"] == 128 and second["identical"] is True
+
+
+def test_materialize_generate_invalidate_through_a_daemon(llama_dir, repo, tmp_path):
+    """The user path of the daemon issue: start `tierkv serve`, materialise through it,
+    generate warm through it, invalidate after a weight change, see it in `stats`."""
+    import shutil
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from tierkv.daemon.config import DaemonConfig
+    from tierkv.daemon.server import Daemon
+    from tierkv.hf import version_of
+
+    layout, version = version_of(llama_dir)
+    d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvmj-"))  # AF_UNIX paths are short
+    cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=layout, device="cpu",
+                       device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm", workers=2)
+    daemon = Daemon(cfg, install_signals=False)
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    thread.start()
+    try:
+        assert daemon.ready.wait(30), "daemon did not start"
+        sock = ("--socket", cfg.socket)
+        made = run_json("materialize", repo, "--model", llama_dir, *sock, "--name", "repo", "--no-progress")
+        assert made["stored_blocks"] == made["tokens"] // 16 > 0
+        ask = ("--model", llama_dir, "--prompt", "store the block", "--max-new-tokens", "3")
+        warm = run_json("generate", *ask, *sock, "--prefix", "repo")
+        cold = run_json("generate", *ask, "--prefix-from", repo, "--no-cache", "--home", tmp_path / "unused")
+        assert warm["cached_tokens"] == made["tokens"] // 16 * 16 and warm["tokens"] == cold["tokens"]
+        before = run_json("stats", *sock)["tiers"]["disk"]["blocks"]
+        assert before >= made["stored_blocks"]
+        removed = run_json("invalidate", "--model-version", version, *sock)
+        assert removed["removed_blocks"] == before and removed["freed_bytes"] > 0
+        assert run_json("stats", *sock)["tiers"]["disk"]["blocks"] == 0
+        again = run_json("generate", *ask, *sock, "--prefix", "repo")
+        assert again["cached_tokens"] == 0 and again["tokens"] == cold["tokens"]
+    finally:
+        daemon.request_stop()
+        thread.join(30)
+        shutil.rmtree(d, ignore_errors=True)

@@ -14,11 +14,12 @@ from typing import Any, Callable, Iterable, TypeVar
 import click
 
 from ..config import default_home
-from ..errors import TierKVError
+from ..errors import LayoutMismatchError, TierKVError
 from ..layout import PageLayout
 
 F = TypeVar("F", bound=Callable[..., Any])
 HOME_ENV = "TIERKV_HOME"
+SOCKET_ENV = "TIERKV_SOCKET"
 
 
 class TierKVGroup(click.Group):
@@ -47,11 +48,37 @@ def json_option(f: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")(f)
 
 
-def open_store(home: Path, layout: PageLayout, **options: Any) -> Any:
-    """Open the store at ``home`` for ``layout``; ``options`` are StoreConfig fields given
-    on the command line (None means the store's default)."""
+def socket_option(f: F) -> F:
+    return click.option(
+        "--socket", "socket_path", type=click.Path(dir_okay=False, path_type=Path), envvar=SOCKET_ENV, default=None,
+        help=f"Go through the tierkv daemon listening here instead of opening --home [env {SOCKET_ENV}].",
+    )(f)
+
+
+def connect_daemon(socket_path: Path, layout: PageLayout | None = None) -> Any:
+    """A client of the daemon at ``socket_path`` (the Store API). With ``layout``, a daemon
+    whose home holds pages of another layout is refused (LayoutMismatchError)."""
     import tierkv
 
+    client = tierkv.connect(socket_path)
+    if layout is not None and client.layout != layout:
+        client.close()
+        raise LayoutMismatchError(
+            f"the daemon at {socket_path} serves pages of layout {client.layout.to_json()}, "
+            f"this model needs {layout.to_json()}",
+            hint="start a daemon on a home for this model (another --home), or drop --socket",
+        )
+    return client
+
+
+def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, **options: Any) -> Any:
+    """The store for ``layout``: a client of the daemon at ``socket_path`` when given, else
+    the home opened in this process; ``options`` are StoreConfig fields given on the
+    command line (None means the store's default)."""
+    import tierkv
+
+    if socket_path is not None:
+        return connect_daemon(socket_path, layout)
     return tierkv.open(home, layout, **{k: v for k, v in options.items() if v is not None})
 
 

@@ -17,7 +17,7 @@ from ..hf import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_TOKENS, DTYPE_CHOICES, Loaded
 from ..hf import load_model as _load_model
 from ..hf import version_of
 from ..model_version import default_memo_path
-from .common import emit, home_option, json_option, open_store, progress_bar, warn
+from .common import emit, home_option, json_option, open_store, progress_bar, socket_option, warn
 
 
 def model_options(required: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -86,11 +86,12 @@ def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None)
 @namespace_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @home_option
+@socket_option
 @json_option
 def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size: int, device: str | None,
                 include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
                 max_tokens: int | None, name: str | None, chunk_tokens: int, pin: bool, namespace: str, no_progress: bool,
-                home: Path, as_json: bool) -> None:
+                home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Prefill the files and trees PATHS into the store as one prefix document.
 
     Resumable: an interrupted run continues from its last stored chunk, and a repeated
@@ -99,7 +100,7 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
 
     lm = load_model(model_dir, dtype, block_size, device)
     progress, close_bar = progress_bar("prefill", enabled=not no_progress)
-    with open_store(home, lm.layout) as store:
+    with open_store(home, lm.layout, socket_path) as store:
         try:
             result = run(store, lm, list(paths), _doc_options(include, exclude, max_file_bytes, no_gitignore),
                          name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens, pin=pin, namespace=namespace,
@@ -136,12 +137,13 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
 @click.option("--namespace", default=None,
               help="Tenant salt of the block keys [default: the prefix's namespace, else 'default'].")
 @home_option
+@socket_option
 @json_option
 def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | None, prefix_name: str | None,
                  prefix_paths: tuple[Path, ...], include: tuple[str, ...], exclude: tuple[str, ...],
                  max_file_bytes: int, no_gitignore: bool, max_tokens: int | None, prompt: str,
                  max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool, namespace: str | None,
-                 home: Path, as_json: bool) -> None:
+                 home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Generate text after a prefix, restoring what the store holds of it."""
     from ..materialize import document_tokens, load_prefix
 
@@ -166,7 +168,7 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
         tokens, _ = request(None)
         result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling)
     else:
-        with open_store(home, lm.layout) as store:
+        with open_store(home, lm.layout, socket_path) as store:
             tokens, ns = request(store)
             result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
                               sampling=sampling)

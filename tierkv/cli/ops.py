@@ -14,23 +14,14 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import click
 
 from ..blocks import Priority
-from ..errors import DaemonUnavailableError
 from ..identity import Scope
 from ..model_version import default_memo_path
-from .common import emit, format_value, home_option, json_option, print_table, warn
+from .common import connect_daemon, emit, format_value, home_option, json_option, print_table, socket_option, warn
 
 F = TypeVar("F", bound=Callable[..., Any])
-SOCKET_ENV = "TIERKV_SOCKET"
 # Operations need the disk tier only: keep the memory tiers in (sparse) host memory, so an
 # ops command neither initialises CUDA nor takes GPU memory from a serving process.
 OPS_STORE_OPTIONS: dict[str, Any] = {"device": "cpu", "host_bytes": 0}
-
-
-def socket_option(f: F) -> F:
-    return click.option(
-        "--socket", "socket_path", type=click.Path(dir_okay=False, path_type=Path), envvar=SOCKET_ENV, default=None,
-        help=f"Go through the tierkv daemon listening here instead of opening --home [env {SOCKET_ENV}].",
-    )(f)
 
 
 def open_target(home: Path, socket_path: Path | None, **options: Any) -> Any:
@@ -38,19 +29,11 @@ def open_target(home: Path, socket_path: Path | None, **options: Any) -> Any:
     ``socket_path``, a client of the daemon serving it (same API). ``options`` are StoreConfig
     fields for a home opened here. Raises NotFoundError for a home without a store,
     DaemonOwnsHomeError when a daemon holds the home, DaemonUnavailableError when the
-    daemon cannot be reached or this tierkv has no daemon client."""
+    daemon cannot be reached."""
     import tierkv
 
     if socket_path is not None:
-        try:
-            return tierkv.connect(socket_path)
-        except ModuleNotFoundError as e:
-            if "tierkv.daemon" not in str(e):
-                raise
-            raise DaemonUnavailableError(
-                f"--socket {socket_path}: this tierkv has no daemon client (tierkv.daemon.client)",
-                hint="drop --socket and stop the daemon to use --home directly, or upgrade tierkv",
-            ) from None
+        return connect_daemon(socket_path)
     return tierkv.open(home, None, **{**OPS_STORE_OPTIONS, **options})
 
 
