@@ -537,3 +537,40 @@ def test_chunked_prefill_saves_every_block(model_dir, reference, tmp_path):
     assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED
     assert results[0][0] == reference[0][0]
     assert max_diff(results[0][1], reference[0][1]) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("private_caches")
+def test_materialized_prefix_is_a_hit_for_vllm(model_dir, repo, tmp_path):
+    # Issue 6, layer 3: `tierkv materialize` (transformers prefill) writes the prefix, and a
+    # vLLM engine with the connector on the same home finds it under the same model version
+    # and page layout: vLLM's block size, and the KV dtype it runs in (run_engine: float32).
+    from click.testing import CliRunner
+
+    import tierkv
+    from tierkv.cli import main
+    from tierkv.cli.main_job import load_model
+    from tierkv.materialize import load_prefix
+
+    home = tmp_path / "home"
+    made = CliRunner().invoke(main, ["materialize", str(repo), "--model", str(model_dir), "--home", str(home),
+                                     "--name", "repo", "--block-size", str(B), "--dtype", "float32",
+                                     "--device", "cpu", "--no-progress"])
+    assert made.exit_code == 0, made.output + repr(made.exception)
+    # The request `tierkv generate --prefix repo --prompt QUESTION` would send.
+    lm = load_model(model_dir, "float32", B, "cpu")
+    with tierkv.open(home, lm.layout, device="cpu") as store:
+        prefix = load_prefix(store, lm, "repo").tokens
+        assert store.lookup(prefix, lm.scope()).tokens_matched == len(prefix) // B * B
+    tokens = prefix + lm.encode_prompt("where is the block stored")
+    full = len(prefix) // B * B
+    assert full >= 3 * B and len(tokens) > len(prefix)
+
+    want = run_engine(model_dir, prompts=(tokens,))[0]
+    results, sched, worker = run_engine(model_dir, store_options(home), prompts=(tokens,))
+    # The prompt goes on past the prefix, so the last-token rule costs nothing here: every
+    # full block of the prefix is a hit (a different model version or layout would make it 0).
+    assert sched["hit_tokens"] == full and worker["loaded_tokens"] == full
+    assert worker["load_failed_blocks"] == 0
+    assert results[0][0] == want[0][0]
+    assert max_diff(results[0][1], want[0][1]) <= 1e-5
