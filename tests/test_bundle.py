@@ -14,9 +14,10 @@ import zstandard
 import tierkv
 from tierkv import PageLayout, Priority, Scope, block_keys
 from tierkv.bundle import (
-    BUNDLE_VERSION, END, MAGIC, BundleError, BundleHeader, BundleReader, export_prefix, import_bundle, page_digest,
-    read_header, verify_bundle, write_bundle,
+    BUNDLE_VERSION, END, MAGIC, BundleError, BundleHeader, BundleReader, page_digest, read_header, verify_bundle,
+    write_bundle,
 )
+from tierkv.transfer import export_prefix, import_bundle
 from tierkv.errors import CapacityError, LayoutMismatchError, ModelVersionMismatchError
 
 LAYOUT = PageLayout(2, 2, 8, block_size=4, dtype="bfloat16")

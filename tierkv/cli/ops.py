@@ -343,7 +343,7 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
 @target_options
 def export_cmd(name: str, output: Path, home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Write the prefix NAME (token ids, pages, checksums, manifest) to a portable bundle."""
-    from ..bundle import export_prefix
+    from ..transfer import export_prefix
 
     if not output.resolve().parent.is_dir():
         raise click.BadParameter(f"directory {output.parent} does not exist", param_hint="-o/--output")
@@ -370,7 +370,8 @@ def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bo
     A home that does not exist yet is created with the bundle's page layout."""
     import tierkv
 
-    from ..bundle import check_compatible, import_bundle, verify_bundle
+    from ..bundle import verify_bundle
+    from ..transfer import check_compatible, import_bundle
     from ..model_version import model_version
 
     # Everything is checked before a home is created or touched: the whole file, then the
