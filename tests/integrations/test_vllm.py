@@ -78,9 +78,9 @@ def reference_kv(cache: torch.Tensor, split: str, ratio: int, block: int, token:
     """K and V ([H, D]) of one token, read the way the attention backend reads them."""
     n, D = cache.shape[2], cache.shape[3] // 2
     kb, off = block * ratio + token // n, token % n
-    if split == KV_BY_TOKENS:  # CPU_ATTN: each (block, head) tile is [2 * n, D], K rows then V rows
-        tile = cache.reshape(cache.shape[0], cache.shape[1], 2 * n, D)[kb]
-        return tile[:, off], tile[:, n + off]
+    if split == KV_BY_TOKENS:  # CPU_ATTN: each (block, head) tile is K as [D, n], then V as [n, D]
+        tile = cache.reshape(cache.shape[0], cache.shape[1], 2, n * D)[kb]
+        return tile[:, 0].reshape(-1, D, n)[:, :, off], tile[:, 1].reshape(-1, n, D)[:, off]
     return cache[kb, :, off, :D], cache[kb, :, off, D:]
 
 
@@ -574,3 +574,27 @@ def test_materialized_prefix_is_a_hit_for_vllm(model_dir, repo, tmp_path):
     assert worker["load_failed_blocks"] == 0
     assert results[0][0] == want[0][0]
     assert max_diff(results[0][1], want[0][1]) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attn_pages_match_what_its_kernel_writes(dtype):
+    # Ground truth for the CPU_ATTN mapping: vLLM's own cache-write op. Its K half of a
+    # (block, head) tile is K transposed; pages must hold K and V per token as the model
+    # computed them, or pages from `tierkv materialize` (transformers) load as the wrong K.
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    layout = PageLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=2 * B,
+                        dtype="float32" if dtype == torch.float32 else "bfloat16")
+    n, H, D = B, 2, 64  # kernel blocks of 32: two per vLLM block of 64
+    cache = torch.zeros(6, H, n, 2 * D, dtype=dtype)
+    key, value = torch.randn(2 * n, H, D).to(dtype), torch.randn(2 * n, H, D).to(dtype)
+    key_cache, value_cache = cache.view(6, H, 2 * n, D).chunk(2, dim=2)
+    slots = torch.arange(2 * n) + 4 * n  # vLLM block 2 = kernel blocks 4 and 5
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, _get_attn_isa(dtype, n, D))
+    paged = PagedKV({"l.0.attn": cache}, layout, 3, KV_BY_TOKENS)
+    page = paged.gather([2])[0, 0]  # [2, tokens, H, D]
+    assert torch.equal(page[0], key) and torch.equal(page[1], value)
+    pages = torch.randn(1, *layout.shape).to(dtype)
+    paged.scatter(pages, [0])
+    assert torch.equal(paged.gather([0]), pages) and torch.equal(paged.gather([2])[0, 0, 0], key)

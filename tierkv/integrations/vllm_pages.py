@@ -4,15 +4,18 @@ vLLM 0.32 hands the connector one tensor per attention layer, a standardized log
 ``[num_kernel_blocks, num_kv_heads, kernel_block_tokens, 2 * head_dim]`` (RFC #42082). How
 K and V share the last two axes is the attention backend's business:
 
-* ``CPU_ATTN`` reads each (block, head) tile as ``[2 * tokens, head_dim]``: all K rows of the
-  block, then all V rows (:data:`KV_BY_TOKENS`);
+* ``CPU_ATTN`` splits each (block, head) tile of ``2 * tokens * head_dim`` elements in
+  halves: K first, stored transposed (``[head_dim, tokens]``, what its ``vec``/``vec16``
+  kernels read), then V as ``[tokens, head_dim]`` (:data:`KV_BY_TOKENS`);
 * ``FLASH_ATTN`` and ``TRITON_ATTN`` split the last axis: ``[..., :head_dim]`` is K and
   ``[..., head_dim:]`` is V (:data:`KV_BY_CHANNELS`).
 
-:class:`PagedKV` turns each layer into one canonical strided view ``[kernel_blocks, H, 2,
-tokens, D]`` of the same memory, so gathering and scattering a page is the same code for
-both. A vLLM (manager) block may span several kernel blocks (``block_size`` 64 with kernel
-blocks of 32); their tokens are concatenated in order. A tierkv page is
+:class:`PagedKV` turns each layer into canonical strided views ``[kernel_blocks, H, tokens,
+D]`` of K and of V (same memory), so gathering and scattering a page is the same code for
+both. Pages hold K and V as the model computed them, so pages written by vLLM and by
+``tierkv materialize`` (transformers) are interchangeable. A vLLM (manager) block may span
+several kernel blocks (``block_size`` 64 with kernel blocks of 32); their tokens are
+concatenated in order. A tierkv page is
 ``[num_layers, 2, block_size, num_kv_heads, head_dim]``.
 """
 from __future__ import annotations
@@ -49,9 +52,10 @@ def layer_order(names: Sequence[str]) -> list[str]:
     return sorted(names, key=index)
 
 
-def canonical_view(cache: torch.Tensor, layout: PageLayout, num_blocks: int, kv_split: str) -> torch.Tensor:
-    """A view ``[kernel_blocks, H, 2, kernel_block_tokens, D]`` of one layer's cache (no copy;
-    writes through it land in vLLM's cache)."""
+def canonical_view(cache: torch.Tensor, layout: PageLayout, num_blocks: int,
+                   kv_split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``[kernel_blocks, H, kernel_block_tokens, D]`` of K and of V in one layer's cache
+    (no copy; writes through them land in vLLM's cache)."""
     H, D, B = layout.num_kv_heads, layout.head_dim, layout.block_size
     if cache.dim() != 4 or cache.shape[1] != H or cache.shape[3] != 2 * D:
         raise UnsupportedCacheError(f"KV cache of shape {tuple(cache.shape)} is not [blocks, {H}, tokens, {2 * D}]")
@@ -64,10 +68,12 @@ def canonical_view(cache: torch.Tensor, layout: PageLayout, num_blocks: int, kv_
     if cache.dtype != layout.torch_dtype:
         raise UnsupportedCacheError(f"KV cache dtype {cache.dtype} differs from the page dtype {layout.dtype}")
     try:
-        if kv_split == KV_BY_TOKENS:
-            return cache.view(cache.shape[0], H, 2, n, D)
+        if kv_split == KV_BY_TOKENS:  # K transposed ([D, n]), then V ([n, D])
+            k = cache.view(cache.shape[0], H, 2, D, n)[:, :, 0].transpose(2, 3)
+            return k, cache.view(cache.shape[0], H, 2, n, D)[:, :, 1]
         if kv_split == KV_BY_CHANNELS:
-            return cache.view(cache.shape[0], H, n, 2, D).transpose(2, 3)
+            kv = cache.view(cache.shape[0], H, n, 2, D)
+            return kv[:, :, :, 0], kv[:, :, :, 1]
     except RuntimeError as e:  # view() refuses strides that do not split this way
         raise UnsupportedCacheError(f"KV cache strides {cache.stride()} cannot be split into K and V: {e}") from e
     raise UnsupportedCacheError(f"unknown K/V split {kv_split!r}")
@@ -88,9 +94,9 @@ class PagedKV:
         self.layout = layout
         self.num_blocks = num_blocks
         self.layer_names = names
-        self.views = [canonical_view(kv_caches[n], layout, num_blocks, kv_split) for n in names]
-        self.ratio = self.views[0].shape[0] // num_blocks
-        self.device = self.views[0].device
+        self.views = [canonical_view(kv_caches[n], layout, num_blocks, kv_split) for n in names]  # (K, V)
+        self.ratio = self.views[0][0].shape[0] // num_blocks
+        self.device = self.views[0][0].device
 
     def _kernel_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.as_tensor(list(block_ids), dtype=torch.long)
@@ -105,8 +111,8 @@ class PagedKV:
         k, r = len(block_ids), self.ratio
         idx = self._kernel_index(block_ids)
         per_layer = []
-        for view in self.views:
-            x = view.index_select(0, idx)  # [k*r, H, 2, n, D]
+        for k_view, v_view in self.views:
+            x = torch.stack([k_view.index_select(0, idx), v_view.index_select(0, idx)], dim=2)  # [k*r, H, 2, n, D]
             x = x.reshape(k, r, L.num_kv_heads, 2, -1, L.head_dim).permute(0, 3, 1, 4, 2, 5)
             per_layer.append(x.reshape(k, 2, L.block_size, L.num_kv_heads, L.head_dim))
         return torch.stack(per_layer, dim=1).contiguous()
@@ -118,10 +124,11 @@ class PagedKV:
         k, r = len(block_ids), self.ratio
         idx = self._kernel_index(block_ids)
         pages = pages.to(self.device)
-        for layer, view in enumerate(self.views):
+        for layer, (k_view, v_view) in enumerate(self.views):
             x = pages[:, layer].reshape(k, 2, r, -1, L.num_kv_heads, L.head_dim)
             x = x.permute(0, 2, 4, 1, 3, 5).reshape(k * r, L.num_kv_heads, 2, -1, L.head_dim)
-            view[idx] = x  # index_put_ on a view writes into vLLM's cache
+            k_view[idx] = x[:, :, 0]  # index_put_ on a view writes into vLLM's cache
+            v_view[idx] = x[:, :, 1]
 
 
 def backend_kv_split(vllm_config: object, layer_names: Sequence[str]) -> str:
