@@ -34,7 +34,7 @@ from .operations import StoreOperations
 from .results import Lease, LookupResult
 from .stats import Counters
 from .tiers import DiskTier, MemoryTier, TierName
-from .tiers.shm import default_shm_dir
+from .tiers.shm import default_shm_dir, reap_stale_regions
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = "1"
@@ -63,6 +63,7 @@ class Store(StoreOperations, Ingest):
             self.index = Index(home / "index", config.index_map_bytes)
             self._check_layout()
             shm_dir = config.shm_dir or default_shm_dir()
+            reap_stale_regions(shm_dir)  # tiers of killed processes: nobody else unlinks them
             cuda = torch.cuda.is_available()
             self.device = MemoryTier(DEVICE, self.layout, config.device_bytes, config.resolved_device(), shm_dir)
             self.host = MemoryTier(HOST, self.layout, config.host_bytes, "cpu", shm_dir, pin=cuda)

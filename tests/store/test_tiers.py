@@ -2,6 +2,7 @@
 and the slot allocators underneath."""
 from __future__ import annotations
 
+import os
 import json
 import subprocess
 
@@ -221,3 +222,26 @@ def test_non_contiguous_pages_and_every_dtype_round_trip(tmp_path, dtype):
         store.check_integrity()
     finally:
         store.close()
+
+
+def test_open_reaps_shared_memory_left_by_killed_processes(tmp_path):
+    import subprocess
+
+    import tierkv
+    from tierkv import PageLayout
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer exists
+    stale = shm / f"tierkv-host-{dead.pid}-0123abcd"
+    stale.write_bytes(b"\0" * 4096)
+    foreign = shm / "not-tierkv-1-0123abcd"
+    foreign.write_bytes(b"x")
+    layout = PageLayout(2, 2, 8, block_size=4)
+    with tierkv.open(tmp_path / "home", layout, shm_dir=shm, device_bytes=8 * layout.page_bytes,
+                     host_bytes=8 * layout.slot_bytes, disk_bytes=1 << 20) as store:
+        assert not stale.exists() and foreign.exists()
+        live = {p.name for p in shm.iterdir()}
+        assert any(n.startswith(f"tierkv-host-{os.getpid()}-") for n in live)  # this store's own
+        store.check_integrity()

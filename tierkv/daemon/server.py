@@ -107,8 +107,7 @@ class Daemon:
         assert cfg.layout is not None
         security.prepare_socket_dir(cfg.socket.parent)
         security.clear_socket_path(cfg.socket)  # refuse early, before taking the home
-        shm_dir = cfg.shm_dir or default_shm_dir()
-        regions.reap_stale_regions(shm_dir)
+        shm_dir = cfg.shm_dir or default_shm_dir()  # opening the store reaps dead processes' regions
         self.store = Store(StoreConfig(
             home=cfg.home, layout=cfg.layout, device=cfg.device, device_bytes=cfg.device_bytes,
             host_bytes=cfg.host_bytes, disk_bytes=cfg.disk_bytes, write_through=cfg.write_through,
