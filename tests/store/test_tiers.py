@@ -2,8 +2,8 @@
 and the slot allocators underneath."""
 from __future__ import annotations
 
-import os
 import json
+import os
 import subprocess
 
 import pytest
