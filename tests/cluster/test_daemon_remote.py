@@ -29,6 +29,7 @@ from tierkv.cluster import open_node, route
 from tierkv.cluster.master import free_port
 from tierkv.daemon.config import DaemonConfig, merge, read_config_file
 from tierkv.daemon.server import Daemon
+from tierkv.identity import block_keys
 from tierkv.errors import ConfigError
 
 from .kit import BS, LAYOUT, MV1, SCOPE, FakeCluster, pages_for, toks
@@ -167,6 +168,33 @@ def test_two_daemons_share_published_prefixes(work):
             assert cb.lookup(t, other).tokens_matched == 0
         a.daemon.check_integrity()
         b.daemon.check_integrity()
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_daemon_republishes_named_prefixes_when_the_master_comes_back(work):
+    """A restarted master has lost every object: once A's keeper sees the tier up again it
+    republishes A's named prefixes, and B finds them without anyone re-pinning."""
+    cluster = FakeCluster()
+    kw = dict(remote_master="127.0.0.1:1")
+    a = Running(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory)
+    b = Running(daemon_config(work, "b", **kw), remote_backend_factory=cluster.factory)
+    try:
+        t = toks(7, 3)
+        with tierkv.connect(a.config.socket) as ca, tierkv.connect(b.config.socket) as cb:
+            ca.put(t, pages_for(t), SCOPE)
+            last = block_keys(t, SCOPE, BS)[-1]
+            ca.save_manifest("doc", {"kind": "prefix", "last_block_key": last.hex()})  # materialised: published
+            assert wait_for(lambda: cb.lookup(t, SCOPE).tiers == ("remote",) * 3)
+            cluster.down = True  # the master dies ...
+            assert wait_for(lambda: ca.stats()["tiers"]["remote"]["state"] == "degraded")
+            cluster.restart()  # ... and comes back empty
+            cluster.down = False
+            assert wait_for(lambda: ca.stats()["tiers"]["remote"]["reconnects"] >= 1)
+            assert wait_for(lambda: cb.lookup(t, SCOPE).tiers == ("remote",) * 3), "not republished"
+            with cb.acquire(t, SCOPE) as lease:
+                assert torch.equal(lease.pages().cpu(), pages_for(t))
     finally:
         a.stop()
         b.stop()

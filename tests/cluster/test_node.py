@@ -136,3 +136,27 @@ def test_prefetch_pulls_from_the_cluster(nodes):
     a.put(t, pages_for(t), SCOPE, priority=Priority.PINNED)
     assert b.prefetch(t, SCOPE).result(10) == 3 * BS
     assert b.store.lookup(t, SCOPE).tiers == ("device",) * 3
+
+
+def test_named_prefixes_are_republished_after_a_master_restart(nodes, cluster):
+    a, b = nodes("a"), nodes("b")
+    t = toks(40, 3)
+    a.put(t, pages_for(t), SCOPE)
+    last = block_keys(t, SCOPE, BS)[-1]
+    a.save_manifest("doc", {"kind": "prefix", "last_block_key": last.hex()})
+    assert len(cluster.objects) == 3
+    cluster.restart()  # a restarted master has lost every object
+    assert b.lookup(t, SCOPE).num_blocks == 0
+    assert a.republish() == 3
+    assert a.republish() == 0  # already there: skipped
+    with b.acquire(t, SCOPE) as lease:
+        assert lease.num_blocks == 3
+        assert torch.equal(lease.pages().view(torch.uint8), pages_for(t).view(torch.uint8))
+
+
+def test_publish_prefix_larger_than_the_device_tier(nodes, cluster):
+    a = nodes("a")
+    t = toks(41, 12)
+    a.put(t, pages_for(t), SCOPE)
+    r = a.publish_prefix(t, SCOPE, window=5)  # three leases of at most 5 blocks
+    assert (r.published, r.failed) == (12, 0) and len(cluster.objects) == 12

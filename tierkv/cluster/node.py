@@ -177,33 +177,56 @@ class ClusterNode:
         """Record the manifest locally, then publish the named prefix's blocks (write-through
         for materialised prefixes). The manifest itself stays local."""
         self.store.save_manifest(name, manifest)
+        self._publish_manifest(name, manifest)
+
+    def _publish_manifest(self, name: str, manifest: dict) -> RemotePutResult:
+        """Publish the blocks of a named prefix when the policy publishes materialised (or,
+        for a pinned one, pinned) prefixes; nothing when its chain is incomplete here."""
+        none = RemotePutResult(0, 0, 0)
         last = manifest.get("last_block_key")
         if self.remote is None or not isinstance(last, str) or not last:
-            return
+            return none
         try:
             tokens, mv, ns = self.store.chain_tokens(bytes.fromhex(last))
         except (TierKVError, ValueError) as e:
             log.warning("prefix %r not published: %s", name, e)
-            return
-        scope = Scope(mv, ns)
-        if not self.policy.wants(Event.MATERIALISED, ns):
-            return
+            return none
+        scope = Scope(mv, ns, tuple(manifest.get("extra_keys", ())))
+        pinned = bool(manifest.get("pinned")) and self.policy.wants(Event.PINNED, ns)
+        if not (self.policy.wants(Event.MATERIALISED, ns) or pinned):
+            return none
         keys = block_keys(tokens, scope, self.layout.block_size)
         if not keys or keys[-1].hex() != last:
             log.warning("prefix %r not published: its chain is incomplete on this node", name)
-            return
-        self.publish_prefix(tokens, scope)
+            return none
+        return self.publish_prefix(tokens, scope)
+
+    def republish(self) -> int:
+        """Publish every named prefix the policy publishes, again: a restarted master has lost
+        every object. Objects still there are skipped. Returns the blocks written."""
+        written = 0
+        for name, manifest in self.store.list_manifests().items():
+            written += self._publish_manifest(name, manifest).published
+        return written
 
     def publish_prefix(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
-                       block_extra: Sequence[Sequence[str | bytes]] | None = None) -> RemotePutResult:
-        """Publish the locally cached prefix of ``tokens`` (as much as one lease holds)."""
+                       block_extra: Sequence[Sequence[str | bytes]] | None = None,
+                       window: int = 64) -> RemotePutResult:
+        """Publish the locally cached prefix of ``tokens``, leased ``window`` blocks at a
+        time (so a prefix larger than the device tier is published whole)."""
         if self.remote is None or scope.namespace in self.policy.local_only_namespaces:
             return RemotePutResult(0, 0, 0)
         arr = as_token_array(tokens)
-        with self.store.acquire(arr, scope, block_extra) as lease:
-            if not lease.num_blocks:
-                return RemotePutResult(0, 0, 0)
-            return self._publish(arr, list(lease.keys), scope, 0, lease.pages().cpu())
+        keys = block_keys(arr, scope, self.layout.block_size, block_extra)
+        published = skipped = failed = start = 0
+        while start < len(keys):
+            with self.store.acquire(arr, scope, block_extra, max_blocks=window, start_block=start) as lease:
+                if not lease.num_blocks:
+                    break
+                r = self._publish(arr, keys, scope, start, lease.pages().cpu())
+                start += lease.num_blocks
+            published, skipped, failed = published + r.published, skipped + r.skipped, failed + r.failed
+        return RemotePutResult(published, skipped, failed)
 
     def evicted(self, meta: RemoteMeta, page: torch.Tensor, priority: Priority = Priority.NORMAL) -> bool:
         """The store's eviction hook: a block is leaving this node's last tier. Published

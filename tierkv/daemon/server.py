@@ -162,13 +162,15 @@ class Daemon:
                  rcfg.global_segment_bytes >> 20, rcfg.key_prefix)
         return ClusterNode(store, remote, cfg.publish_policy())
 
-    def _keep_remote(self, remote: Any) -> None:
+    def _keep_remote(self, node: Any, remote: Any) -> None:
         """Keeper thread: connect the remote tier at start, reconnect it while it is down
         (as often as its backoff allows) and check it now and then while it is up, so that
-        ``stats`` tells its state even when no request has touched it."""
+        ``stats`` tells its state even when no request has touched it. Each time the tier
+        comes up it republishes the named prefixes: a restarted master has lost them."""
         probe = [b"\0" * 32]
         last_check = 0.0
         wait = 0.0
+        ups_seen = 0
         while not self._remote_stop.wait(wait):
             wait = 0.25
             try:
@@ -178,6 +180,10 @@ class Daemon:
                 elif time.monotonic() - last_check >= REMOTE_CHECK_S:
                     last_check = time.monotonic()
                     remote.exists(probe)
+                ups = remote.counters["connects"] + remote.counters["reconnects"]
+                if remote.up and ups != ups_seen:
+                    ups_seen = ups
+                    log.info("remote tier up: republished %d blocks of named prefixes", node.republish())
             except Exception:  # noqa: BLE001 - the keeper must outlive any surprise
                 log.exception("remote tier keeper")
 
@@ -220,7 +226,7 @@ class Daemon:
         sweeper = asyncio.create_task(self._sweep_leases())
         remote = getattr(self.store, "remote", None)
         if remote is not None:
-            self._remote_keeper = threading.Thread(target=self._keep_remote, args=(remote,),
+            self._remote_keeper = threading.Thread(target=self._keep_remote, args=(self.store, remote),
                                                    name="tierkv-remote-keeper", daemon=True)
             self._remote_keeper.start()
         log.info("tierkv daemon (pid %d) serving %s on %s", os.getpid(), self.config.home, self.config.socket)
