@@ -49,13 +49,6 @@ def _quote(s: str) -> str:
     return shlex.quote(s)
 
 
-def drop_page_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def median_of(runs: int, fn: Callable[[], float]) -> float:
@@ -88,6 +81,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     from tierkv.hf import generate, layout_from_model
     from tierkv.identity import block_keys
     from tierkv.model_version import model_version_from_parts
+    from tierkv.tiers.diskio import drop_page_cache
     from tierkv.tiers.remote import RemoteConfig, RemoteMeta, RemoteTier
 
     torch.manual_seed(0)

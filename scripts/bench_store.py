@@ -36,6 +36,7 @@ import torch
 import tierkv
 from tierkv.identity import Scope, as_token_array, iter_block_keys
 from tierkv.layout import PageLayout
+from tierkv.tiers.diskio import drop_page_cache
 
 MV = "ab" * 32
 
@@ -92,13 +93,6 @@ def dd(args: list[str]) -> float:
     return int(m.group(1)) / float(m.group(2))
 
 
-def drop_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def bench_disk(gib: float, runs: int, tmp: Path) -> dict[str, float]:
@@ -128,7 +122,7 @@ def bench_disk(gib: float, runs: int, tmp: Path) -> dict[str, float]:
                 assert r.durable and r.stored == n
             w_ours = nbytes / (time.perf_counter() - t0)
         # Read: cold (O_DIRECT, and the page cache told to drop the files), into the device tier.
-        drop_cache([*sorted((home / "segments").glob("*.safetensors")), ref])
+        drop_page_cache([*sorted((home / "segments").glob("*.safetensors")), ref])
         r_dd = dd([f"if={ref}", "of=/dev/null", "bs=4M", "iflag=direct"])
         with tierkv.open(home, layout, **opts) as store:
             t0 = time.perf_counter()

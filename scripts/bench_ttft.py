@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -36,14 +35,6 @@ from typing import Any, Callable
 import torch
 
 
-def drop_page_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def build_model(args: argparse.Namespace) -> Any:
@@ -83,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tierkv.hf import cache_from_kv, cached_prefill, generate, layout_from_model, lease_kv
     from tierkv.identity import Scope
     from tierkv.model_version import model_version_from_parts
+    from tierkv.tiers.diskio import drop_page_cache
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

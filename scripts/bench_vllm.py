@@ -38,13 +38,6 @@ from typing import Any
 BLOCK = 32  # the CPU attention backend needs a multiple of 32
 
 
-def drop_page_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def build_model(out: Path, args: argparse.Namespace) -> Path:
@@ -163,6 +156,8 @@ def main() -> int:
         diffs.append(max_diff(lp, ref))
     ttft["tierkv_host"] = statistics.median(samples)
     eng.close()
+
+    from tierkv.tiers.diskio import drop_page_cache
 
     samples, load_ms = [], []
     loaded = 0

@@ -36,27 +36,17 @@ def open(home: str | os.PathLike[str], layout: PageLayout | None = None, **optio
 
 
 def home_layout(home: str | os.PathLike[str]) -> PageLayout:
-    """The page layout an existing home was created with (read without opening the store)."""
+    """The page layout an existing home was created with (read without opening the store).
+    Raises NotFoundError when ``home`` holds no store."""
     import json
 
-    import lmdb
-
     from .errors import NotFoundError
+    from .index import peek_meta
 
-    path = Path(home) / "index"
-    if not (path / "data.mdb").exists():
-        raise NotFoundError(f"{home} holds no tierkv store", hint="materialise a prefix first, or check --home")
-    # Read-only and without LMDB's lock file, so this works beside a running owner.
-    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=8, subdir=True)
-    try:
-        meta = env.open_db(b"meta", create=False)
-        with env.begin() as txn:
-            raw = txn.get(b"layout", db=meta)
-    finally:
-        env.close()
+    raw = peek_meta(Path(home) / "index", "layout")
     if raw is None:
-        raise NotFoundError(f"{home} holds no page layout")
-    return PageLayout.from_dict(json.loads(bytes(raw)))
+        raise NotFoundError(f"{home} holds no tierkv store", hint="materialise a prefix first, or check --home")
+    return PageLayout.from_dict(json.loads(raw))
 
 
 def connect(socket_path: str | os.PathLike[str], **options: Any) -> Any:

@@ -174,9 +174,6 @@ class BlockTable:
                     return b
         return None
 
-    def in_tier(self, tier: TierName) -> int:
-        return sum(len(d) for d in self._lru[tier].values())
-
     def check_integrity(self) -> None:
         for t in TIERS:
             listed = {k for d in self._lru[t].values() for k in d}

@@ -5,7 +5,7 @@ Only the CLI reads files and environment variables; library code takes a StoreCo
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from .layout import PageLayout
@@ -40,9 +40,7 @@ class StoreConfig:
     shm_dir: Path | None = None
     odirect: bool = True
     fsync: bool = True
-    lease_timeout_s: float = 600.0
     prefetch_workers: int = 2
-    extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))
@@ -71,27 +69,12 @@ class StoreConfig:
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
-    @property
-    def device_slots(self) -> int:
-        return self.device_bytes // self.layout.page_bytes
-
-    @property
-    def host_slots(self) -> int:
-        return self.host_bytes // self.layout.slot_bytes
-
-    @property
-    def disk_slots(self) -> int:
-        return self.disk_bytes // self.layout.slot_bytes
-
     def resolved_device(self) -> str:
         if self.device is not None:
             return self.device
         import torch
 
         return "cuda:0" if torch.cuda.is_available() else "cpu"
-
-    def with_capacities(self, **kw: int) -> "StoreConfig":
-        return replace(self, **kw)
 
 
 def default_home() -> Path:

@@ -63,6 +63,26 @@ class BlockRecord:
         return cls(bytes(key), bytes(parent), mv.hex(), ns, prio, csum, loc, last, tokens)
 
 
+def peek_meta(path: Path, name: str) -> str | None:
+    """One value of the ``meta`` database of the index at ``path``, read without opening the
+    store: read-only and without LMDB's lock table, so it works beside a running owner. None
+    when there is no index or no such value. Never call it while this process holds the
+    index open (LMDB allows one environment per path per process)."""
+    if not (path / "data.mdb").exists():
+        return None
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=8, subdir=True)
+    try:
+        try:
+            meta = env.open_db(b"meta", create=False)
+        except lmdb.NotFoundError:
+            return None
+        with env.begin(db=meta) as txn:
+            raw = txn.get(name.encode())
+            return None if raw is None else bytes(raw).decode()
+    finally:
+        env.close()
+
+
 class Index:
     def __init__(self, path: Path, map_size: int) -> None:
         path.mkdir(parents=True, exist_ok=True)

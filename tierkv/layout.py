@@ -146,15 +146,13 @@ def pack_pages(
 
 
 def unpack_pages(pages: torch.Tensor, layout: PageLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Inverse of :func:`pack_pages`: pages ``[n, L, 2, B, H, D]`` to per-layer
-    ``(K, V)`` of shape ``[1, H, n*B, D]`` (contiguous copies)."""
+    """Inverse of :func:`pack_pages`: pages ``[n, L, 2, B, H, D]`` (any strides, e.g. a run of
+    a pool) to per-layer ``(K, V)`` of shape ``[1, H, n*B, D]``, contiguous, in one new buffer
+    filled by a single permuted copy."""
     layout.check_pages(pages)
     n = pages.shape[0]
-    out = []
-    for layer in range(layout.num_layers):
-        # [n, 2, B, H, D] -> [2, H, n, B, D] -> [2, 1, H, n*B, D]
-        kv = pages[:, layer].permute(1, 3, 0, 2, 4).reshape(
-            2, 1, layout.num_kv_heads, n * layout.block_size, layout.head_dim
-        )
-        out.append((kv[0].contiguous(), kv[1].contiguous()))
-    return out
+    L, H, B, D = layout.num_layers, layout.num_kv_heads, layout.block_size, layout.head_dim
+    kv = torch.empty((L, 2, 1, H, n * B, D), dtype=pages.dtype, device=pages.device)
+    # [n, L, 2, B, H, D] -> [L, 2, H, n, B, D]: an explicit copy, never a view of the pages.
+    kv.view(L, 2, H, n, B, D).copy_(pages.permute(1, 2, 4, 0, 3, 5))
+    return [(kv[layer, 0], kv[layer, 1]) for layer in range(L)]

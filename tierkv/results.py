@@ -101,7 +101,13 @@ class Lease:
         return torch.from_numpy(dst).view(self.layout.torch_dtype).view(n, *self.layout.shape)
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (K, V) in transformers' layout ``[1, H, n*B, D]`` (copies)."""
+        """Per-layer (K, V) in transformers' layout ``[1, H, n*B, D]``, copied into one
+        buffer the caller owns (valid after release). Slots that form one run (the usual case:
+        one promotion allocates a run) are read as a view of the pool, so one copy suffices."""
+        self._check()
+        n = len(self.slots)
+        if n and self.slots == tuple(range(self.slots[0], self.slots[0] + n)):
+            return unpack_pages(self.pool[self.slots[0] : self.slots[0] + n], self.layout)
         return unpack_pages(self.pages(), self.layout)
 
     def release(self) -> None:

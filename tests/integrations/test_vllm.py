@@ -53,12 +53,12 @@ class FakeHandle:
         n = min(self.hit_tokens, len(tokens) // B * B) // B
         return LookupResult(n * B, tuple(bytes([i]) * 32 for i in range(n)), self.tiers[:n])
 
-    def acquire(self, tokens, scope, max_blocks):
+    def acquire(self, tokens, scope, max_blocks, start_block=0):
         if self.pages is None:
             return None
-        n = min(len(self.pages), max_blocks)
+        n = max(0, min(len(self.pages) - start_block, max_blocks))  # a window of the cached prefix
         pages = self.pages
-        return SimpleNamespace(num_blocks=n, page=lambda i: pages[i], release=lambda: None)
+        return SimpleNamespace(num_blocks=n, page=lambda i: pages[start_block + i], release=lambda: None)
 
     def put(self, tokens, pages, scope, start_block):
         self.puts.append((tokens, pages, start_block))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import tierkv.ingest
 import tierkv.store
 from tierkv import Scope
 from tierkv.index import BlockRecord
+from tierkv.tiers.segments import read_header
 
 from .kit import LAYOUT, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, segment_files, tier_counts, toks
 
@@ -242,3 +244,53 @@ def test_model_version_retag_of_segment_drops_entries(make_store, home):
     assert store.lookup(chain, SCOPE).num_blocks == 0
     assert store.lookup(chain, Scope(MV2)).num_blocks == 0
     assert store.stats()["quarantined"] == 2
+
+
+# Pages whose size is a multiple of 4 KiB take the direct path: consecutive disk slots read with
+# one preadv straight into the device slots, each verified before it is placed.
+ALIGNED = tierkv.PageLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=4)  # 8 KiB pages
+
+
+def _aligned_store(home, **kw):
+    return tierkv.open(home, ALIGNED, device="cpu", device_bytes=16 * ALIGNED.page_bytes, host_bytes=0,
+                       disk_bytes=64 * ALIGNED.slot_bytes, segment_pages=32, **kw)
+
+
+def test_direct_reads_into_the_device_pool_are_verified(tmp_path):
+    assert ALIGNED.page_bytes % 4096 == 0
+    tokens = toks(901, 6)
+    pages = torch.randn((6, *ALIGNED.shape))
+    with _aligned_store(tmp_path / "h") as store:
+        store.put(tokens, pages, SCOPE)
+    seg = sorted((tmp_path / "h" / "segments").glob("seg-*.safetensors"))[0]
+    with _aligned_store(tmp_path / "h") as store:  # cold: every page read through the direct path
+        assert store.device.direct_target(0) is not None
+        with store.acquire(tokens, SCOPE) as lease:
+            assert lease.num_blocks == 6
+            assert torch.equal(lease.pages(), pages)
+    off = read_header(seg).data_offset + 3 * ALIGNED.slot_bytes + 17
+    with open(seg, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with _aligned_store(tmp_path / "h") as store:
+        with store.acquire(tokens, SCOPE) as lease:
+            assert lease.num_blocks == 3  # blocks 0-2 verified; block 3 failed its checksum
+            assert torch.equal(lease.pages(), pages[:3])
+        assert store.stats()["quarantined"] == 1
+        store.check_integrity()
+
+
+def test_a_failed_run_read_falls_back_to_page_by_page(tmp_path):
+    tokens = toks(902, 4)
+    pages = torch.randn((4, *ALIGNED.shape))
+    with _aligned_store(tmp_path / "h") as store:
+        store.put(tokens, pages, SCOPE)
+    with _aligned_store(tmp_path / "h") as store:
+        with mock.patch.object(type(store.disk), "read_many", side_effect=OSError(5, "EIO")):
+            with store.acquire(tokens, SCOPE) as lease:
+                assert lease.num_blocks == 4  # each page re-read on its own, all good
+                assert torch.equal(lease.pages(), pages)
+        assert store.stats()["quarantined"] == 0
+        store.check_integrity()

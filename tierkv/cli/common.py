@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import click
 
@@ -102,6 +102,28 @@ def print_table(rows: Iterable[tuple[str, Any]]) -> None:
     width = max((len(label) for label, _ in rows), default=0)
     for label, value in rows:
         click.echo(f"{label:<{width}}  {format_value(value)}")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def print_columns(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """An aligned table with a header row (numbers right-aligned)."""
+    cells = [[format_value(v) if not isinstance(v, str) else v for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(not isinstance(row[i], str) for row in rows) and bool(rows) for i in range(len(headers))]
+
+    def line(vals: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
+
+    click.echo(line(headers))
+    for r in cells:
+        click.echo(line(r))
 
 
 def emit(as_json: bool, obj: dict[str, Any], rows: Iterable[tuple[str, Any]] | None = None) -> None:

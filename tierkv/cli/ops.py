@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import click
 
 from ..blocks import Priority
 from ..identity import Scope
 from ..model_version import default_memo_path
-from .common import connect_daemon, emit, format_value, home_option, json_option, print_table, socket_option, warn
+from .common import (
+    connect_daemon, emit, fmt_bytes, home_option, json_option, print_columns, print_table, socket_option, warn,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 # Operations need the disk tier only: keep the memory tiers in (sparse) host memory, so an
@@ -64,28 +66,6 @@ def target_options(f: F) -> F:
 
 
 # ---- formatting ------------------------------------------------------------------------
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def print_columns(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """An aligned table with a header row (numbers right-aligned)."""
-    cells = [[format_value(v) if not isinstance(v, str) else v for v in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [all(not isinstance(row[i], str) for row in rows) and bool(rows) for i in range(len(headers))]
-
-    def line(vals: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
-
-    click.echo(line(headers))
-    for r in cells:
-        click.echo(line(r))
-
-
 def short(hex_str: str | None, n: int = 12) -> str:
     return (hex_str or "-")[:n]
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from ..config import MiB, GiB, default_home
 from ..errors import ConfigError, LayoutMismatchError
+from ..index import peek_meta
 from ..layout import PageLayout
 
 SOCKET_ENV = "TIERKV_SOCKET"
@@ -231,26 +232,10 @@ def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping
 
 
 def peek_layout(home: Path) -> PageLayout | None:
-    """The layout recorded in ``home``'s index, read without taking the home (read-only,
-    no LMDB lock table), or None for a new home. Runs before the store opens the index,
-    never while this process holds it open."""
-    index = home / "index"
-    if not (index / "data.mdb").exists():
-        return None
-    import lmdb
-
-    env = lmdb.open(str(index), readonly=True, lock=False, max_dbs=8, subdir=True)
-    try:
-        try:
-            meta = env.open_db(b"meta", create=False)
-        except lmdb.NotFoundError:
-            return None
-        with env.begin(db=meta) as txn:
-            raw = txn.get(b"layout")
-            text = None if raw is None else bytes(raw).decode()
-    finally:
-        env.close()
-    return None if text is None else PageLayout.from_dict(json.loads(text))
+    """The layout recorded in ``home``'s index, read without taking the home, or None for a
+    new home. Runs before the store opens the index, never while this process holds it."""
+    raw = peek_meta(home / "index", "layout")
+    return None if raw is None else PageLayout.from_dict(json.loads(raw))
 
 
 def resolve_layout(config: DaemonConfig) -> DaemonConfig:

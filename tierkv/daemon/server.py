@@ -109,9 +109,8 @@ class Daemon:
         security.clear_socket_path(cfg.socket)  # refuse early, before taking the home
         shm_dir = cfg.shm_dir or default_shm_dir()  # opening the store reaps dead processes' regions
         self.store = Store(StoreConfig(
-            home=cfg.home, layout=cfg.layout, device=cfg.device, device_bytes=cfg.device_bytes,
-            host_bytes=cfg.host_bytes, disk_bytes=cfg.disk_bytes, write_through=cfg.write_through,
-            shm_dir=cfg.shm_dir, lease_timeout_s=cfg.lease_timeout_s,
+            home=cfg.home, layout=cfg.layout, device=cfg.device, device_bytes=cfg.device_bytes, host_bytes=cfg.host_bytes,
+            disk_bytes=cfg.disk_bytes, write_through=cfg.write_through, shm_dir=cfg.shm_dir,
         ), socket_path=str(cfg.socket))
         staging: SharedRegion | None = None
         sock = None

@@ -102,26 +102,12 @@ def _check_layout(model: Any, layout: PageLayout) -> None:
 
 
 def lease_kv(lease: Any, layout: PageLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer ``(K, V)`` ``[1, H, n*B, D]`` of a lease's pages, in one buffer the caller owns.
-
-    Same result as ``lease.kv()``, with one copy fewer when the slots are consecutive (the
-    usual case: one promotion allocates a run): the run is read as a view of the pool and
-    permuted straight into transformers' layout, instead of gathered, then permuted per
-    layer. Call while the lease is held.
-    """
-    n, slots = lease.num_blocks, tuple(getattr(lease, "slots", ()))
-    pool = getattr(lease, "pool", None)
-    if pool is not None and n and slots == tuple(range(slots[0], slots[0] + n)):
-        pages = pool[slots[0] : slots[0] + n]
-    else:
-        pages = lease.pages()
-    layout.check_pages(pages, n)
-    L, H, B, D = layout.num_layers, layout.num_kv_heads, layout.block_size, layout.head_dim
-    kv = torch.empty((L, 2, 1, H, n * B, D), dtype=pages.dtype, device=pages.device)
-    # [n, L, 2, B, H, D] -> [L, 2, H, n, B, D], copied. An explicit copy, not reshape(): for a
-    # single block reshape() would return a view of the pool, valid only while the lease is.
-    kv.view(L, 2, H, n, B, D).copy_(pages.permute(1, 2, 4, 0, 3, 5))
-    return [(kv[layer, 0], kv[layer, 1]) for layer in range(L)]
+    """Per-layer ``(K, V)`` ``[1, H, n*B, D]`` of a lease's pages, in one buffer the caller
+    owns (:meth:`tierkv.Lease.kv`), checked against the model's ``layout``. Call while the
+    lease is held."""
+    if lease.layout != layout:
+        raise PageFormatError(f"the lease holds pages of layout {lease.layout}, the model needs {layout}")
+    return lease.kv()
 
 
 def _restore(store: "Store", tokens: list[int], scope: Scope, blocks: int, model: Any) -> tuple[Any, int]:

@@ -155,14 +155,14 @@ class StoreHandle:
             self._drop_client(e)
             return MISS
 
-    def acquire(self, tokens: list[int], scope: Scope, max_blocks: int) -> Lease | None:
-        """A lease on up to ``max_blocks`` leading blocks, or None on failure. The caller
-        releases it (``with``)."""
+    def acquire(self, tokens: list[int], scope: Scope, max_blocks: int, start_block: int = 0) -> Lease | None:
+        """A lease on up to ``max_blocks`` blocks of the cached prefix from ``start_block``
+        on, or None on failure. The caller releases it (``with``)."""
         store = self._get()
         if store is None:
             return None
         try:
-            return store.acquire(tokens, scope, max_blocks=max_blocks)
+            return store.acquire(tokens, scope, max_blocks=max_blocks, start_block=start_block)
         except Exception as e:
             self._fail("acquire", e)
             self._drop_client(e)

@@ -74,14 +74,16 @@ class WorkerSide:
         """Copy leased pages into the request's blocks; returns how many of ``spec.block_ids``
         (from the first) now hold verified KV."""
         assert self.paged is not None
-        lease = self.handle.acquire(list(spec.token_ids), spec.scope, spec.end_block)
+        # Only the blocks to fill: those before first_block vLLM already holds, so promoting
+        # them into tierkv's device tier would be wasted reads.
+        lease = self.handle.acquire(list(spec.token_ids), spec.scope, len(spec.block_ids), spec.first_block)
         if lease is None:
             return 0
         try:
-            got = min(lease.num_blocks, spec.end_block) - spec.first_block
+            got = min(lease.num_blocks, len(spec.block_ids))
             if got <= 0:
                 return 0
-            pages = torch.stack([lease.page(i) for i in range(spec.first_block, spec.first_block + got)])
+            pages = torch.stack([lease.page(i) for i in range(got)])
             self.paged.scatter(pages, spec.block_ids[:got])
             return got
         finally:

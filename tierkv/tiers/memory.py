@@ -79,13 +79,6 @@ class MemoryTier:
         """A view of the page in ``slot`` (valid while the caller holds the block)."""
         return self._pool[slot]
 
-    def slot_buffer(self, slot: int) -> memoryview:
-        """The aligned bytes of ``slot`` for direct reads (shared-memory tiers only)."""
-        if self.region is None or self.region.bytes is None:
-            raise TypeError(f"the {self.name.value} tier is not host memory")
-        start = slot * self.stride_bytes
-        return memoryview(self.region._mmap)[start : start + self.stride_bytes]
-
     def direct_target(self, slot: int) -> memoryview | None:
         """The page bytes of ``slot`` when a disk read may land in them directly
         (shared memory, 4 KiB-aligned start and length), else None."""

@@ -1,14 +1,7 @@
 """The remote tier: whole pages in a cluster-wide Mooncake Store, shared by every node.
 
-One object per block, named ``key_prefix + block_key.hex()``. Mooncake checks neither what
-it stores nor who stored it, so every object carries tierkv's own metadata in a header in
-front of the page bytes, in the same object (one put, one get, never torn apart)::
-
-    fixed  magic "TKVR" | version u16 | flags u16 | header_len u32 | page_len u64 |
-           page checksum u64 | block key 32 | parent key 32 | model version 32
-    then   namespace (u16 length + UTF-8) | layout JSON (u16 length) | token ids (u32 length)
-    then   xxh3-64 of all header bytes before it (u64)
-    page   page_len bytes, the page exactly as in every other tier
+One object per block, named ``key_prefix + block_key.hex()``: tierkv's own metadata in a header
+in front of the page bytes (the format: :mod:`tierkv.tiers.remote_object`).
 
 Every fetch verifies the header checksum, the key, the layout, the expected model version,
 namespace, parent and token ids, and the page checksum (seeded by the key). A failure is a
