@@ -124,3 +124,28 @@ def test_unknown_opcode_and_bad_fields_get_error_replies(daemon, good):
     assert f.request_id == 7 and not f.is_error
     s.close()
     still_serving(daemon, good)
+
+
+@pytest.mark.parametrize("body", [b"[" * 1000 + b"]" * 1000, b'{"a":' * 5000 + b"1" + b"}" * 5000,
+                                  b"[" * (MAX_HEADER - 1)], ids=["arrays-1000", "objects-5000", "unclosed-64k"])
+def test_deeply_nested_header_gets_bad_header_and_the_connection_goes_on(daemon, good, body):
+    """Issue 11 item 8: json.loads recursed per level and raised RecursionError, which
+    dropped the connection with no reply and logged a traceback."""
+    s = raw(daemon)
+    s.sendall(HEAD.pack(MAGIC, VERSION, Op.LOOKUP, 0, 21, len(body), 0) + body)
+    f = read_frame_sync(s)
+    assert f.is_error and f.request_id == 21 and f.header["error"] == "BadHeaderError"
+    assert "nests deeper" in f.header["message"]
+    s.sendall(encode_frame(Op.PING, 22, {}))
+    assert read_frame_sync(s).request_id == 22
+    s.close()
+    still_serving(daemon, good)
+
+
+def test_a_deep_string_is_not_nesting(daemon, good):
+    """Brackets inside strings are data, not depth: such a header still decodes."""
+    s = raw(daemon)
+    s.sendall(encode_frame(Op.PING, 23, {"note": "[{" * 2000 + '\\"' + "[" * 100}))
+    f = read_frame_sync(s)
+    assert f.request_id == 23 and not f.is_error
+    s.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import struct
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ HEAD = struct.Struct("<4sBBHQII")
 MAX_HEADER = 64 * 1024  # bytes of JSON header
 MAX_TOKENS = 4 * 1024 * 1024  # token ids per request
 MAX_PAYLOAD = 4 * MAX_TOKENS  # bytes of payload (int32 token ids)
+MAX_DEPTH = 32  # nesting of JSON arrays/objects in a header; real messages use at most 4
 
 FLAG_REPLY = 0x1  # a reply to the request with the same id
 FLAG_ERROR = 0x2  # a reply whose header is an ErrorReply
@@ -58,6 +60,9 @@ class Op(IntEnum):
     VERIFY = 16
     STATS = 17
     PING = 18
+    CHAIN_TOKENS = 19
+    CHAIN_RESIDENCY = 20
+    SET_PRIORITY_FROM = 21
 
 
 class FatalFrameError(ProtocolError):
@@ -108,14 +113,39 @@ def parse_head(head: bytes) -> tuple[int, int, int, int, int]:
     return opcode, flags, request_id, hlen, plen
 
 
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in ``raw``, found by a flat scan (no
+    recursion: the point is to refuse what would make ``json.loads`` recurse too deep).
+    Brackets inside strings do not count. Malformed input may give a wrong depth;
+    ``json.loads`` rejects it afterwards anyway."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return 0  # fast path: cannot be deeper than the number of openers
+    depth = deepest = 0
+    for ch in _STRING.sub(b'""', raw):
+        if ch in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
+
+
 def parse_header(raw: bytes) -> dict:
-    """The JSON header as a dict; ProtocolError (not fatal: framing is intact) otherwise."""
+    """The JSON header as a dict; ProtocolError (not fatal: framing is intact) otherwise.
+    Nesting deeper than MAX_DEPTH is refused before decoding: ``json.loads`` recurses per
+    level and a header of 64 KiB of ``[`` raised RecursionError (issue 11, item 8)."""
     if not raw:
         return {}
+    if json_depth(raw) > MAX_DEPTH:
+        raise ProtocolError(f"frame header nests deeper than {MAX_DEPTH} levels",
+                            hint="tierkv messages nest a few levels; send a flatter header")
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ProtocolError(f"frame header is not UTF-8 JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(f"frame header is not UTF-8 JSON: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("frame header must be a JSON object")
     return obj
