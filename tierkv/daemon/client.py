@@ -33,10 +33,11 @@ from ..blocks import Priority
 from ..errors import CapacityError, DaemonUnavailableError, ForkedStoreError, LeaseError, ProtocolError, TierKVError
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
-from ..results import InvalidateResult, Lease, LookupResult, PutResult, VerifyResult
+from ..results import ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult
 from ..tiers.shm import SharedRegion
 from . import messages as m
-from .protocol import VERSION, Frame, Op, encode_frame, read_frame_sync
+from .protocol import VERSION, Frame, Op, close_fds, encode_frame, read_frame_sync
+from .security import check_listener
 from .remote_lease import RemoteLease, cuda_pool, pool_view
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,10 @@ def _error_from(reply: m.ErrorReply) -> Exception:
 class Client:
     """Connected to a daemon; same methods as :class:`tierkv.Store` (data stays in shm)."""
 
-    def __init__(self, socket_path: Path, timeout: float = 60.0, connect_timeout: float = 5.0) -> None:
+    def __init__(self, socket_path: Path, timeout: float = 60.0, connect_timeout: float = 5.0,
+                 daemon_uid: int | None = None) -> None:
+        """``daemon_uid``: the uid the daemon runs as when it is neither root nor this user
+        (the listener's uid is checked before anything is sent or mapped)."""
         self.socket_path = Path(socket_path)
         self.timeout = timeout
         self._pid = os.getpid()
@@ -67,6 +71,11 @@ class Client:
         except OSError as e:
             self._sock.close()
             raise DaemonUnavailableError(f"no tierkv daemon on {self.socket_path}: {e.strerror or e}") from None
+        try:
+            check_listener(self._sock, self.socket_path, daemon_uid)
+        except BaseException:
+            self._sock.close()
+            raise
         self._sock.settimeout(None)
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -79,12 +88,17 @@ class Client:
         self._reader.start()
         self._regions: list[SharedRegion] = []
         try:
-            self._setup(self._call(Op.HELLO, m.Hello(VERSION, os.getpid())))
+            hello = self._call_frame(Op.HELLO, m.Hello(VERSION, os.getpid()))
+            fds = list(hello.fds)
+            try:
+                self._setup(hello.header, fds)  # takes (and sets to -1) the descriptors it maps
+            finally:
+                close_fds([fd for fd in fds if fd >= 0])
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, hello: dict[str, Any]) -> None:
+    def _setup(self, hello: dict[str, Any], fds: list[int]) -> None:
         self.layout = PageLayout.from_dict(hello["layout"])
         self.daemon_pid = int(hello["daemon_pid"])
         self.lease_timeout_s = float(hello["lease_timeout_s"])
@@ -93,7 +107,13 @@ class Client:
         for name in ("device", "host", "staging"):
             info = hello.get(name)
             if info:
-                r = SharedRegion.attach(Path(info["path"]), int(info["nbytes"]))
+                # Map the descriptor the daemon sent with the reply, never a path it names:
+                # a fake listener could name any file this client may write.
+                k = info.get("fd")
+                if not isinstance(k, int) or not 0 <= k < len(fds) or fds[k] < 0:
+                    raise ProtocolError(f"the daemon sent no descriptor for its {name} region")
+                fd, fds[k] = fds[k], -1
+                r = SharedRegion.attach_fd(fd, int(info["nbytes"]), name)
                 self._regions.append(r)
                 regions[name] = pool_view(r, self.layout, int(info["slots"]), int(info["stride_bytes"]))
         if "device" in regions:
@@ -117,6 +137,8 @@ class Client:
             self._fail_all(e)
 
     def _deliver(self, frame: Frame) -> None:
+        if frame.fds and frame.opcode != Op.HELLO:
+            close_fds(frame.fds)  # descriptors only ever come with the HELLO reply
         if frame.is_error:
             reply = m.ErrorReply.decode(frame.header, frame.payload)
             if frame.request_id == 0:  # about the connection, not a request: it is closing
@@ -127,6 +149,7 @@ class Client:
         with self._pending_lock:
             fut = self._pending.pop(frame.request_id, None)
         if fut is None:
+            close_fds(frame.fds)
             return
         if frame.is_error:
             fut.set_exception(exc)
@@ -298,6 +321,27 @@ class Client:
         ws = m.WireScope(scope.model_version, scope.namespace, scope.extra_keys)
         return int(self._call(Op.SET_PRIORITY, m.SetPriority(ws, as_token_array(tokens), int(priority)))["count"])
 
+    def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
+        """Same as :meth:`Store.set_priority_from`: the chain ending at ``last_key``."""
+        return int(self._call(Op.SET_PRIORITY_FROM, m.ChainRef(bytes(last_key), int(priority)))["count"])
+
+    def chain_tokens(self, last_key: bytes) -> ChainTokens:
+        """Same as :meth:`Store.chain_tokens`: token ids, model version and namespace of the
+        stored chain ending at ``last_key``; NotFoundError when it is not stored."""
+        f = self._call_frame(Op.CHAIN_TOKENS, m.ChainRef(bytes(last_key)))
+        h = f.header
+        if not isinstance(h.get("model_version"), str) or not isinstance(h.get("namespace"), str):
+            raise ProtocolError("chain_tokens reply lacks model_version or namespace")
+        return ChainTokens(m.tokens_from(f.payload).copy(), h["model_version"], h["namespace"])
+
+    def chain_residency(self, last_key: bytes) -> Residency:
+        """Same as :meth:`Store.chain_residency`: blocks of the chain in each tier."""
+        r = self._call(Op.CHAIN_RESIDENCY, m.ChainRef(bytes(last_key)))["residency"]
+        try:
+            return Residency.from_dict(r)
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError("chain_residency reply is malformed") from None
+
     def save_manifest(self, name: str, manifest: dict) -> None:
         self._call(Op.SAVE_MANIFEST, m.ManifestRequest(name, manifest))
 
@@ -319,8 +363,8 @@ class Client:
         r = self._call(Op.VERIFY, m.Verify(repair))
         return VerifyResult(int(r["checked"]), tuple(r["corrupt"]), bool(r["repaired"]))
 
-    def stats(self) -> dict[str, object]:
-        return self._call(Op.STATS, m.Empty())["stats"]
+    def stats(self) -> StoreStats:
+        return StoreStats.from_dict(self._call(Op.STATS, m.Empty())["stats"])
 
     def ping(self) -> None:
         self._call(Op.PING, m.Empty())

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import torch
 
 from ..blocks import Priority
-from ..errors import CapacityError, LeaseError, ProtocolError
+from ..errors import CapacityError, LeaseError, NotFoundError, ProtocolError
 from ..identity import Scope
 from ..store import Store
 from . import messages as m
 from .leases import LeaseTable, StagingSlots
+from .tenancy import Tenancy
 from .protocol import VERSION, Op
 
 if TYPE_CHECKING:
@@ -30,11 +31,13 @@ MAX_LEASES_PER_CONNECTION = 4096
 Reply = tuple[dict[str, Any], bytes]
 
 
-def region_info(tier: Any) -> dict[str, Any] | None:
-    """How a client maps a memory tier: shm path, bytes, slot stride and count."""
+def region_info(tier: Any, fds: list[int]) -> dict[str, Any] | None:
+    """How a client maps a memory tier: the index of its descriptor in ``fds`` (sent with
+    the HELLO reply, SCM_RIGHTS: the client never opens a path), bytes, slot stride, count."""
     if tier.region is None:
         return None
-    return {"path": str(tier.region.path), "nbytes": tier.region.nbytes, "stride_bytes": tier.stride_bytes,
+    fds.append(tier.region.fd)
+    return {"fd": len(fds) - 1, "nbytes": tier.region.nbytes, "stride_bytes": tier.stride_bytes,
             "slots": tier.slots.capacity}
 
 
@@ -49,13 +52,14 @@ def cuda_ipc_info(tier: Any) -> dict[str, Any] | None:
 
 
 class Handlers:
-    def __init__(self, store: Store, config: "DaemonConfig", staging_pool: torch.Tensor, staging_path: str) -> None:
+    def __init__(self, store: Store, config: "DaemonConfig", staging_pool: torch.Tensor, staging_region: Any) -> None:
         self.store = store
         self.config = config
+        self.tenancy = Tenancy(config.namespace_per_uid)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="tierkv-daemon")
         self.leases = LeaseTable(config.lease_timeout_s)
         self.staging_pool = staging_pool
-        self.staging_path = staging_path
+        self.staging_region = staging_region
         page = store.layout.page_bytes
         self.staging = StagingSlots(staging_pool.shape[0], max(1, config.client_staging_bytes // page))
         # opcode -> (message class with decode(header, payload), handler)
@@ -68,6 +72,8 @@ class Handlers:
             Op.GET_MANIFEST: (m.ManifestRequest, self.get_manifest), Op.LIST_MANIFESTS: (m.Empty, self.list_manifests),
             Op.DELETE_MANIFEST: (m.ManifestRequest, self.delete_manifest), Op.INVALIDATE: (m.Invalidate, self.invalidate),
             Op.VERIFY: (m.Verify, self.verify), Op.STATS: (m.Empty, self.stats), Op.PING: (m.Empty, self.ping),
+            Op.CHAIN_TOKENS: (m.ChainRef, self.chain_tokens), Op.CHAIN_RESIDENCY: (m.ChainRef, self.chain_residency),
+            Op.SET_PRIORITY_FROM: (m.ChainRef, self.set_priority_from),
         }
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -78,7 +84,7 @@ class Handlers:
     def namespace_for(self, conn: "Connection", namespace: str) -> str:
         """The namespace the store sees. With ``namespace_per_uid`` every peer uid gets its
         own prefix, so tenants under different uids can neither hit nor probe each other."""
-        return f"uid{conn.creds.uid}/{namespace}" if self.config.namespace_per_uid else namespace
+        return self.tenancy.namespace(conn.creds.uid, namespace)
 
     def scope(self, conn: "Connection", ws: m.WireScope) -> Scope:
         return Scope(ws.model_version, self.namespace_for(conn, ws.namespace), ws.extra_keys)
@@ -87,14 +93,18 @@ class Handlers:
     async def hello(self, conn: "Connection", msg: m.Hello) -> Reply:
         conn.client_pid = msg.pid
         st = self.store
-        return {
+        fds: list[int] = []
+        header = {
             "protocol": VERSION, "daemon_pid": os.getpid(), "layout": st.layout.to_dict(),
-            "device": region_info(st.device), "host": region_info(st.host), "device_ipc": cuda_ipc_info(st.device),
-            "staging": {"path": self.staging_path, "nbytes": self.staging_pool.numel() * self.staging_pool.element_size(),
+            "device": region_info(st.device, fds), "host": region_info(st.host, fds), "device_ipc": cuda_ipc_info(st.device),
+            "staging": {"nbytes": self.staging_pool.numel() * self.staging_pool.element_size(),
                         "stride_bytes": st.layout.page_bytes, "slots": self.staging_pool.shape[0]},
             "stage_quota": self.staging.quota, "lease_timeout_s": self.leases.timeout_s,
             "namespace_per_uid": self.config.namespace_per_uid,
-        }, b""
+        }
+        fds.append(self.staging_region.fd)
+        header["staging"]["fd"] = len(fds) - 1
+        return header, b"", fds  # type: ignore[return-value]  # the server sends fds with the reply
 
     async def lookup(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
         r = await self.run(self.store.lookup, msg.tokens, self.scope(conn, msg.scope), msg.block_extra)
@@ -154,34 +164,84 @@ class Handlers:
         n = await self.run(self.store.set_priority, msg.tokens, self.scope(conn, msg.scope), Priority(msg.priority))
         return {"count": n}, b""
 
+    async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[Any, str, str]:
+        """Tokens, model version and namespace (as the client names it) of the chain ending
+        at ``last_key``. With ``namespace_per_uid`` a chain of another uid's namespace is
+        reported as not stored: a key must not let one tenant read or pin another's."""
+        tokens, mv, ns = await self.run(self.store.chain_tokens, last_key)
+        if self.config.namespace_per_uid:
+            own = self.namespace_for(conn, "")
+            if not ns.startswith(own):
+                raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
+            ns = ns[len(own):]
+        return tokens, mv, ns
+
+    async def chain_tokens(self, conn: "Connection", msg: m.ChainRef) -> Reply:
+        tokens, mv, ns = await self._own_chain(conn, msg.last_key)
+        return {"model_version": mv, "namespace": ns}, m.tokens_payload(tokens)
+
+    async def chain_residency(self, conn: "Connection", msg: m.ChainRef) -> Reply:
+        if self.config.namespace_per_uid:
+            await self._own_chain(conn, msg.last_key)
+        r = await self.run(self.store.chain_residency, msg.last_key)
+        return {"residency": r.as_dict() if hasattr(r, "as_dict") else dict(r)}, b""
+
+    async def set_priority_from(self, conn: "Connection", msg: m.ChainRef) -> Reply:
+        if msg.priority is None:
+            raise ProtocolError("set_priority_from needs a priority")
+        if self.config.namespace_per_uid:
+            await self._own_chain(conn, msg.last_key)
+        return {"count": await self.run(self.store.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
+
     async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
         if msg.manifest is None:
             raise ProtocolError("save_manifest needs a manifest object")
-        await self.run(self.store.save_manifest, msg.name, msg.manifest)
+        await self.run(self.store.save_manifest, self.tenancy.manifest_name(conn.creds.uid, msg.name), msg.manifest)
         return {}, b""
 
     async def get_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
-        return {"manifest": await self.run(self.store.get_manifest, msg.name)}, b""
+        uid = conn.creds.uid
+        try:
+            got = await self.run(self.store.get_manifest, self.tenancy.manifest_name(uid, msg.name))
+        except NotFoundError:
+            # The store's message lists every name; a tenant sees only its own.
+            mine = self.tenancy.visible_manifests(uid, await self.run(self.store.list_manifests))
+            raise NotFoundError(f"no prefix named {msg.name!r} (known: {', '.join(sorted(mine)) or 'none'})") from None
+        return {"manifest": self.tenancy.visible_manifest(uid, got)}, b""
 
     async def list_manifests(self, conn: "Connection", msg: m.Empty) -> Reply:
-        return {"manifests": await self.run(self.store.list_manifests)}, b""
+        uid = conn.creds.uid
+        mine = self.tenancy.visible_manifests(uid, await self.run(self.store.list_manifests))
+        return {"manifests": {k: self.tenancy.visible_manifest(uid, v) for k, v in mine.items()}}, b""
 
     async def delete_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
-        return {"deleted": bool(await self.run(self.store.delete_manifest, msg.name))}, b""
+        name = self.tenancy.manifest_name(conn.creds.uid, msg.name)
+        return {"deleted": bool(await self.run(self.store.delete_manifest, name))}, b""
 
     async def invalidate(self, conn: "Connection", msg: m.Invalidate) -> Reply:
-        ns = None if msg.namespace is None else self.namespace_for(conn, msg.namespace)
-        r = await self.run(self.store.invalidate, model_version=msg.model_version, namespace=ns, dry_run=msg.dry_run)
-        return {"removed_blocks": r.removed_blocks, "freed_bytes": r.freed_bytes, "dry_run": r.dry_run}, b""
+        if msg.namespace is not None or not self.config.namespace_per_uid:
+            targets = [None if msg.namespace is None else self.namespace_for(conn, msg.namespace)]
+        else:  # "every namespace" of a tenant is every namespace of its own, never another's
+            if msg.model_version is None:
+                raise ValueError("invalidate needs model_version or namespace")
+            stored = (await self.run(self.store.stats))["namespaces"]
+            targets = self.tenancy.own_namespaces(conn.creds.uid, stored)  # type: ignore[assignment]
+        removed = freed = 0
+        for ns in targets:
+            r = await self.run(self.store.invalidate, model_version=msg.model_version, namespace=ns, dry_run=msg.dry_run)
+            removed += r.removed_blocks
+            freed += r.freed_bytes
+        return {"removed_blocks": removed, "freed_bytes": freed, "dry_run": msg.dry_run}, b""
 
     async def verify(self, conn: "Connection", msg: m.Verify) -> Reply:
+        self.tenancy.check_whole_store(conn.creds.uid, "verify")
         r = await self.run(self.store.verify, msg.repair)
         return {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": r.repaired}, b""
 
     async def stats(self, conn: "Connection", msg: m.Empty) -> Reply:
         s = await self.run(self.store.stats)
-        s["daemon"] = self.daemon_stats()
-        return {"stats": s}, b""
+        visible = self.tenancy.visible_stats(conn.creds.uid, s.with_sections(daemon=self.daemon_stats()).as_dict())
+        return {"stats": visible}, b""
 
     async def ping(self, conn: "Connection", msg: m.Empty) -> Reply:
         return {}, b""

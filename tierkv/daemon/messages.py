@@ -221,6 +221,29 @@ class SetPriority:
 
 
 @dataclass(frozen=True)
+class ChainRef:
+    """CHAIN_TOKENS, CHAIN_RESIDENCY and SET_PRIORITY_FROM: the stored chain ending at
+    ``last_key`` (a named prefix's last block key, from its manifest)."""
+
+    last_key: bytes
+    priority: int | None = None  # SET_PRIORITY_FROM only
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"last_key": self.last_key.hex(), "priority": self.priority}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "ChainRef":
+        raw = _get(h, "last_key", str)
+        try:
+            key = bytes.fromhex(raw)
+        except ValueError:
+            raise ProtocolError("last_key is not hex") from None
+        if len(key) != KEY_BYTES:
+            raise ProtocolError(f"last_key must be {KEY_BYTES} bytes, got {len(key)}")
+        return cls(key, _int(h, "priority", 0, 2, None))
+
+
+@dataclass(frozen=True)
 class ManifestRequest:
     """SAVE_MANIFEST (with ``manifest``), GET_MANIFEST and DELETE_MANIFEST."""
 
