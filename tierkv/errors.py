@@ -35,6 +35,14 @@ class ConfigError(TierKVError, ValueError):
     default_hint = "check the capacities and options passed to tierkv.open()"
 
 
+class UnsupportedModelError(ConfigError):
+    """The model's cache is not plain per-layer K/V that tierkv can store and restore exactly
+    (recurrent or linear-attention state, KV shared across layers, chunked or sparse
+    attention, ...): refused at load rather than served with a wrong cache."""
+
+    default_hint = "tierkv serves models whose layers are full or sliding-window attention (see docs/quickstart.md)"
+
+
 class StoreLockedError(TierKVError):
     default_hint = "close the other process, or connect to its daemon with --socket"
 
@@ -53,6 +61,13 @@ class DiskWriteError(TierKVError):
 
 class IndexFullError(TierKVError):
     default_hint = "raise index_map_bytes (--index-map-size) or run `tierkv gc`"
+
+
+class IndexDamagedError(TierKVError):
+    """The index file is damaged (truncated, invalid meta pages, a page LMDB cannot read) or
+    missing while segments exist. Raised before LMDB maps the file, so it is never a signal."""
+
+    default_hint = "run `tierkv verify --repair --home HOME` to rebuild the index from the segments"
 
 
 class LeaseError(TierKVError):
@@ -77,3 +92,24 @@ class ProtocolError(TierKVError):
 
 class DaemonUnavailableError(TierKVError):
     default_hint = "start it with `tierkv serve`, or check the --socket path"
+
+
+class NotPermittedError(TierKVError):
+    """The daemon refuses this operation to this peer (e.g. a whole-store operation asked
+    by a tenant under namespace_per_uid)."""
+
+    default_hint = "run it as the daemon's user, or without namespace_per_uid"
+
+
+class QuotaExceededError(CapacityError):
+    """A per-uid or per-namespace quota of the daemon (connections, leases, staging,
+    pinned bytes, unread replies) refuses this request; other tenants are unaffected."""
+
+    default_hint = "release leases or staging slots first; the daemon's operator sets the quotas (docs/operations.md)"
+
+
+class UntrustedDaemonError(TierKVError):
+    """The process listening on the socket is not a daemon this client trusts (its uid is
+    neither root, nor this user's, nor the one the client was told to expect)."""
+
+    default_hint = "check the --socket path; pass daemon_uid= (tierkv.connect) when the daemon runs as another user"

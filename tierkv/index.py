@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import lmdb
 
 from .errors import IndexFullError
+from .index_check import check_index, peek_in_child
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,26 +68,21 @@ def peek_meta(path: Path, name: str) -> str | None:
     """One value of the ``meta`` database of the index at ``path``, read without opening the
     store: read-only and without LMDB's lock table, so it works beside a running owner. None
     when there is no index or no such value. Never call it while this process holds the
-    index open (LMDB allows one environment per path per process)."""
+    index open (LMDB allows one environment per path per process). The read runs in a child
+    process after the meta-page check, so a damaged file raises IndexDamagedError here
+    instead of killing this process (see index_check.py)."""
     if not (path / "data.mdb").exists():
         return None
-    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=8, subdir=True)
-    try:
-        try:
-            meta = env.open_db(b"meta", create=False)
-        except lmdb.NotFoundError:
-            return None
-        with env.begin(db=meta) as txn:
-            raw = txn.get(name.encode())
-            return None if raw is None else bytes(raw).decode()
-    finally:
-        env.close()
+    return peek_in_child(path, name)
 
 
 class Index:
     def __init__(self, path: Path, map_size: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
+        # Before mapping: a truncated or unreadable file would kill this process (SIGBUS,
+        # SIGABRT); the check raises IndexDamagedError instead (index_check.py).
+        check_index(path)
         self.env = lmdb.open(
             str(path), map_size=map_size, max_dbs=8, subdir=True, sync=True, metasync=True,
             lock=True, max_readers=256,
