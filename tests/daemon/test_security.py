@@ -6,7 +6,6 @@ import socket
 import stat
 import subprocess
 import sys
-from unittest import mock
 
 import pytest
 
@@ -25,15 +24,14 @@ def test_socket_is_0600_in_a_0700_directory_with_a_pid_file(daemon):
     assert daemon.config.resolved_pid_file.read_text().strip() == str(os.getpid())
 
 
-def test_a_wrong_peer_uid_is_refused(daemon):
+def test_allowed_uids_admit_by_kernel_uid(workdir):
+    """peer_allowed's rule; the real refusal of another user (a child that drops to another
+    uid) is tests/daemon/test_tenants.py::test_a_uid_not_allowed_is_refused_for_real."""
     foreign = PeerCredentials(pid=1, uid=os.getuid() + 4242, gid=0)
-    with mock.patch.object(security, "peer_credentials", return_value=foreign):
-        with pytest.raises(DaemonUnavailableError, match=r"uid \d+|closed|reach|lost"):
-            tierkv.connect(daemon.config.socket)
-    with tierkv.connect(daemon.config.socket) as c:  # the real uid still gets in
-        c.check_integrity()
-    allowed = make_config(daemon.config.home.parent, allowed_uids=(foreign.uid,))
+    assert not security.peer_allowed(foreign, ())
+    allowed = make_config(workdir, allowed_uids=(foreign.uid,))
     assert security.peer_allowed(foreign, allowed.allowed_uids)
+    assert security.peer_allowed(PeerCredentials(1, os.getuid(), 0), ())
 
 
 @pytest.mark.parametrize("kind", ["file", "dir", "symlink-to-nothing", "symlink-to-socket"])
@@ -112,7 +110,8 @@ def test_namespace_per_uid_is_derived_by_the_daemon(workdir):
             toks = prompt(32, seed=11)
             c.put(toks, pages_for(2, 11), SCOPE)
             assert c.lookup(toks, SCOPE).tokens_matched == 32
-            assert set(c.stats()["namespaces"]) == {f"uid{os.getuid()}/{SCOPE.namespace}"}
+            assert set(c.stats()["namespaces"]) == {SCOPE.namespace}  # its own, without the tenant prefix
+            assert d.call(lambda: set(d.daemon.store.stats()["namespaces"])) == {f"uid{os.getuid()}/{SCOPE.namespace}"}
             assert c.invalidate(namespace=SCOPE.namespace).removed_blocks == 2
     finally:
         d.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import struct
@@ -70,6 +71,9 @@ class FatalFrameError(ProtocolError):
     receiver replies once if it can and closes the connection."""
 
 
+MAX_FDS = 8  # descriptors one frame may carry (SCM_RIGHTS): the HELLO reply's shared regions
+
+
 @dataclass(frozen=True)
 class Frame:
     opcode: int
@@ -77,6 +81,7 @@ class Frame:
     request_id: int
     header: dict
     payload: bytes
+    fds: tuple[int, ...] = ()  # received with the frame (SCM_RIGHTS); the receiver owns them
 
     @property
     def is_reply(self) -> bool:
@@ -183,13 +188,23 @@ class BadHeaderError(ProtocolError):
         self.request_id = request_id
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes from a blocking socket; ConnectionError at EOF."""
+def recv_exact(sock: socket.socket, n: int, fds: list[int] | None = None) -> bytes:
+    """Exactly ``n`` bytes from a blocking socket; ConnectionError at EOF. With ``fds``,
+    descriptors that arrive with these bytes (SCM_RIGHTS) are appended to it: they travel
+    on the first byte of the frame they belong to, and a plain ``recv`` would close them."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if fds is None:
+            k = sock.recv_into(view[got:], n - got)
+        else:
+            data, received, msg_flags, _ = socket.recv_fds(sock, n - got, MAX_FDS)
+            fds.extend(received)
+            if msg_flags & socket.MSG_CTRUNC:
+                raise FatalFrameError(f"a frame carried more than {MAX_FDS} file descriptors")
+            k = len(data)
+            view[got : got + k] = data
         if k == 0:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         got += k
@@ -197,7 +212,55 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def read_frame_sync(sock: socket.socket) -> Frame:
-    """Blocking counterpart of :func:`read_frame` for the client's reader thread."""
-    opcode, flags, rid, hlen, plen = parse_head(recv_exact(sock, HEAD.size))
-    body = recv_exact(sock, hlen + plen) if hlen + plen else b""
-    return Frame(opcode, flags, rid, parse_header(body[:hlen]), body[hlen:])
+    """Blocking counterpart of :func:`read_frame` for the client's reader thread. The
+    frame's ``fds`` are the descriptors sent with it; the caller must close or keep them."""
+    fds: list[int] = []
+    try:
+        opcode, flags, rid, hlen, plen = parse_head(recv_exact(sock, HEAD.size, fds))
+        body = recv_exact(sock, hlen + plen) if hlen + plen else b""
+        return Frame(opcode, flags, rid, parse_header(body[:hlen]), body[hlen:], tuple(fds))
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+def close_fds(fds: list[int] | tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+async def send_with_fds(writer: asyncio.StreamWriter, data: bytes, fds: list[int] | tuple[int, ...]) -> None:
+    """Write ``data`` (one frame) with ``fds`` attached to its first byte (SCM_RIGHTS).
+
+    asyncio's transports cannot send ancillary data, so the first bytes go out with
+    ``sendmsg`` on a duplicate of the socket once the transport's own buffer is empty (the
+    order of bytes on the stream is kept), and the rest through the transport. The caller
+    holds the connection's write lock."""
+    transport = writer.transport
+    for _ in range(1000):  # bounded: the peer must read what was sent before
+        await writer.drain()
+        if transport.get_write_buffer_size() == 0:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise ConnectionError("the peer does not read its replies; cannot hand it descriptors")
+    raw = writer.get_extra_info("socket")
+    dup = socket.socket(fileno=os.dup(raw.fileno()))
+    try:
+        sent = 0
+        for _ in range(1000):
+            try:
+                sent = socket.send_fds(dup, [data], list(fds))
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+        else:
+            raise ConnectionError("the peer does not read its replies; cannot hand it descriptors")
+    finally:
+        dup.close()  # closes the duplicate only
+    if sent < len(data):
+        writer.write(data[sent:])
+        await writer.drain()

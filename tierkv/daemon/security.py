@@ -1,16 +1,24 @@
 """The daemon's local trust boundary: where its socket may live and who may talk to it.
 
 * The socket's directory is private (created 0700, or refused when it exists and another
-  user owns it or group/others can access it); the socket itself is 0600.
+  user owns it or group/others can access it); the socket itself is 0600. With
+  ``allowed_uids`` the other users must reach the socket: the directory is then 0711
+  (others may pass through it, never list or create in it) and the socket 0666; the uid
+  check below is then the gate, as it always is.
 * Nothing already at the socket path is replaced, except the socket of a daemon that is
   gone (connecting is refused): a regular file, directory or symlink there means a
   misconfiguration or an attack, and the daemon refuses to start.
 * Every peer's uid is read from the kernel (``SO_PEERCRED``) and must be the daemon's own
   uid or one listed in ``allowed_uids``.
 
-The daemon trusts a peer that passes these checks: such a peer could read the daemon's
-shared-memory tiers anyway. Namespaces are still derived on the daemon side when
-``namespace_per_uid`` is set (see server.py).
+The daemon's shared-memory files are 0600 to the daemon's user; an admitted peer gets them
+as file descriptors with the HELLO reply (SCM_RIGHTS), so only admitted peers map them.
+With ``namespace_per_uid`` each peer uid is a tenant confined to its own namespaces and
+manifests (tenancy.py).
+
+The client checks the other direction (:func:`check_listener`): the process listening on
+the socket must run as root, as the client's own user or as the uid it was told to expect,
+before the client sends anything or maps what it is sent.
 """
 from __future__ import annotations
 
@@ -22,7 +30,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, TierKVError
+from ..errors import ConfigError, TierKVError, UntrustedDaemonError
 
 _UCRED = struct.Struct("3i")  # struct ucred { pid_t pid; uid_t uid; gid_t gid; }
 
@@ -53,10 +61,26 @@ def peer_allowed(creds: PeerCredentials, allowed_uids: tuple[int, ...]) -> bool:
     return creds.uid == os.getuid() or creds.uid in allowed_uids
 
 
-def prepare_socket_dir(directory: Path) -> None:
-    """Create ``directory`` 0700, or check that an existing one is ours and private."""
+def check_listener(sock: socket.socket, path: Path, daemon_uid: int | None = None) -> PeerCredentials:
+    """Client side: the listener's credentials, if its uid is root, ours or ``daemon_uid``;
+    UntrustedDaemonError otherwise (a fake listener must not get our requests, nor make us
+    map and write what it hands us)."""
+    creds = peer_credentials(sock)
+    trusted = {0, os.getuid()} | ({daemon_uid} if daemon_uid is not None else set())
+    if creds.uid not in trusted:
+        raise UntrustedDaemonError(f"the listener on {path} runs as uid {creds.uid} (pid {creds.pid}), which this "
+                                   f"client does not trust (root, {os.getuid()}"
+                                   f"{'' if daemon_uid is None else f', {daemon_uid}'})")
+    return creds
+
+
+def prepare_socket_dir(directory: Path, shared: bool = False) -> None:
+    """Create ``directory`` 0700 (0711 when ``shared``: other users pass through to the
+    socket), or check that an existing one is ours and no wider than that."""
+    mode = 0o711 if shared else 0o700
     try:
-        directory.mkdir(mode=0o700, parents=True)
+        directory.mkdir(mode=mode, parents=True)
+        os.chmod(directory, mode)  # mkdir's mode is masked by the umask
     except FileExistsError:
         pass
     st = os.lstat(directory)
@@ -65,9 +89,9 @@ def prepare_socket_dir(directory: Path) -> None:
     if st.st_uid != os.getuid():
         raise SocketPathError(f"{directory} belongs to uid {st.st_uid}, not to this user ({os.getuid()})",
                               hint="put the socket in a directory you own, e.g. $XDG_RUNTIME_DIR/tierkv")
-    if st.st_mode & 0o077:
-        raise SocketPathError(f"{directory} has mode {stat.S_IMODE(st.st_mode):o}; the socket's directory must be 0700",
-                              hint=f"chmod 700 {directory}, or put the socket in a private directory")
+    if st.st_mode & (0o066 if shared else 0o077):
+        raise SocketPathError(f"{directory} has mode {stat.S_IMODE(st.st_mode):o}; the socket's directory must be "
+                              f"{mode:o}", hint=f"chmod {mode:o} {directory}, or put the socket in a private directory")
 
 
 def socket_is_live(path: Path, timeout: float = 1.0) -> bool:
@@ -107,11 +131,12 @@ def clear_socket_path(path: Path) -> bool:
     return True
 
 
-def bind_private_socket(path: Path, backlog: int = 128) -> socket.socket:
-    """A listening AF_UNIX socket at ``path``, mode 0600, in a 0700 directory."""
+def bind_private_socket(path: Path, backlog: int = 128, shared: bool = False) -> socket.socket:
+    """A listening AF_UNIX socket at ``path``, mode 0600 in a 0700 directory (``shared``,
+    for ``allowed_uids``: 0666 in a 0711 directory; peers are then checked by uid)."""
     if len(os.fsencode(path)) >= 108:
         raise ConfigError(f"socket path {path} is too long for AF_UNIX (107 bytes at most)")
-    prepare_socket_dir(path.parent)
+    prepare_socket_dir(path.parent, shared)
     clear_socket_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     # umask during bind so the socket is never, even briefly, wider than 0600. The 0700
@@ -124,7 +149,7 @@ def bind_private_socket(path: Path, backlog: int = 128) -> socket.socket:
         raise
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    os.chmod(path, 0o666 if shared else 0o600)
     sock.listen(backlog)
     sock.setblocking(False)
     return sock

@@ -43,7 +43,8 @@ from . import messages, regions, security
 from .config import BIND_ENV, REMOTE_FIELDS, DaemonConfig, resolve_layout
 from .handlers import Handlers
 from .metrics import DaemonMetrics
-from .protocol import FLAG_ERROR, FLAG_REPLY, BadHeaderError, FatalFrameError, Frame, Op, encode_frame, read_frame
+from .protocol import (FLAG_ERROR, FLAG_REPLY, BadHeaderError, FatalFrameError, Frame, Op, encode_frame, read_frame,
+                       send_with_fds)
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 60.0
@@ -64,10 +65,14 @@ class Connection:
         self.tasks.discard(task)
         self.inflight.release()
 
-    async def send(self, opcode: int, request_id: int, header: dict, payload: bytes = b"", flags: int = FLAG_REPLY) -> None:
+    async def send(self, opcode: int, request_id: int, header: dict, payload: bytes = b"", flags: int = FLAG_REPLY,
+                   fds: list[int] | tuple[int, ...] = ()) -> None:
         frame = encode_frame(opcode, request_id, header, payload, flags)
         async with self.write_lock:
             if self.writer.is_closing():
+                return
+            if fds:  # shared-memory descriptors travel with this reply (SCM_RIGHTS)
+                await send_with_fds(self.writer, frame, fds)
                 return
             self.writer.write(frame)
             await self.writer.drain()
@@ -105,7 +110,7 @@ class Daemon:
     def _open(self) -> tuple[Any, SharedRegion]:
         cfg = self.config = resolve_layout(self.config)
         assert cfg.layout is not None
-        security.prepare_socket_dir(cfg.socket.parent)
+        security.prepare_socket_dir(cfg.socket.parent, shared=bool(cfg.allowed_uids))
         security.clear_socket_path(cfg.socket)  # refuse early, before taking the home
         shm_dir = cfg.shm_dir or default_shm_dir()  # opening the store reaps dead processes' regions
         self.store = Store(StoreConfig(
@@ -118,9 +123,9 @@ class Daemon:
             if cfg.remote_enabled:
                 self.store = self._join_cluster(self.store)
             staging, pool = regions.create_staging(shm_dir, cfg.layout, cfg.staging_bytes)
-            self.handlers = Handlers(self.store, cfg, pool, str(staging.path))
+            self.handlers = Handlers(self.store, cfg, pool, staging)
             self.metrics = DaemonMetrics(self.store.stats, self._daemon_stats, cfg.layout.page_bytes)
-            sock = security.bind_private_socket(cfg.socket)
+            sock = security.bind_private_socket(cfg.socket, shared=bool(cfg.allowed_uids))
             security.write_pid_file(cfg.resolved_pid_file)
             if cfg.metrics_port is not None:
                 try:
@@ -367,8 +372,8 @@ class Daemon:
             if self._stop is not None and self._stop.is_set() and frame.opcode != Op.RELEASE:
                 raise DaemonUnavailableError("the daemon is shutting down")
             cls, handler = entry
-            header, payload = await handler(conn, cls.decode(frame.header, frame.payload))
-            await conn.send(frame.opcode, frame.request_id, header, payload)
+            header, payload, *fds = await handler(conn, cls.decode(frame.header, frame.payload))
+            await conn.send(frame.opcode, frame.request_id, header, payload, fds=fds[0] if fds else ())
         except ConnectionError:
             return  # the peer is gone; the connection's reader notices and cleans up
         except Exception as e:  # noqa: BLE001 - every failure becomes an error reply

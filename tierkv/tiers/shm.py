@@ -1,8 +1,13 @@
 """Shared-memory regions: files under /dev/shm mapped with mmap.
 
 The host tier (and, without CUDA, the device tier) lives in such a region so that a second
-process (a daemon's client) can map the same bytes by path. The creator unlinks the file on
-close; a mapping outlives the unlink, so clients that still hold it keep valid memory.
+process (a daemon's client) can map the same bytes. The file is 0600 to its creator; the
+creator keeps it open (``fd``) and a daemon hands that descriptor to each client it admits
+(SCM_RIGHTS over the socket), which maps it with :meth:`SharedRegion.attach_fd`. So a client
+of another uid, admitted by the daemon's ``allowed_uids``, maps the tiers without any
+permission on the file, and a client never opens a path the peer named (a fake listener
+could name any file the client can write). The creator unlinks the file on close; a mapping
+outlives the unlink, so clients that still hold it keep valid memory.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 
 import torch
@@ -26,11 +32,12 @@ def default_shm_dir() -> Path:
 class SharedRegion:
     """``nbytes`` of page-aligned memory backed by a file that other processes can map."""
 
-    def __init__(self, path: Path, nbytes: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, path: Path, nbytes: int, mm: mmap.mmap, owner: bool, fd: int = -1) -> None:
         self.path = path
         self.nbytes = nbytes
         self._mmap = mm
         self.owner = owner
+        self.fd = fd  # the creator's descriptor (handed to clients); -1 for an attached region
         self.pinned = False
         # torch.frombuffer keeps the mmap exported; we drop the tensor before closing.
         self.bytes: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
@@ -46,9 +53,11 @@ class SharedRegion:
             # preallocated memory, and first-touch faults on the data path cost ~5x more.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mm = mmap.mmap(fd, max(nbytes, 1), flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(path, nbytes, mm, owner=True)
+            os.unlink(path)
+            raise
+        return cls(path, nbytes, mm, owner=True, fd=fd)
 
     @classmethod
     def attach(cls, path: Path, nbytes: int) -> "SharedRegion":
@@ -61,6 +70,21 @@ class SharedRegion:
         finally:
             os.close(fd)
         return cls(path, nbytes, mm, owner=False)
+
+    @classmethod
+    def attach_fd(cls, fd: int, nbytes: int, name: str = "region") -> "SharedRegion":
+        """Map a region from a descriptor received from its creator; closes ``fd``.
+        Raises ValueError unless ``fd`` is a regular file of at least ``nbytes``."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"shared region {name} is not a regular file")
+            if st.st_size < nbytes:
+                raise ValueError(f"shared region {name} holds {st.st_size} bytes, expected {nbytes}")
+            mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(Path(f"<fd:{name}>"), nbytes, mm, owner=False)
 
     def pin(self) -> bool:
         """Page-lock the region for fast, asynchronous host<->GPU copies (CUDA only)."""
@@ -84,6 +108,9 @@ class SharedRegion:
         except BufferError:
             # A tensor view still exports the buffer; the mapping is released with it.
             log.debug("shared region %s still referenced at close", self.path)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         if self.owner:
             try:
                 os.unlink(self.path)

@@ -1,0 +1,166 @@
+"""Tenants under ``namespace_per_uid``, with a REAL second user: a forked child that drops
+to uid 65534 (nobody) and uses the daemon through the library (issue 11, item 6).
+
+Before: the child could not map the daemon's shared memory at all (the files are 0600 to
+the daemon's user); a client of another uid saw every namespace in ``stats``, read and
+overwrote other users' manifests, and ``invalidate`` without a namespace removed every
+user's blocks."""
+from __future__ import annotations
+
+import os
+import stat
+
+import torch
+
+import tierkv
+from tierkv.errors import NotFoundError
+
+from as_user import NOBODY, need_root, run_as
+from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt
+
+OTHER = NOBODY - 1  # an uid the daemon does not admit
+
+
+def test_another_uid_is_served_through_passed_descriptors_and_confined(workdir):
+    need_root()
+    os.chmod(workdir, 0o711)  # the socket directory's parent: others may pass through
+    d = DaemonThread(make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,))).start()
+    try:
+        sock = d.config.socket
+        assert stat.S_IMODE(os.stat(sock.parent).st_mode) == 0o711
+        mine, theirs = prompt(64, seed=1), prompt(48, seed=2)
+        # The daemon's own user (a tenant too) stores blocks and two named prefixes; the
+        # same session imports everything the child will need.
+        with tierkv.connect(sock) as c:
+            c.put(mine, pages_for(4, 1), SCOPE)
+            c.save_manifest("shared-name", {"owner": "root"})
+            c.save_manifest("root-only", {"owner": "root"})
+            with c.acquire(mine, SCOPE) as lease:
+                lease.pages()
+            c.list_manifests(), c.stats(), c.verify()
+            try:
+                c.get_manifest("nothing")
+            except NotFoundError:
+                pass
+        for f in (workdir / "shm").iterdir():  # shared memory stays private to the daemon
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600
+
+        def tenant() -> dict:
+            out: dict = {"uid": os.getuid()}
+            with tierkv.connect(sock) as t:
+                t.put(theirs, pages_for(3, 2), SCOPE)  # through staging, mapped from a passed fd
+                with t.acquire(theirs, SCOPE) as lease:  # pages read from the mapped device tier
+                    out["pages_equal"] = bool(torch.equal(lease.pages(), pages_for(3, 2)))
+                out["own_hit"] = t.lookup(theirs, SCOPE).tokens_matched
+                out["root_hit"] = t.lookup(mine, SCOPE).tokens_matched
+                out["manifests"] = sorted(t.list_manifests())
+                for name in ("root-only",):
+                    try:
+                        t.get_manifest(name)
+                        out["read_root_manifest"] = True
+                    except NotFoundError as e:
+                        out["read_root_manifest"] = False
+                        out["not_found_message"] = e.message
+                t.save_manifest("shared-name", {"owner": "nobody"})
+                out["own_manifest"] = t.get_manifest("shared-name")
+                st = t.stats()
+                out["namespaces"] = sorted(st["namespaces"])
+                out["has_model_versions"] = bool(st.get("model_versions"))
+                out["invalidated"] = t.invalidate(model_version=SCOPE.model_version).removed_blocks
+                try:
+                    t.verify()
+                    out["verify"] = "ran"
+                except tierkv.TierKVError as e:
+                    out["verify"] = type(e).__name__
+            return out
+
+        got = run_as(NOBODY, tenant)
+        assert "ok" in got, got
+        r = got["ok"]
+        assert r["uid"] == NOBODY and r["pages_equal"] and r["own_hit"] == 48
+        assert r["root_hit"] == 0  # cannot hit (or probe) another tenant's blocks
+        assert r["manifests"] == [] and r["read_root_manifest"] is False
+        assert r["not_found_message"].endswith("(known: none)")  # no other tenant's names
+        assert r["own_manifest"] == {"owner": "nobody"}
+        assert r["namespaces"] == [SCOPE.namespace] and not r["has_model_versions"]
+        assert r["invalidated"] == 3  # its own 3 blocks, not root's 4
+        assert r["verify"] == "NotPermittedError"
+        with tierkv.connect(sock) as c:  # root's data is untouched
+            assert c.lookup(mine, SCOPE).tokens_matched == 64
+            assert c.get_manifest("shared-name") == {"owner": "root"}
+            assert sorted(c.list_manifests()) == ["root-only", "shared-name"]
+            assert sorted(c.stats()["namespaces"]) == [SCOPE.namespace]
+        d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()
+
+
+def test_a_uid_not_allowed_is_refused_for_real(workdir):
+    """The kernel-reported uid of a real second user is refused (was: a mocked
+    peer_credentials). The same daemon admits its own user and an allowed uid."""
+    need_root()
+    os.chmod(workdir, 0o711)
+    d = DaemonThread(make_config(workdir, allowed_uids=(NOBODY,))).start()
+    try:
+        sock = d.config.socket
+        with tierkv.connect(sock) as c:
+            c.check_integrity()
+
+        def connect() -> str:
+            with tierkv.connect(sock) as t:
+                t.ping()
+            return "connected"
+
+        refused = run_as(OTHER, connect)
+        assert refused.get("error") == "DaemonUnavailableError", refused
+        assert f"uid {OTHER}" in refused["message"]
+        assert run_as(NOBODY, connect) == {"ok": "connected"}
+        assert d.daemon.metrics is None or d.daemon.metrics.rejected.labels("uid")._value.get() >= 1
+    finally:
+        d.stop()
+
+
+def test_the_client_refuses_a_listener_of_an_untrusted_uid(workdir):
+    """Item 11: a fake listener run by another user got the client to map and overwrite
+    pages of an arbitrary file. Now the client checks the listener's uid (SO_PEERCRED)
+    before it sends or maps anything."""
+    need_root()
+    import socket
+
+    from tierkv.errors import UntrustedDaemonError
+
+    os.chmod(workdir, 0o711)
+    fake_dir = workdir / "fake"
+    fake_dir.mkdir()
+    os.chown(fake_dir, NOBODY, NOBODY)
+    path = fake_dir / "fake.sock"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the fake daemon, as nobody: accept one client, report what it sent
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            srv = socket.socket(socket.AF_UNIX)
+            srv.bind(str(path))
+            os.chmod(path, 0o666)
+            srv.listen()
+            os.write(w, b"R")
+            conn, _ = srv.accept()
+            conn.settimeout(10)
+            got = conn.recv(1 << 16)
+            os.write(w, b"%d" % len(got))
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"R"
+    try:
+        try:
+            tierkv.connect(path)
+            raise AssertionError("the client trusted a listener of another uid")
+        except UntrustedDaemonError as e:
+            assert f"uid {NOBODY}" in e.message
+        assert os.read(r, 16) == b"0"  # not one byte was sent to it
+    finally:
+        os.waitpid(pid, 0)
+        os.close(r)
