@@ -100,7 +100,7 @@ def collect(store: Any, keep_model_versions: Iterable[str] = (), keep_namespaces
         last = m.get("last_block_key")
         if scope is None or not last:
             continue
-        if store.chain_residency(bytes.fromhex(last))["blocks"]:
+        if store.chain_residency(bytes.fromhex(last)).blocks:
             continue
         # In-use scopes are never touched above, so a dry run sees the same counts.
         if store.invalidate(model_version=scope[0], namespace=scope[1], dry_run=True).removed_blocks:

@@ -15,7 +15,7 @@ from .checksum import page_checksum
 from .errors import NotFoundError
 from .identity import as_token_array
 from .placement import Placement
-from .results import InvalidateResult, VerifyResult
+from .results import ChainTokens, CounterStats, InvalidateResult, Residency, StoreStats, TierStats, VerifyResult
 from .tiers import TierName
 
 if TYPE_CHECKING:
@@ -86,21 +86,21 @@ class StoreOperations(Placement):
         self._check_usable()
         return self.index.delete_manifest(name)
 
-    def chain_residency(self, last_key: bytes) -> dict[str, int]:
-        """Blocks of the chain ending at ``last_key`` present in each tier."""
+    def chain_residency(self, last_key: bytes) -> Residency:
+        """Blocks of the chain ending at ``last_key``, and how many each tier holds."""
         self._check_usable()
         with self._lock:
-            out = {t.value: 0 for t in TIERS}
-            out["blocks"] = 0
+            counts = {t: 0 for t in TIERS}
+            blocks = 0
             b = self.table.get(last_key)
             while b is not None:
-                out["blocks"] += 1
+                blocks += 1
                 for t in b.loc:
-                    out[t.value] += 1
+                    counts[t] += 1
                 b = self.table.get(b.parent)
-            return out
+            return Residency(blocks, counts[DEVICE], counts[HOST], counts[DISK])
 
-    def chain_tokens(self, last_key: bytes) -> tuple[np.ndarray, str, str]:
+    def chain_tokens(self, last_key: bytes) -> ChainTokens:
         """Token ids, model version and namespace of the stored chain ending at ``last_key``
         (for export, and for pinning a named prefix). Raises NotFoundError when any block of
         the chain is missing."""
@@ -117,7 +117,7 @@ class StoreOperations(Placement):
                 b = self.table.get(prev)
             # The walk ends at the scope seed; a missing middle block would end it early,
             # which the caller detects by re-keying the tokens (the last key must match).
-            return np.frombuffer(b"".join(reversed(parts)), dtype="<i4").copy(), mv, ns
+            return ChainTokens(np.frombuffer(b"".join(reversed(parts)), dtype="<i4").copy(), mv, ns)
 
     # ---- operations ------------------------------------------------------------------
     def invalidate(self, *, model_version: str | None = None, namespace: str | None = None,
@@ -169,38 +169,28 @@ class StoreOperations(Placement):
                     self._unbusy(b)  # frees blocks invalidated while they were being read
         return VerifyResult(len(targets), tuple(b.key.hex() for b in bad), repair)
 
-    def stats(self) -> dict[str, object]:
-        """Per-tier occupancy and counters (JSON-able)."""
+    def stats(self) -> StoreStats:
+        """Per-tier occupancy and counters (``as_dict()`` is the JSON shape)."""
         self._check_usable()
         with self._lock:
-            tiers: dict[str, dict[str, object]] = {}
-            for t, tier in ((DEVICE, self.device), (HOST, self.host)):
-                tiers[t.value] = {
-                    "blocks": tier.slots.num_used, "used_bytes": tier.used_bytes,
-                    "capacity_bytes": tier.capacity_bytes, **tier.describe(),
-                }
-            tiers["disk"] = {
-                "blocks": self.disk.num_used, "used_bytes": self.disk.used_bytes,
-                "capacity_bytes": self.disk.capacity_bytes, **self.disk.describe(),
+            tiers = {
+                t.value: TierStats(tier.slots.num_used, tier.used_bytes, tier.capacity_bytes, tier.describe())
+                for t, tier in ((DEVICE, self.device), (HOST, self.host))
             }
+            tiers[DISK.value] = TierStats(self.disk.num_used, self.disk.used_bytes, self.disk.capacity_bytes,
+                                          self.disk.describe())
             by_mv: dict[str, int] = {}
             by_ns: dict[str, int] = {}
             for b in self.table.blocks.values():
                 by_mv[b.model_version] = by_mv.get(b.model_version, 0) + 1
                 by_ns[b.namespace] = by_ns.get(b.namespace, 0) + 1
-            return {
-                "home": str(self.config.home),
-                "layout": self.layout.to_dict(),
-                "blocks": len(self.table),
-                "leased_blocks": sum(1 for b in self.table.blocks.values() if b.leases),
-                "tiers": tiers,
-                "disk_read_path": self.disk.read_path,
-                "model_versions": by_mv,
-                "namespaces": by_ns,
-                "index_resizes": self.index.resizes,
-                "stale_readers_cleared": self.index.stale_readers_cleared,
-                **self.stats_counters.as_dict(),
-            }
+            return StoreStats(
+                home=str(self.config.home), layout=self.layout.to_dict(), blocks=len(self.table),
+                leased_blocks=sum(1 for b in self.table.blocks.values() if b.leases), tiers=tiers,
+                disk_read_path=self.disk.read_path, model_versions=by_mv, namespaces=by_ns,
+                counters=CounterStats.from_dict(self.stats_counters.as_dict()),
+                index_resizes=self.index.resizes, stale_readers_cleared=self.index.stale_readers_cleared,
+            )
 
     def check_integrity(self) -> None:
         """Recompute every total from its source of truth; AssertionError on a mismatch."""

@@ -1,13 +1,19 @@
-"""Typed results of store operations (no bare tuples or -1 sentinels across modules)."""
+"""Typed results of store operations (no bare tuples or -1 sentinels across modules).
+
+Every implementation of :class:`tierkv.api.StoreAPI` (the embedded store, the daemon client,
+the cluster node) returns these, so a caller never branches on which one it holds.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
-from .layout import PageLayout, unpack_pages
+from .layout import PageLayout, kv_buffer, split_layers, unpack_into
 
 if TYPE_CHECKING:
     from .blocks import Block
@@ -45,6 +51,175 @@ class VerifyResult:
     checked: int
     corrupt: tuple[str, ...]  # hex keys whose page failed its checksum or could not be read
     repaired: bool
+
+
+class ChainTokens(NamedTuple):
+    """What a stored chain was made from (``chain_tokens``): its token ids (int32), model
+    version and namespace. A NamedTuple so ``tokens, mv, ns = ...`` keeps working."""
+
+    tokens: np.ndarray
+    model_version: str
+    namespace: str
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Blocks of a chain (walked from its last key towards the root) and how many of them
+    each tier holds (``chain_residency``). ``blocks`` counts the blocks found, so a chain
+    whose middle block is gone shows fewer blocks than its manifest names."""
+
+    blocks: int = 0
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"blocks": self.blocks, "device": self.device, "host": self.host, "disk": self.disk}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Residency":
+        return cls(int(d["blocks"]), int(d["device"]), int(d["host"]), int(d["disk"]))
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One local tier's occupancy; ``details`` are what the tier itself reports (its shared
+    memory path, the disk tier's file bytes and degraded reason, ...)."""
+
+    blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.details, "blocks": self.blocks, "used_bytes": self.used_bytes,
+                "capacity_bytes": self.capacity_bytes}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TierStats":
+        rest = {k: v for k, v in d.items() if k not in ("blocks", "used_bytes", "capacity_bytes")}
+        return cls(int(d["blocks"]), int(d["used_bytes"]), int(d["capacity_bytes"]), rest)
+
+
+@dataclass(frozen=True)
+class CounterStats:
+    """Traffic since the store was opened (see :class:`tierkv.stats.Counters`). Per-tier
+    maps are keyed by tier name ("device", "host", "disk"; a cluster node adds "remote")."""
+
+    lookups: int = 0
+    lookup_blocks: int = 0
+    hits: Mapping[str, int] = field(default_factory=dict)
+    hit_rate: float = 0.0
+    hit_rate_by_tier: Mapping[str, float] = field(default_factory=dict)
+    acquires: int = 0
+    acquire_hits: Mapping[str, int] = field(default_factory=dict)
+    evictions: Mapping[str, int] = field(default_factory=dict)
+    promoted_bytes: int = 0
+    demoted_bytes: int = 0
+    quarantined: int = 0
+    token_mismatch: int = 0
+    puts: int = 0
+    blocks_stored: int = 0
+    lookups_per_s: float = 0.0
+    mean_lookup_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f: (dict(v) if isinstance(v := getattr(self, f), Mapping) else v) for f in _COUNTER_FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CounterStats":
+        return cls(**{f: (dict(d[f]) if isinstance(d[f], Mapping) else d[f]) for f in _COUNTER_FIELDS if f in d})
+
+
+_COUNTER_FIELDS = tuple(CounterStats.__dataclass_fields__)
+# Top-level keys of the JSON shape that are StoreStats fields (the rest are the counters,
+# flattened, and ``extra``).
+_STATS_FIELDS = ("home", "layout", "blocks", "leased_blocks", "disk_read_path", "model_versions", "namespaces",
+                 "index_resizes", "stale_readers_cleared")
+_SECTIONS = ("cluster", "remote", "daemon")
+
+
+@dataclass(frozen=True)
+class StoreStats(Mapping[str, Any]):
+    """``stats()`` of any :class:`~tierkv.api.StoreAPI`: occupancy per tier, what is stored
+    (blocks per model version and namespace) and the traffic counters.
+
+    Read it by attribute (``s.tiers["disk"].used_bytes``, ``s.counters.hit_rate``). The JSON
+    shape (``as_dict``/``to_json``, what ``tierkv stats --json`` prints and the daemon sends)
+    is flat: the counters at the top level, the tiers under ``tiers``, a cluster node's
+    remote tier under ``tiers.remote``. The object also reads as that (read-only) mapping,
+    so ``s["tiers"]["disk"]["blocks"]`` works; it cannot be patched: build a new one with
+    :func:`dataclasses.replace`.
+    """
+
+    home: str
+    layout: Mapping[str, Any]
+    blocks: int
+    leased_blocks: int
+    tiers: Mapping[str, TierStats]
+    disk_read_path: str
+    model_versions: Mapping[str, int]
+    namespaces: Mapping[str, int]
+    counters: CounterStats
+    index_resizes: int = 0
+    stale_readers_cleared: int = 0
+    remote_tier: Mapping[str, Any] | None = None  # a cluster node's remote tier (``tiers.remote``)
+    cluster: Mapping[str, Any] | None = None  # a cluster node's pull/publish counters
+    remote: Mapping[str, Any] | None = None  # the remote tier's own figures
+    daemon: Mapping[str, Any] | None = None  # the serving daemon's figures (leases, staging)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # keys this version does not know (a newer daemon's)
+
+    def with_sections(self, **sections: Mapping[str, Any] | None) -> "StoreStats":
+        """A copy with ``cluster``/``remote``/``remote_tier``/``daemon`` set."""
+        return replace(self, **sections)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON shape (stable: tests, docs/cli.md and the daemon rely on it)."""
+        out: dict[str, Any] = dict(self.extra)
+        out.update({f: getattr(self, f) for f in _STATS_FIELDS})
+        for f in ("layout", "model_versions", "namespaces"):
+            out[f] = dict(out[f])
+        tiers: dict[str, Any] = {name: t.as_dict() for name, t in self.tiers.items()}
+        if self.remote_tier is not None:
+            tiers["remote"] = dict(self.remote_tier)
+        out["tiers"] = tiers
+        out.update(self.counters.as_dict())
+        if self.cluster is not None:  # a cluster node: "remote" is null when it has no remote tier
+            out["cluster"] = dict(self.cluster)
+            out["remote"] = None if self.remote is None else dict(self.remote)
+        if self.daemon is not None:
+            out["daemon"] = dict(self.daemon)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StoreStats":
+        """Rebuild from the JSON shape (the daemon client does this with the wire's)."""
+        tiers_in = dict(d.get("tiers") or {})
+        remote_tier = tiers_in.pop("remote", None)
+        known = set(_STATS_FIELDS) | set(_COUNTER_FIELDS) | set(_SECTIONS) | {"tiers"}
+        return cls(
+            home=str(d.get("home", "")), layout=dict(d.get("layout") or {}), blocks=int(d.get("blocks", 0)),
+            leased_blocks=int(d.get("leased_blocks", 0)),
+            tiers={name: TierStats.from_dict(t) for name, t in tiers_in.items()},
+            disk_read_path=str(d.get("disk_read_path", "")), model_versions=dict(d.get("model_versions") or {}),
+            namespaces=dict(d.get("namespaces") or {}), counters=CounterStats.from_dict(d),
+            index_resizes=int(d.get("index_resizes", 0)), stale_readers_cleared=int(d.get("stale_readers_cleared", 0)),
+            remote_tier=remote_tier, cluster=d.get("cluster"), remote=d.get("remote"), daemon=d.get("daemon"),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    # ---- the read-only mapping view of the JSON shape ----------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
 
 
 @dataclass(eq=False)
@@ -102,13 +277,23 @@ class Lease:
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) in transformers' layout ``[1, H, n*B, D]``, copied into one
-        buffer the caller owns (valid after release). Slots that form one run (the usual case:
-        one promotion allocates a run) are read as a view of the pool, so one copy suffices."""
+        buffer the caller owns (valid after release)."""
+        kv = kv_buffer(self.layout, len(self.slots), self.pool.device)
+        self.kv_into(kv, 0)
+        return split_layers(kv)
+
+    def kv_into(self, kv: torch.Tensor, first_block: int) -> None:
+        """Copy the leased pages into blocks ``first_block ..`` of a
+        :func:`~tierkv.layout.kv_buffer`. Each run of consecutive slots (the usual case: one
+        promotion allocates a run) is read as a view of the pool: one copy per byte."""
         self._check()
-        n = len(self.slots)
-        if n and self.slots == tuple(range(self.slots[0], self.slots[0] + n)):
-            return unpack_pages(self.pool[self.slots[0] : self.slots[0] + n], self.layout)
-        return unpack_pages(self.pages(), self.layout)
+        i, n = 0, len(self.slots)
+        while i < n:
+            j = i + 1
+            while j < n and self.slots[j] == self.slots[j - 1] + 1:
+                j += 1
+            unpack_into(kv, self.pool[self.slots[i] : self.slots[i] + (j - i)], first_block + i, self.layout)
+            i = j
 
     def release(self) -> None:
         if not self.released:

@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .api import StoreAPI
 from .blocks import Block, BlockTable, Priority
 from .checksum import page_checksum
 from .config import StoreConfig
@@ -41,7 +42,7 @@ FORMAT_VERSION = "1"
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
-class Store(StoreOperations, Ingest):
+class Store(StoreOperations, Ingest, StoreAPI):
     """A tierkv store opened in this process. Build with :func:`tierkv.open`.
 
     The read path (lookup, acquire, release, prefetch) lives here; ``put`` in

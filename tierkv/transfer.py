@@ -153,9 +153,9 @@ def import_bundle(store: Any, path: Path, *, name: str | None = None, force: boo
             skipped += res.skipped
     warnings: list[str] = []
     resident = store.chain_residency(bytes.fromhex(header.last_block_key))
-    durable = resident["blocks"] == header.blocks and resident["disk"] == header.blocks
+    durable = resident.blocks == header.blocks and resident.disk == header.blocks
     if not durable:
-        warnings.append(f"only {resident['disk']} of {header.blocks} blocks are on the disk tier")
+        warnings.append(f"only {resident.disk} of {header.blocks} blocks are on the disk tier")
     # The manifest goes last: it must never name blocks that were not stored.
     manifest = dict(header.manifest)
     manifest.update(

@@ -212,7 +212,7 @@ def test_pin_survives_eviction_pressure_and_unpin_releases(tmp_path):
     with open_home(h, **tight) as s:
         for seed in range(10, 16):  # 24 more blocks through a disk tier of 12 slots
             put_prefix(s, random_tokens(16, seed), Scope(MV_A), seed=seed)
-        assert s.chain_residency(last)["disk"] == 4
+        assert s.chain_residency(last).disk == 4
         assert s.stats()["evictions"]["disk"] > 0
         s.check_integrity()
 
@@ -221,7 +221,7 @@ def test_pin_survives_eviction_pressure_and_unpin_releases(tmp_path):
         assert s.get_manifest("keep")["pinned"] is False
         for seed in range(20, 26):
             put_prefix(s, random_tokens(16, seed), Scope(MV_A), seed=seed)
-        assert s.chain_residency(last)["disk"] < 4
+        assert s.chain_residency(last).disk < 4
 
 
 def test_pin_unknown_name(home):

@@ -5,6 +5,7 @@ import pytest
 
 from tierkv import Priority, Scope
 from tierkv.errors import NotFoundError
+from tierkv.results import Residency
 
 from .kit import (BS, MV1, MV2, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, segment_files,
                   tier_counts, toks)
@@ -106,12 +107,12 @@ def test_manifests(make_store):
     assert "system-prompt" in str(info.value)
     # Pin the chain a manifest names; it survives disk pressure.
     assert store.set_priority_from(last, Priority.PINNED) == 3
-    assert store.chain_residency(last) == {"device": 3, "host": 0, "disk": 3, "blocks": 3}
+    assert store.chain_residency(last) == Residency(blocks=3, device=3, host=0, disk=3)
     store.close()
     store = make_store(disk_bytes=8 * SLOT, segment_pages=4)
     for i in range(6):
         put_chain(store, toks(941 + i, 2))
-    assert store.chain_residency(last)["disk"] == 3
+    assert store.chain_residency(last).disk == 3
     assert store.get_manifest("system-prompt")["tokens"] == len(chain)  # durable
     assert store.delete_manifest("system-prompt") and not store.delete_manifest("system-prompt")
     assert store.list_manifests() == {}

@@ -16,6 +16,7 @@ import click
 from ..blocks import Priority
 from ..identity import Scope
 from ..model_version import default_memo_path
+from ..results import Residency
 from .common import (
     connect_daemon, emit, fmt_bytes, home_option, json_option, print_columns, print_table, socket_option, warn,
 )
@@ -128,7 +129,7 @@ def stats(home: Path, socket_path: Path | None, as_json: bool) -> None:
     Counters describe the process that holds the store: a running daemon with --socket, or,
     without it, the store just opened here (only the disk tier and totals are meaningful)."""
     with target(home, socket_path) as store:
-        s = store.stats()
+        s = store.stats().as_dict()
     if as_json:
         emit(True, s)
         return
@@ -158,12 +159,12 @@ def prefix_rows(store: Any) -> list[dict[str, Any]]:
     rows = []
     for name, m in sorted(store.list_manifests().items()):
         last = m.get("last_block_key")
-        resident = store.chain_residency(bytes.fromhex(last)) if last else {"blocks": 0, "device": 0, "host": 0, "disk": 0}
+        resident = store.chain_residency(bytes.fromhex(last)) if last else Residency()
         rows.append({
             "name": name, "kind": m.get("kind"), "tokens": m.get("tokens"), "blocks": m.get("blocks"),
             "model_version": m.get("model_version"), "namespace": m.get("namespace", "default"),
-            "pinned": bool(m.get("pinned")), "resident": resident,
-            "complete": bool(last) and resident["blocks"] == m.get("blocks"),
+            "pinned": bool(m.get("pinned")), "resident": resident.as_dict(),
+            "complete": bool(last) and resident.blocks == m.get("blocks"),
             "created_at": m.get("created_at"),
         })
     return rows
