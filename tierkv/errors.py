@@ -113,3 +113,10 @@ class UntrustedDaemonError(TierKVError):
     neither root, nor this user's, nor the one the client was told to expect)."""
 
     default_hint = "check the --socket path; pass daemon_uid= (tierkv.connect) when the daemon runs as another user"
+
+
+class InvalidNameError(TierKVError, ValueError):
+    """A name (of a prefix, or a namespace) the store cannot hold: empty, too long, with
+    '/', or not valid Unicode."""
+
+    default_hint = "use 1-200 characters of valid UTF-8 without '/'"

@@ -17,6 +17,7 @@ from ..errors import ConfigError, NotFoundError
 from ..identity import Scope
 from ..layout import DTYPES, PageLayout, dtype_name
 from ..model_version import model_version
+from .cache_support import check_config, probe_cache
 
 DEFAULT_BLOCK_SIZE = 16
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -43,7 +44,11 @@ def resolve_dtype(config: Any, dtype: str = "auto") -> str:
 
 def layout_from_config(config: Any, dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -> PageLayout:
     """Page layout of a transformers config: layers, KV heads (GQA aware) and head dim
-    (``config.head_dim`` when set, else ``hidden_size // num_attention_heads``)."""
+    (``config.head_dim`` when set, else ``hidden_size // num_attention_heads``).
+
+    Raises UnsupportedModelError for a model whose cache tierkv cannot store exactly
+    (:mod:`tierkv.hf.cache_support`)."""
+    check_config(config)
     cfg = _text_config(config)
     heads = int(cfg.num_attention_heads)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -158,11 +163,13 @@ def load_model(
 
     Raises NotFoundError for a missing or non-model directory and ConfigError when the
     weights or tokenizer cannot be loaded or do not fit together (a tokenizer whose
-    vocabulary is larger than the model's embedding would index past it).
+    vocabulary is larger than the model's embedding would index past it), and
+    UnsupportedModelError (a ConfigError) for a model whose cache tierkv cannot store.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = load_config(model_dir)
+    check_config(config)  # before the weights load: refusing a large model should be quick
     root = Path(model_dir)
     kv_dtype = resolve_dtype(config, dtype)
     try:
@@ -186,6 +193,7 @@ def load_model(
             hint="the tokenizer does not belong to this model; save the matching tokenizer into the directory",
         )
     layout = layout_from_model(model, block_size)
+    probe_cache(model, layout)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
