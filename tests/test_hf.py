@@ -209,3 +209,32 @@ def test_lease_kv_of_a_single_block_does_not_alias_the_pool(store_factory):
     if pool is not None:
         assert k.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr()
     assert k.shape == (1, 2, 4, 8) and k.is_contiguous() and v.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_restore_cache_in_windows_gives_the_stored_kv(dtype, store_factory, monkeypatch):
+    """Windows of 2 blocks over 7 (scattered slots): each window copied while the next is
+    leased; the cache holds exactly the stored KV, and nothing stays leased."""
+    from types import SimpleNamespace
+
+    from tierkv.hf import prefill, restore_cache
+    from tierkv.layout import unpack_pages
+
+    monkeypatch.setattr(prefill, "RESTORE_WINDOW_BLOCKS", 2)
+    layout = PageLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
+    store = store_factory(layout)
+    scope = scope_for(f"windows-{dtype}")
+    a, b = prompt(28, seed=3), prompt(8, seed=4)
+    pages = torch.randn(7, *layout.shape).to(layout.torch_dtype)
+    store.put(a[:12], pages[:3], scope)
+    store.put(b, torch.randn(2, *layout.shape).to(layout.torch_dtype), scope)
+    store.put(a, pages[3:], scope, start_block=3)
+    model = SimpleNamespace(device=torch.device("cpu"), dtype=layout.torch_dtype)
+    for blocks in (7, 5, 1):
+        r = restore_cache(store, a, scope, blocks, model)
+        assert r.tokens == blocks * 4
+        want = unpack_pages(pages[:blocks], layout)
+        for layer, (k, v) in enumerate(want):
+            assert torch.equal(r.cache.layers[layer].keys, k) and torch.equal(r.cache.layers[layer].values, v)
+    assert store.stats()["leased_blocks"] == 0
+    assert restore_cache(store, prompt(28, seed=9), scope, 7, model).tokens == 0

@@ -19,11 +19,13 @@ from .model import (
 from .prefill import (
     DEFAULT_CHUNK_TOKENS,
     PrefillResult,
+    Restored,
     cache_from_kv,
     cache_layer_kv,
     cached_prefill,
     empty_cache,
     lease_kv,
+    restore_cache,
 )
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "GenerationResult",
     "LoadedModel",
     "PrefillResult",
+    "Restored",
     "SamplingConfig",
     "cache_from_kv",
     "cache_layer_kv",
@@ -48,5 +51,6 @@ __all__ = [
     "load_config",
     "load_model",
     "resolve_dtype",
+    "restore_cache",
     "version_of",
 ]

@@ -18,14 +18,15 @@ the model's sliding-window mask computes the same attention.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from ..errors import InvalidTokensError, PageFormatError
 from ..identity import Scope, as_token_array
-from ..layout import PageLayout, pack_pages
+from ..layout import PageLayout, kv_buffer, pack_pages, split_layers
 from .model import layout_from_model
 
 from ..blocks import Priority
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from ..store import Store
 
 DEFAULT_CHUNK_TOKENS = 2048
+# Blocks leased per restore window: large enough that one read request covers many pages,
+# small enough that the copy of one window overlaps the reads of the next.
+RESTORE_WINDOW_BLOCKS = 64
 Progress = Callable[[int, int], None]
 
 
@@ -54,6 +58,13 @@ class PrefillResult:
     computed_tokens: int
     stored_blocks: int
     tokens_in_cache: int
+
+
+class Restored(NamedTuple):
+    """A restored prefix: the cache and how many tokens it holds."""
+
+    cache: Any
+    tokens: int
 
 
 def empty_cache() -> Any:
@@ -110,18 +121,60 @@ def lease_kv(lease: Any, layout: PageLayout) -> list[tuple[torch.Tensor, torch.T
     return lease.kv()
 
 
-def _restore(store: "Store", tokens: list[int], scope: Scope, blocks: int, model: Any) -> tuple[Any, int]:
-    """Restore at most ``blocks`` leading blocks; returns (cache, tokens restored)."""
+def restore_cache(store: "Store", tokens: Sequence[int], scope: Scope, blocks: int, model: Any) -> Restored:
+    """A DynamicCache of the first ``blocks`` blocks of ``tokens`` (fewer when fewer are
+    stored), on ``model``'s device and dtype.
+
+    Windows of :data:`RESTORE_WINDOW_BLOCKS` are leased one after another, and the next
+    window's disk reads (and their checksums, on the store's helper thread) run while this
+    thread copies the last window into the cache's buffer: the copy hides behind the reads.
+    Every copied page was verified by its lease; the restore ends at the first block that
+    cannot be leased (evicted, corrupt, the device tier full)."""
     if blocks == 0:
-        return empty_cache(), 0
-    bs = store.layout.block_size
-    with store.acquire(tokens[: blocks * bs], scope, max_blocks=blocks) as lease:
-        if lease.num_blocks == 0:
-            return empty_cache(), 0
-        # lease_kv copies out of the store, so the lease can end before any compute.
-        layer_kv = lease_kv(lease, store.layout)
-        restored = lease.num_blocks * bs
-    return cache_from_kv(layer_kv, model.device, model.dtype), restored
+        return Restored(empty_cache(), 0)
+    layout = store.layout
+    bs = layout.block_size
+    tokens = list(tokens[: blocks * bs])
+    want = min(blocks, store.lookup(tokens, scope).num_blocks)
+    if want == 0:
+        return Restored(empty_cache(), 0)
+
+    def take(start: int) -> Any:
+        end = min(start + RESTORE_WINDOW_BLOCKS, want)
+        return store.acquire(tokens[: end * bs], scope, max_blocks=end - start, start_block=start)
+
+    got = 0
+    kv: torch.Tensor | None = None
+    with ThreadPoolExecutor(1, thread_name_prefix="tierkv-restore") as reader:
+        lease = take(0)
+        pending: Future[Any] | None = None
+        try:
+            while lease.num_blocks:
+                if lease.layout != layout:
+                    raise PageFormatError(f"the lease holds pages of layout {lease.layout}, the model needs {layout}")
+                if kv is None:
+                    kv = kv_buffer(layout, want, lease.pool.device)
+                nxt = got + lease.num_blocks
+                # A short window (a corrupt page, a full device tier) is followed by one that
+                # starts after it: a quarantined block ends the chain there, so that is empty.
+                pending = reader.submit(take, nxt) if nxt < want else None
+                # The lease is released only after the copy: its pages stay put until then.
+                lease.kv_into(kv, got)
+                got = nxt
+                lease.release()
+                if pending is None:
+                    break
+                lease, pending = pending.result(), None
+        finally:
+            lease.release()
+            if pending is not None:
+                pending.result().release()
+    if got == 0 or kv is None:
+        return Restored(empty_cache(), 0)
+    layer_kv = split_layers(kv, got * bs)
+    if got < want:  # a short restore: compact, so the cache owns contiguous tensors
+        layer_kv = [(k.contiguous(), v.contiguous()) for k, v in layer_kv]
+    return Restored(cache_from_kv(layer_kv, model.device, model.dtype), got * bs)
 
 
 @torch.inference_mode()
@@ -167,7 +220,7 @@ def cached_prefill(
             if progress is not None:
                 progress(max_blocks * bs, max_blocks * bs)
             return PrefillResult(None, empty_cache(), n, max_blocks * bs, 0, 0, 0)
-        cache, pos = _restore(store, token_list, store_scope, max_blocks, model)
+        cache, pos = restore_cache(store, token_list, store_scope, max_blocks, model)
     else:
         layout, bs = None, 1
         cache, pos = empty_cache(), 0

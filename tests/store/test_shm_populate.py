@@ -1,0 +1,54 @@
+"""Shared-memory regions are populated in the background, never at open and never by
+writing: bytes written while the populator runs survive it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tierkv.tiers.shm import SharedRegion
+
+
+def _rss_kib(path_name: str) -> int:
+    """Resident KiB of this process's mapping of the file named ``path_name``."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if not line[0].isupper() or ":" not in line.split()[0]:
+                inside = path_name in line
+            elif inside and line.startswith("Rss:"):
+                rss += int(line.split()[1])
+    return rss
+
+
+def test_region_is_populated_in_the_background_without_touching_its_bytes(tmp_path):
+    nbytes = 96 << 20
+    region = SharedRegion.create(tmp_path, "tierkv-host", nbytes)
+    try:
+        assert region.bytes is not None
+        # Written while the populator may still be running: must survive it.
+        pattern = torch.arange(4096, dtype=torch.uint8)
+        for off in (0, 40 << 20, nbytes - 4096):
+            region.bytes[off : off + 4096] = pattern
+        assert region._populator is not None
+        region._populator.join(timeout=30)
+        for off in (0, 40 << 20, nbytes - 4096):
+            assert torch.equal(region.bytes[off : off + 4096], pattern)
+        assert region.bytes[8192 : 8192 + 4096].sum().item() == 0
+        rss = _rss_kib(region.path.name)
+        if rss == 0:
+            pytest.fail("the mapping was not found in /proc/self/smaps")
+        assert rss >= nbytes // 1024 * 0.95, f"only {rss} KiB resident after populating {nbytes >> 10} KiB"
+    finally:
+        region.close()
+
+
+def test_close_while_populating_stops_the_populator(tmp_path):
+    region = SharedRegion.create(tmp_path, "tierkv-host", 512 << 20)
+    populator = region._populator
+    t0 = time.perf_counter()
+    region.close()
+    assert populator is not None and not populator.is_alive()
+    assert not region.path.exists()
+    assert time.perf_counter() - t0 < 5.0
