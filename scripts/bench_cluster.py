@@ -82,7 +82,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     from tierkv.identity import block_keys
     from tierkv.model_version import model_version_from_parts
     from tierkv.tiers.diskio import drop_page_cache
-    from tierkv.tiers.remote import RemoteConfig, RemoteMeta, RemoteTier
+    from tierkv.cluster.remote import RemoteConfig, RemoteMeta, RemoteTier
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,

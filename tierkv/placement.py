@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from .config import StoreConfig
+    from .eviction import EvictionListeners
     from .index import Index
     from .layout import PageLayout
     from .stats import Counters
@@ -47,6 +48,7 @@ class Placement:
     stats_counters: "Counters"
     _lock: threading.RLock
     _dead: list[Block]
+    eviction_listeners: "EvictionListeners"
 
     def _tier(self, t: TierName) -> "MemoryTier":
         return self.device if t == DEVICE else self.host
@@ -114,7 +116,16 @@ class Placement:
                 self.index.delete_blocks([b.key])
         finally:
             b.busy -= 1
+        if self.eviction_listeners and set(b.loc) == {t}:
+            # Its last local copy is going: listeners (a cluster node) may keep it elsewhere.
+            self.eviction_listeners.notify(b, t.value, lambda: self._page_copy(b, t))
         self._free(b, t)
+
+    def _page_copy(self, b: Block, t: TierName) -> "torch.Tensor":
+        """A CPU copy of ``b``'s page in tier ``t`` (held: the lock)."""
+        if t == DISK:
+            return self.disk.read_page(b.loc[DISK]).cpu()
+        return self._tier(t).page(b.loc[t]).detach().to("cpu", copy=True)
 
     def _demote(self, b: Block, src: TierName, dst: TierName) -> None:
         slot = self._alloc_mem(dst)
@@ -160,8 +171,9 @@ class Placement:
             page = self._tier(src).page(b.loc[src])
         try:
             # Data, fsync, then the index commit: the record never points at unwritten bytes.
-            self.disk.write_pages([(loc, page.detach().cpu())])
-            self.index.put_blocks([self._record(b, loc)])
+            record = self._record(b, loc)
+            self.disk.write_pages([(loc, page.detach().cpu())], [record.slot_body()])
+            self.index.put_blocks([record])
         except (DiskWriteError, IndexFullError) as e:
             log.warning("write-back of block %s failed: %s", b.key.hex()[:12], e)
             self.disk.free(loc)

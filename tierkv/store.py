@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from .blocks import Block, BlockTable, Priority
 from .checksum import page_checksum
 from .config import StoreConfig
 from .errors import ForkedStoreError, LayoutMismatchError, LeaseError, NotFoundError
+from .eviction import EvictedBlock, EvictionListeners
 from .home import HomeLock
 from .identity import Scope, as_token_array, iter_block_keys
 from .index import NO_DISK, Index
@@ -73,6 +74,7 @@ class Store(StoreOperations, Ingest, StoreAPI):
                 odirect=config.odirect, fsync=config.fsync,
             )
             self.table = BlockTable()
+            self.eviction_listeners = EvictionListeners()
             self.stats_counters = Counters()
             self._writing: set[bytes] = set()
             self._promoting: dict[bytes, threading.Event] = {}
@@ -134,6 +136,17 @@ class Store(StoreOperations, Ingest, StoreAPI):
             raise ForkedStoreError(f"this store was opened by pid {self._pid}, used from pid {os.getpid()}")
         if self._closed:
             raise NotFoundError("the store is closed", hint="open it again with tierkv.open()")
+
+    def add_eviction_listener(self, fn: Callable[[EvictedBlock], None],
+                              wants: Callable[[str, Priority], bool] | None = None) -> None:
+        """Call ``fn`` with an :class:`~tierkv.eviction.EvictedBlock` (metadata and a CPU
+        copy of the page) whenever a block that ``wants(namespace, priority)`` accepts
+        leaves its last local tier. ``fn`` runs under the store lock: it must be quick and
+        must not call the store (see :mod:`tierkv.eviction`)."""
+        self.eviction_listeners.add(fn, wants)
+
+    def remove_eviction_listener(self, fn: Callable[[EvictedBlock], None]) -> None:
+        self.eviction_listeners.remove(fn)
 
     # ---- lookup ----------------------------------------------------------------------
     def _match(self, arr: np.ndarray, scope: Scope, block_extra: Sequence[Sequence[str | bytes]] | None) -> list[Block]:

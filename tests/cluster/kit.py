@@ -16,7 +16,7 @@ import tierkv
 from tierkv import PageLayout, Scope
 from tierkv.cluster import ClusterNode, PublishPolicy
 from tierkv.identity import block_keys
-from tierkv.tiers.remote import RemoteConfig, RemoteTier
+from tierkv.cluster.remote import RemoteConfig, RemoteTier
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 BS = LAYOUT.block_size

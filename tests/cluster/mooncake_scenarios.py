@@ -27,7 +27,7 @@ from tierkv import Priority, Scope  # noqa: E402
 from tierkv.cluster import ClusterNode, PublishPolicy, route  # noqa: E402
 from tierkv.cluster.master import MasterProcess  # noqa: E402
 from tierkv.identity import block_keys  # noqa: E402
-from tierkv.tiers.remote import RemoteConfig, RemoteTier, mooncake_backend  # noqa: E402
+from tierkv.cluster.remote import RemoteConfig, RemoteTier, mooncake_backend  # noqa: E402
 
 
 def make_node(work: Path, name: str, master: MasterProcess, policy: PublishPolicy | None = None) -> ClusterNode:

@@ -7,7 +7,7 @@ import torch
 from tierkv import Priority, Scope
 from tierkv.cluster import PublishPolicy
 from tierkv.identity import block_keys
-from tierkv.tiers.remote import RemoteMeta
+from tierkv.cluster.remote import RemoteMeta
 
 from .kit import BS, MV2, SCOPE, pages_for, toks
 
@@ -128,6 +128,32 @@ def test_eviction_hook_publishes_only_with_write_back(nodes, cluster):
     assert not nodes("a").evicted(meta, page)
     assert nodes("b", policy=PublishPolicy(write_back_evicted=True)).evicted(meta, page)
     assert len(cluster.objects) == 1
+
+
+def test_blocks_evicted_from_the_last_tier_are_written_back_through_the_listener(nodes, cluster):
+    # Disk holds 64 slots: 20 chains of 4 blocks push the first ones out of every tier.
+    a = nodes("a", policy=PublishPolicy(write_back_evicted=True, publish_materialised=False))
+    chains = [toks(300 + i, 4) for i in range(20)]
+    for t in chains:
+        a.put(t, pages_for(t), SCOPE)
+    assert a.store.stats().counters.evictions["disk"] > 0
+    a._publisher.submit(lambda: None).result()  # the write-backs queued so far are done
+    assert a.counters["written_back_blocks"] == len(cluster.objects) > 0
+    gone = [t for t in chains if a.store.lookup(t, SCOPE).tokens_matched < len(t)]
+    assert gone
+    b = nodes("b")  # pulls what a evicted, byte for byte
+    t = gone[0]
+    with b.acquire(t, SCOPE) as lease:
+        assert lease.num_blocks == 4 and torch.equal(lease.pages().cpu(), pages_for(t))
+
+
+def test_no_listener_without_write_back(nodes, cluster):
+    a = nodes("a")
+    assert not a.store.eviction_listeners
+    for i in range(20):
+        t = toks(400 + i, 4)
+        a.put(t, pages_for(t), SCOPE)
+    assert a.store.stats().counters.evictions["disk"] > 0 and not cluster.objects
 
 
 def test_prefetch_pulls_from_the_cluster(nodes):

@@ -7,7 +7,7 @@ import torch
 
 from tierkv.checksum import page_checksum
 from tierkv.identity import block_keys
-from tierkv.tiers.remote import BadObject, RemoteMeta, RemoteTier, decode_object, encode_object
+from tierkv.cluster.remote import BadObject, RemoteMeta, RemoteTier, decode_object, encode_object
 
 from .kit import BS, LAYOUT, MV2, SCOPE, Clock, pages_for, remote_config, toks
 
@@ -166,7 +166,7 @@ def test_check_master_refuses_absent_and_stalled_masters():
     import time
 
     from tierkv.cluster.master import free_port
-    from tierkv.tiers.remote import check_master
+    from tierkv.cluster.remote import check_master
 
     with pytest.raises(OSError):  # nothing listening
         check_master(remote_config(master_address=f"127.0.0.1:{free_port()}"), timeout_s=1.0)
@@ -200,7 +200,7 @@ def test_check_master_refuses_absent_and_stalled_masters():
 
 
 def test_exists_is_batched(cluster):
-    from tierkv.tiers import remote
+    from tierkv.cluster import remote
 
     tier = _tier(cluster)
     keys = [bytes([i % 256, i // 256]) * 16 for i in range(remote.EXISTS_BATCH + 5)]

@@ -1,5 +1,5 @@
 """Cluster features: a node that shares pages through the remote tier
-(:mod:`tierkv.tiers.remote`), the policy for what it publishes, and cache-aware routing."""
+(:mod:`tierkv.cluster.remote`), the policy for what it publishes, and cache-aware routing."""
 from __future__ import annotations
 
 from .node import ClusterNode, PullResult

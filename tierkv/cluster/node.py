@@ -10,7 +10,10 @@ published to the remote tier by :class:`~tierkv.cluster.publish.PublishPolicy`.
 
 Remote faults never reach a request: the remote tier answers "miss" while it is down, and
 a local error while storing fetched pages only costs the pages (counted, logged).
-Every other Store method is passed through unchanged.
+It implements :class:`~tierkv.api.StoreAPI`; the methods the remote tier does not change
+delegate to the store explicitly. With ``write_back_evicted`` it listens to the store's
+evictions (:meth:`Store.add_eviction_listener`) and publishes a block leaving its last
+local tier.
 """
 from __future__ import annotations
 
@@ -19,18 +22,22 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from ..api import StoreAPI
 from ..blocks import Priority
 from ..errors import TierKVError
+from ..eviction import EvictedBlock
 from ..identity import Scope, as_token_array, block_keys, iter_block_keys
-from ..results import Lease, LookupResult, PutResult
+from ..results import (
+    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
+)
 from ..store import Store
-from ..tiers.remote import RemoteMeta, RemotePutResult, RemoteTier
+from .remote import RemoteMeta, RemotePutResult, RemoteTier
 from .publish import Event, PublishPolicy
 
 log = logging.getLogger(__name__)
@@ -45,7 +52,7 @@ class PullResult:
     seconds: float
 
 
-class ClusterNode:
+class ClusterNode(StoreAPI):
     """A store plus the remote tier. Owns both: :meth:`close` closes both."""
 
     def __init__(self, store: Store, remote: RemoteTier | None, policy: PublishPolicy | None = None) -> None:
@@ -61,14 +68,8 @@ class ClusterNode:
         self._prefetch_lock = threading.Lock()
         self._publisher: ThreadPoolExecutor | None = None
         if remote is not None and self.policy.write_back_evicted:
-            self._install_eviction_hook()
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called for attributes ClusterNode lacks: the rest of the Store API.
-        store = self.__dict__.get("store")
-        if store is None:
-            raise AttributeError(name)
-        return getattr(store, name)
+            self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-cluster-publish")
+            store.add_eviction_listener(self._on_evicted, self._wants_evicted)
 
     # ---- read path -----------------------------------------------------------------------
     def _remote_for(self, scope: Scope) -> RemoteTier | None:
@@ -155,9 +156,9 @@ class ClusterNode:
     # ---- write path ------------------------------------------------------------------------
     def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
             start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
-            priority: Priority | None = None) -> PutResult:
+            priority: Priority = Priority.NORMAL) -> PutResult:
         """:meth:`Store.put`, then publish the pages when the policy wants them."""
-        prio = Priority.NORMAL if priority is None else priority
+        prio = priority
         result = self.store.put(tokens, pages, scope, start_block=start_block, block_extra=block_extra, priority=prio)
         if self.remote is not None and self.policy.wants(Event.PUT, scope.namespace, prio):
             arr = as_token_array(tokens)
@@ -235,46 +236,23 @@ class ClusterNode:
             return False
         return self.remote.put_pages([meta.key], page.unsqueeze(0), [meta]).failed == 0
 
-    def _install_eviction_hook(self) -> None:
-        """Stand-in for store hook 5 (docs/cluster.md): wrap this store's ``_evict`` so a
-        block leaving its last local tier is handed to :meth:`evicted`. The page is copied
-        while the store still holds it (under the store lock: a disk read for the disk
-        tier); publishing runs on a one-thread executor, never under the lock."""
-        from ..tiers import TierName
+    def _wants_evicted(self, namespace: str, priority: Priority) -> bool:
+        return self.remote is not None and self.policy.wants(Event.EVICTED, namespace, priority)
 
-        store = self.store
-        original = store._evict
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-cluster-publish")
-
-        def evict(b: Any, t: Any) -> None:
-            captured = None
-            if (set(b.loc) == {t} and not b.leases
-                    and self.policy.wants(Event.EVICTED, b.namespace, b.priority)):
-                try:
-                    if t == TierName.DISK:
-                        page = store.disk.read_page(b.loc[t]).cpu()
-                    else:
-                        page = store._tier(t).page(b.loc[t]).detach().to("cpu", copy=True)
-                    captured = (RemoteMeta(key=b.key, parent=b.parent, model_version=b.model_version,
-                                           namespace=b.namespace, tokens=bytes(b.tokens), checksum=0),
-                                page, b.priority)
-                except Exception as e:  # noqa: BLE001 - write-back is best effort
-                    log.warning("evicted block %s not captured for the remote tier: %s", b.key.hex()[:12], e)
-            original(b, t)
-            if captured is not None and not b.loc and self._publisher is not None:
-                try:
-                    self._publisher.submit(self._write_back, *captured)
-                except RuntimeError:  # closing
-                    pass
-
-        store._evict = evict
+    def _on_evicted(self, block: EvictedBlock) -> None:
+        """The store's eviction listener (called under the store lock with a copy of the
+        page): publishing runs on a one-thread executor, never under the lock."""
+        publisher = self._publisher
+        if publisher is None:
+            return
+        meta = RemoteMeta(key=block.key, parent=block.parent, model_version=block.model_version,
+                          namespace=block.namespace, tokens=block.tokens, checksum=block.checksum)
+        try:
+            publisher.submit(self._write_back, meta, block.page, block.priority)
+        except RuntimeError:  # closing
+            pass
 
     def _write_back(self, meta: RemoteMeta, page: torch.Tensor, priority: Priority) -> None:
-        from dataclasses import replace
-
-        from ..checksum import page_checksum
-
-        meta = replace(meta, checksum=page_checksum(meta.key, page))
         if self.evicted(meta, page, priority):
             self._count("written_back_blocks")
 
@@ -299,30 +277,55 @@ class ClusterNode:
         with self._counters_lock:
             self.counters[name] += n
 
+    # ---- the rest of StoreAPI: the remote tier does not change these -----------------------------
+    def release(self, lease: Lease) -> None:
+        self.store.release(lease)
+
+    def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
+        return self.store.set_priority_from(last_key, priority)
+
+    def chain_tokens(self, last_key: bytes) -> ChainTokens:
+        return self.store.chain_tokens(last_key)
+
+    def chain_residency(self, last_key: bytes) -> Residency:
+        """Local residency only: the remote tier is a cache shared by nodes, not this node's."""
+        return self.store.chain_residency(last_key)
+
+    def get_manifest(self, name: str) -> dict[str, Any]:
+        return self.store.get_manifest(name)
+
+    def list_manifests(self) -> dict[str, dict[str, Any]]:
+        return self.store.list_manifests()
+
+    def delete_manifest(self, name: str) -> bool:
+        return self.store.delete_manifest(name)
+
+    def invalidate(self, *, model_version: str | None = None, namespace: str | None = None,
+                   dry_run: bool = False) -> InvalidateResult:
+        """Local blocks only: objects already published stay in the remote tier (they are
+        still correct KV for their model version; they age out there)."""
+        return self.store.invalidate(model_version=model_version, namespace=namespace, dry_run=dry_run)
+
+    def verify(self, repair: bool = False) -> VerifyResult:
+        return self.store.verify(repair)
+
     # ---- operations --------------------------------------------------------------------------
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> StoreStats:
         """The store's stats, plus ``cluster`` (this node's pull/publish counters),
         ``remote`` (the remote tier's own stats) and ``tiers.remote`` (its state and main
         counters, see :meth:`remote_summary`); lookup hits in the remote tier are counted
         under ``hits.remote``."""
-        out = dict(self.store.stats())
+        s = self.store.stats()
         with self._counters_lock:
             cluster = dict(self.counters)
-        out["cluster"] = cluster
-        out["remote"] = self.remote.stats() if self.remote is not None else None
-        if self.remote is not None:
-            tiers = dict(out.get("tiers") or {})  # type: ignore[call-overload]
-            tiers[REMOTE] = self.remote_summary()
-            out["tiers"] = tiers
-            hits = out.get("hits")
-            if isinstance(hits, dict):
-                n = cluster.get("lookup_remote_blocks", 0)
-                out["hits"] = {**hits, REMOTE: n}
-                asked = out.get("lookup_blocks") or 0
-                by_tier = out.get("hit_rate_by_tier")
-                if isinstance(by_tier, dict):
-                    out["hit_rate_by_tier"] = {**by_tier, REMOTE: n / asked if asked else 0.0}  # type: ignore[operator]
-        return out
+        if self.remote is None:
+            return replace(s, cluster=cluster, remote=None)
+        c = s.counters
+        n = cluster.get("lookup_remote_blocks", 0)
+        counters = replace(c, hits={**c.hits, REMOTE: n},
+                           hit_rate_by_tier={**c.hit_rate_by_tier, REMOTE: n / c.lookup_blocks if c.lookup_blocks else 0.0})
+        return replace(s, counters=counters, cluster=cluster, remote=self.remote.stats(),
+                       remote_tier=self.remote_summary())
 
     def remote_summary(self) -> dict[str, object]:
         """The remote tier at a glance: ``state`` is "up", "degraded" (down after a fault;

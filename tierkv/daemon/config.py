@@ -113,11 +113,11 @@ class DaemonConfig:
         return self.remote_bind or DEFAULT_BIND
 
     def remote_config(self) -> Any:
-        """The :class:`~tierkv.tiers.remote.RemoteConfig` of these settings, or None when
+        """The :class:`~tierkv.cluster.remote.RemoteConfig` of these settings, or None when
         the daemon runs without a remote tier."""
         if self.remote_master is None:
             return None
-        from ..tiers.remote import RemoteConfig
+        from ..cluster.remote import RemoteConfig
 
         return RemoteConfig(
             master_address=self.remote_master, metadata_url=str(self.remote_metadata_url),

@@ -153,7 +153,7 @@ class Daemon:
         happens here: the tier connects from the keeper thread (:meth:`_keep_remote`), and
         while it cannot, the daemon serves from its local tiers."""
         from ..cluster import ClusterNode
-        from ..tiers.remote import RemoteTier
+        from ..cluster.remote import RemoteTier
 
         cfg = self.config
         # Before any Mooncake client exists: the transfer engine reads it once, at setup.

@@ -1,7 +1,7 @@
 """The remote tier: whole pages in a cluster-wide Mooncake Store, shared by every node.
 
 One object per block, named ``key_prefix + block_key.hex()``: tierkv's own metadata in a header
-in front of the page bytes (the format: :mod:`tierkv.tiers.remote_object`).
+in front of the page bytes (the format: :mod:`tierkv.cluster.remote_object`).
 
 Every fetch verifies the header checksum, the key, the layout, the expected model version,
 namespace, parent and token ids, and the page checksum (seeded by the key). A failure is a

@@ -10,7 +10,7 @@ front of the page bytes, in the same object (one put, one get, never torn apart)
     then   xxh3-64 of all header bytes before it (u64)
     page   page_len bytes, the page exactly as in every other tier
 
-Decoding checks everything it can from the object alone; :class:`~tierkv.tiers.remote.RemoteTier`
+Decoding checks everything it can from the object alone; :class:`~tierkv.cluster.remote.RemoteTier`
 then compares the decoded metadata with what the request expects.
 """
 from __future__ import annotations
