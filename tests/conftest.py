@@ -27,6 +27,14 @@ from helpers import tiny_models
 from helpers.stores import open_store
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_keyring(tmp_path_factory):
+    """Bundle signing keys (tierkv keys, export, import) away from the real ~/.config."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIERKV_KEYS", str(tmp_path_factory.mktemp("keys")))
+        yield
+
+
 @pytest.fixture
 def private_caches(tmp_path_factory, monkeypatch):
     """model_version's digest memo and the CLI's default home away from the real ~.

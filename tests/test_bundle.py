@@ -1,6 +1,7 @@
 """tierkv.bundle: the export/import format, its validation, and export/import on a store."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import struct
@@ -17,7 +18,8 @@ from tierkv.bundle import (
     BUNDLE_VERSION, END, MAGIC, BundleError, BundleHeader, BundleReader, page_digest, read_header, verify_bundle,
     write_bundle,
 )
-from tierkv.transfer import export_prefix, import_bundle
+from tierkv.keys import Keyring
+from tierkv.transfer import Trust, UntrustedBundleError, export_prefix, import_bundle
 from tierkv.errors import CapacityError, LayoutMismatchError, ModelVersionMismatchError
 
 LAYOUT = PageLayout(2, 2, 8, block_size=4, dtype="bfloat16")
@@ -147,6 +149,18 @@ def test_failed_write_leaves_no_file(tmp_path):
 
 
 # ---- on a store -------------------------------------------------------------------------
+@pytest.fixture
+def keyring(tmp_path) -> Keyring:
+    k = Keyring(tmp_path / "keys")
+    k.generate()
+    return k
+
+
+@pytest.fixture
+def trust(keyring) -> Trust:
+    return Trust(keys=(keyring.public_key(),))
+
+
 def make_store(home: Path, layout: PageLayout = LAYOUT, **options) -> tierkv.Store:
     return tierkv.open(home, layout, **{"device": "cpu", "device_bytes": 64 * layout.page_bytes, "host_bytes": 0,
                                         "disk_bytes": 16 << 20, **options})
@@ -159,14 +173,15 @@ def store_prefix(store, name: str, tokens: np.ndarray, pages: torch.Tensor, scop
                                "blocks": len(keys), "last_block_key": keys[-1].hex(), "pinned": True})
 
 
-def test_export_then_import_on_stores(tmp_path):
+def test_export_then_import_on_stores(tmp_path, keyring, trust):
     tokens, pages = tokens_of(40, 1), pages_of(10, 1)
     with make_store(tmp_path / "a") as a:
         store_prefix(a, "p", tokens, pages, Scope(MV, "team"))
-        r = export_prefix(a, "p", tmp_path / "p.tkv")
+        r = export_prefix(a, "p", tmp_path / "p.tkv", signer=keyring.sign)
         assert (r.blocks, r.tokens, r.namespace) == (10, 40, "team")
+        assert r.signed_by == keyring.public_key().hex()
     with make_store(tmp_path / "b") as b:
-        res = import_bundle(b, tmp_path / "p.tkv", name="q", model_version=MV)
+        res = import_bundle(b, tmp_path / "p.tkv", name="q", model_version=MV, trust=trust)
         assert (res.stored, res.skipped, res.durable, res.name) == (10, 0, True, "q")
         with b.acquire(tokens, Scope(MV, "team")) as lease:
             assert torch.equal(lease.pages().view(torch.uint8), pages.view(torch.uint8))
@@ -175,30 +190,31 @@ def test_export_then_import_on_stores(tmp_path):
         # Pinned in the bundle's manifest: imported as pinned.
         assert b.set_priority_from(bytes.fromhex(m["last_block_key"]), Priority.PINNED) == 10
         with pytest.raises(ModelVersionMismatchError):
-            import_bundle(b, tmp_path / "p.tkv", name="r", model_version=OTHER_MV)
-        assert import_bundle(b, tmp_path / "p.tkv", name="r", model_version=OTHER_MV, force=True).skipped == 10
+            import_bundle(b, tmp_path / "p.tkv", name="r", model_version=OTHER_MV, trust=trust)
+        assert import_bundle(b, tmp_path / "p.tkv", name="r", model_version=OTHER_MV, force=True,
+                             trust=trust).skipped == 10
         store_prefix(b, "taken", tokens_of(8, 2), pages_of(2, 2))
         with pytest.raises(BundleError, match="already named"):
-            import_bundle(b, tmp_path / "p.tkv", name="taken")
+            import_bundle(b, tmp_path / "p.tkv", name="taken", trust=trust)
         b.check_integrity()
     with make_store(tmp_path / "c", PageLayout(2, 2, 8, block_size=4)) as c:
         with pytest.raises(LayoutMismatchError):
-            import_bundle(c, tmp_path / "p.tkv")
+            import_bundle(c, tmp_path / "p.tkv", trust=trust)
         assert c.stats()["blocks"] == 0
 
 
-def test_export_of_a_prefix_larger_than_the_device_tier(tmp_path):
+def test_export_of_a_prefix_larger_than_the_device_tier(tmp_path, keyring, trust):
     # Export leases a window of blocks at a time (acquire start_block/max_blocks), so a
     # 10-block prefix exports through a 4-slot device tier, byte-identical.
     tokens, pages = tokens_of(40, 3), pages_of(10, 3)
     with make_store(tmp_path / "a", device_bytes=4 * LAYOUT.page_bytes) as a:
         store_prefix(a, "p", tokens, pages)
-        r = export_prefix(a, "p", tmp_path / "p.tkv")
+        r = export_prefix(a, "p", tmp_path / "p.tkv", signer=keyring.sign)
         assert r.blocks == 10
         assert a.stats()["leased_blocks"] == 0
         a.check_integrity()
     with make_store(tmp_path / "b") as b:
-        assert import_bundle(b, tmp_path / "p.tkv", name="p").stored == 10
+        assert import_bundle(b, tmp_path / "p.tkv", name="p", trust=trust).stored == 10
         with b.acquire(tokens, Scope(MV)) as lease:
             assert torch.equal(lease.pages().view(torch.uint8), pages.view(torch.uint8))
 
@@ -213,3 +229,156 @@ def test_export_fails_cleanly_when_nothing_can_be_leased(tmp_path):
         assert not (tmp_path / "p.tkv").exists()
         assert a.stats()["leased_blocks"] == 0
         a.check_integrity()
+
+
+# ---- trust and bounds (issue 11, item 7) ----------------------------------------------------
+def test_a_forged_bundle_is_refused_unless_a_trusted_key_signed_it(tmp_path, keyring, trust):
+    """Forged pages with valid (unseeded) checksums were imported and served as hits."""
+    tokens, forged = tokens_of(40, 5), pages_of(10, 99)
+    victim_scope = Scope(MV, "victims")
+    unsigned = tmp_path / "forged.tkv"
+    unsigned.write_bytes(raw_bundle(header_for(tokens, victim_scope), tokens, forged))
+    assert verify_bundle(unsigned).blocks == 10  # intact: every checksum is right
+    stranger = Keyring(tmp_path / "stranger")
+    stranger.generate()
+    by_stranger = tmp_path / "stranger.tkv"
+    write_bundle(by_stranger, header_for(tokens, victim_scope), tokens, iter(forged), signer=stranger.sign)
+    with make_store(tmp_path / "s") as s:
+        with pytest.raises(UntrustedBundleError, match="unsigned"):
+            import_bundle(s, unsigned, trust=trust)
+        with pytest.raises(UntrustedBundleError, match="untrusted key"):
+            import_bundle(s, by_stranger, trust=trust)
+        with pytest.raises(UntrustedBundleError):
+            import_bundle(s, unsigned)  # no keys at all: nothing vouches for it
+        assert s.stats()["blocks"] == 0 and s.list_manifests() == {}
+        assert s.lookup(tokens, victim_scope).tokens_matched == 0
+        # Trusting the stranger's key is the importer's explicit decision.
+        assert import_bundle(s, by_stranger, trust=Trust(keys=(stranger.public_key(),))).stored == 10
+        s.check_integrity()
+
+
+def test_a_signed_bundle_altered_afterwards_fails_its_signature(tmp_path, keyring, trust):
+    tokens, pages = tokens_of(40, 6), pages_of(10, 6)
+    path = tmp_path / "signed.tkv"
+    write_bundle(path, header_for(tokens), tokens, iter(pages), signer=keyring.sign)
+    body = zstandard.ZstdDecompressor().decompress(path.read_bytes(), max_output_size=1 << 26)
+    hlen = struct.unpack_from("<I", body, 12)[0]
+    first_page = 16 + hlen + 4 * len(tokens)
+    pb = LAYOUT.page_bytes
+    page = bytearray(body[first_page : first_page + pb])
+    page[0] ^= 0x40  # a forged page, with its checksum recomputed: only the signature can tell
+    forged = body[:first_page] + bytes(page) + struct.pack("<Q", page_digest(bytes(page))) + body[first_page + pb + 8:]
+    bad = tmp_path / "altered.tkv"
+    bad.write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(forged))
+    with make_store(tmp_path / "s") as s:
+        with pytest.raises(BundleError, match="signature"):
+            import_bundle(s, bad, trust=trust)
+        assert s.stats()["blocks"] == 0
+        assert import_bundle(s, path, trust=trust).stored == 10
+
+
+def test_declared_sizes_are_checked_before_allocating(tmp_path, trust):
+    """A 33 KB bundle declaring a 1 GiB page took 3.3 GiB of memory; one declaring 2^26
+    token ids 2.2 GiB. Now: refused from the header, or bounded by the store's layout."""
+    import tracemalloc
+
+    tokens, pages = tokens_of(8, 7), pages_of(2, 7)
+    huge_layout = PageLayout(4096, 64, 256, block_size=4, dtype="bfloat16")  # 1 GiB per page
+    big_page = tmp_path / "big-page.tkv"
+    big_page.write_bytes(raw_bundle(header_for(tokens, layout=huge_layout), tokens, pages[:0]))
+    other_page = tmp_path / "other-page.tkv"  # 128 MiB pages
+    other_page.write_bytes(raw_bundle(header_for(tokens, layout=PageLayout(512, 64, 256, block_size=4, dtype="bfloat16")),
+                                      tokens, pages[:0]))
+    many = tmp_path / "many-tokens.tkv"
+    many.write_bytes(raw_bundle(dataclasses.replace(header_for(tokens), tokens=1 << 26, blocks=1 << 24), tokens,
+                                pages[:0]))
+    tracemalloc.start()
+    try:
+        with pytest.raises(BundleError, match="pages of"):
+            verify_bundle(big_page)
+        with pytest.raises(BundleError, match="tokens"):
+            verify_bundle(many)
+        with make_store(tmp_path / "s") as s:
+            with pytest.raises(BundleError, match="pages of"):
+                import_bundle(s, big_page, trust=trust)
+            with pytest.raises(LayoutMismatchError):  # within the bound, but not the store's: no page read
+                import_bundle(s, other_page, trust=trust)
+            assert s.stats()["blocks"] == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"peak {peak >> 20} MiB"
+
+
+def test_a_name_with_a_slash_is_refused_before_anything_is_stored(tmp_path, keyring, trust):
+    from tierkv.errors import InvalidNameError
+
+    tokens, pages = tokens_of(40, 8), pages_of(10, 8)
+    path = tmp_path / "p.tkv"
+    write_bundle(path, header_for(tokens, name="a/b"), tokens, iter(pages), signer=keyring.sign)
+    with make_store(tmp_path / "s") as s:
+        for name in ("x/y", None, ""):  # None: the bundle's own name, "a/b"
+            with pytest.raises(InvalidNameError):
+                import_bundle(s, path, name=name, trust=trust)
+        assert s.stats()["blocks"] == 0
+
+
+def test_import_streams_pages_in_bounded_chunks(tmp_path, keyring, trust):
+    """Pages are read straight into chunk buffers of at most CHUNK_BYTES: memory beyond the
+    pages in flight stays small (measured with tracemalloc over numpy's buffers)."""
+    import tracemalloc
+
+    from tierkv import bundle as b
+
+    tokens, pages = tokens_of(400, 9), pages_of(100, 9)
+    path = tmp_path / "p.tkv"
+    write_bundle(path, header_for(tokens), tokens, iter(pages), signer=keyring.sign)
+    with make_store(tmp_path / "s", device_bytes=128 * LAYOUT.page_bytes) as s:
+        old = b.CHUNK_BYTES
+        b.CHUNK_BYTES = 8 * LAYOUT.page_bytes
+        tracemalloc.start()
+        try:
+            assert import_bundle(s, path, trust=trust).stored == 100
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+            b.CHUNK_BYTES = old
+        with s.acquire(tokens, Scope(MV)) as lease:
+            assert torch.equal(lease.pages().view(torch.uint8), pages.view(torch.uint8))
+    assert peak < 16 * LAYOUT.page_bytes + (4 << 20), f"peak {peak} bytes"
+
+
+def test_verify_model_accepts_real_pages_and_refuses_forged_ones(tmp_path):
+    """An unsigned bundle is trusted only when a sample of its blocks, recomputed by the
+    model, matches (--verify-model)."""
+    from helpers import tiny_models
+    from tierkv.hf import load_model
+    from tierkv.transfer import model_checker
+
+    model_dir = tiny_models.save_model_dir(tmp_path / "model")
+    lm = load_model(model_dir, block_size=4)
+    layout = lm.layout
+    ids = list(np.random.default_rng(3).integers(5, 300, size=32))
+    with tierkv.open(tmp_path / "a", layout, device="cpu", device_bytes=64 * layout.page_bytes, host_bytes=0,
+                     disk_bytes=16 << 20) as a:
+        lm.prefill(ids, store=a, need_logits=False)
+        scope = lm.scope()
+        keys = block_keys(np.asarray(ids, dtype="<i4"), scope, layout.block_size)
+        a.save_manifest("real", {"last_block_key": keys[-1].hex(), "pinned": False})
+        export_prefix(a, "real", tmp_path / "real.tkv")  # unsigned
+        with a.acquire(ids, scope) as lease:
+            real_pages = lease.pages().clone()
+    tokens = np.asarray(ids, dtype="<i4")
+    forged_pages = real_pages.clone()
+    forged_pages[5] = torch.randn_like(forged_pages[5])
+    header = BundleHeader(layout=layout, model_version=lm.model_version, namespace="default", tokens=32, blocks=8,
+                          last_block_key=keys[-1].hex(), tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest(),
+                          name="forged", manifest={})
+    write_bundle(tmp_path / "forged.tkv", header, tokens, iter(forged_pages))
+    check = Trust(model_check=model_checker(model_dir), sample=8)  # every block: the forged one is found
+    with tierkv.open(tmp_path / "b", layout, device="cpu", device_bytes=64 * layout.page_bytes, host_bytes=0,
+                     disk_bytes=16 << 20) as b:
+        with pytest.raises(UntrustedBundleError, match="block 5"):
+            import_bundle(b, tmp_path / "forged.tkv", trust=check)
+        assert b.stats()["blocks"] == 0
+        assert import_bundle(b, tmp_path / "real.tkv", trust=check).stored == 8

@@ -1,10 +1,17 @@
 """Export and import of a named prefix, on top of the bundle format (:mod:`tierkv.bundle`).
 
 Export reads the prefix's pages a window at a time through leases (so any store, embedded or
-a daemon client, and any device-tier size will do) and streams them into a bundle. Import
-checks the whole bundle first (:func:`tierkv.bundle.verify_bundle`), then puts the pages in
-chunks and records the manifest last, so a failed import leaves no manifest pointing at
-missing blocks.
+a daemon client, and any device-tier size will do) and streams them into a bundle, signed
+with the exporter's key when one is given. Import checks the whole bundle first
+(:func:`tierkv.bundle.check_bundle`), decides whether to trust its pages (:class:`Trust`),
+then puts the pages in chunks and records the manifest last, so a failed import leaves no
+manifest pointing at missing blocks.
+
+Trust: a checksum proves a page intact, not true; a forged bundle with valid checksums was
+served as hits (issue 11, item 7). So an import needs either a signature by a key the
+importer trusts, or a spot check against the model: a sample of blocks recomputed by the
+model (:func:`model_checker`) must match the bundle's pages within the dtype's tolerance.
+Otherwise it is refused (UntrustedBundleError) before anything is stored.
 """
 from __future__ import annotations
 
@@ -12,16 +19,38 @@ import datetime
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from .blocks import Priority
-from .bundle import BundleError, BundleHeader, BundleReader, verify_bundle, write_bundle
+from .bundle import BundleError, BundleHeader, BundleReader, Signer, VerifiedBundle, check_bundle, write_bundle
 from .errors import CapacityError, LayoutMismatchError, ModelVersionMismatchError, NotFoundError
 from .identity import Scope, block_keys
 from .layout import PageLayout
+
+
+class UntrustedBundleError(BundleError):
+    """The bundle is intact but nothing vouches for its pages."""
+
+    default_hint = ("trust its maker's key (`tierkv keys trust NAME KEY`), or spot-check it against the model "
+                    "with --verify-model DIR")
+
+
+# A spot check: given the bundle's header, token ids and sampled pages {block: page}, raise
+# UntrustedBundleError when the model disagrees.
+ModelCheck = Callable[[BundleHeader, np.ndarray, dict[int, torch.Tensor]], None]
+
+
+@dataclass(frozen=True)
+class Trust:
+    """What makes an import trust a bundle's pages: a signature by one of ``keys``
+    (Ed25519 public keys), or ``model_check`` passing on ``sample`` blocks."""
+
+    keys: tuple[bytes, ...] = ()
+    model_check: ModelCheck | None = None
+    sample: int = 4
 
 
 @dataclass(frozen=True)
@@ -33,6 +62,8 @@ class ExportResult:
     model_version: str
     namespace: str
     file_bytes: int
+    signed_by: str | None = None  # hex public key
+
 
 
 @dataclass(frozen=True)
@@ -49,10 +80,11 @@ class ImportResult:
     warnings: tuple[str, ...] = field(default=())
 
 
-def export_prefix(store: Any, name: str, path: Path) -> ExportResult:
+def export_prefix(store: Any, name: str, path: Path, signer: Signer | None = None) -> ExportResult:
     """Write the prefix named ``name`` (a manifest) from ``store`` (a Store or a Client) to
-    ``path``. Raises NotFoundError when the manifest is unknown or its chain is not fully
-    stored, CapacityError when the device tier cannot lease the whole prefix."""
+    ``path``, signed by ``signer`` (:meth:`tierkv.keys.Keyring.sign`) when given. Raises
+    NotFoundError when the manifest is unknown or its chain is not fully stored,
+    CapacityError when the device tier cannot lease the whole prefix."""
     manifest = store.get_manifest(name)
     last_hex = manifest.get("last_block_key")
     if not last_hex:
@@ -74,8 +106,17 @@ def export_prefix(store: Any, name: str, path: Path) -> ExportResult:
         extra_keys=scope.extra_keys,
         created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
-    size = write_bundle(path, header, tokens, _leased_pages(store, tokens, scope, n, name))
-    return ExportResult(name, Path(path), len(tokens), n, mv, ns, size)
+    signed: list[str] = []
+
+    def sign(message: bytes) -> tuple[bytes, bytes]:
+        assert signer is not None
+        public, signature = signer(message)
+        signed.append(public.hex())
+        return public, signature
+
+    size = write_bundle(path, header, tokens, _leased_pages(store, tokens, scope, n, name),
+                        None if signer is None else sign)
+    return ExportResult(name, Path(path), len(tokens), n, mv, ns, size, signed[0] if signed else None)
 
 
 def _leased_pages(store: Any, tokens: np.ndarray, scope: Scope, n: int, name: str,
@@ -112,22 +153,45 @@ def check_compatible(header: BundleHeader, layout: PageLayout, model_version: st
         )
 
 
+def check_trust(verified: VerifiedBundle, trust: Trust) -> str:
+    """How the bundle is trusted ("signed by KEY" or "verified against the model"), or
+    UntrustedBundleError. A signature by an untrusted key is no reason to refuse when the
+    model check passes."""
+    if verified.signer is not None and verified.signer in trust.keys:
+        return f"signed by {verified.signer.hex()}"
+    if trust.model_check is not None:
+        trust.model_check(verified.header, verified.tokens, verified.samples)
+        return f"{len(verified.samples)} sampled blocks verified against the model"
+    who = "unsigned" if verified.signer is None else f"signed by an untrusted key {verified.signer.hex()}"
+    raise UntrustedBundleError(f"the bundle is {who}; its pages cannot be trusted")
+
+
 def import_bundle(store: Any, path: Path, *, name: str | None = None, force: bool = False,
-                  model_version: str | None = None, verified: BundleHeader | None = None) -> ImportResult:
+                  model_version: str | None = None, trust: Trust = Trust(),
+                  verified: VerifiedBundle | None = None) -> ImportResult:
     """Store the pages of the bundle at ``path`` and write its manifest as ``name``
     (default: the exported name), after the pages are stored.
 
-    Refuses (before storing anything) a damaged bundle (BundleError), one of another page
-    layout than the store's (LayoutMismatchError), one made under another model version
-    than ``model_version`` when that is given (ModelVersionMismatchError), and a name that
-    already names another prefix; ``force`` overrides the last two. ``verified`` is the
-    header :func:`verify_bundle` returned for ``path`` when the caller already checked the
-    whole file (the first pass is then skipped).
+    Refuses (before storing anything) a bad name (InvalidNameError), a damaged bundle
+    (BundleError), one of another page layout than the store's (LayoutMismatchError), one
+    nothing in ``trust`` vouches for (UntrustedBundleError), one made under another model
+    version than ``model_version`` when that is given (ModelVersionMismatchError), and a
+    name that already names another prefix; ``force`` overrides the last two. ``verified``
+    is what :func:`check_bundle` returned for ``path`` (with ``trust.sample`` samples) when
+    the caller already checked the whole file (the first pass is then skipped).
     """
-    header = verified if verified is not None else verify_bundle(path)
+    from .daemon.tenancy import check_name
+
+    if name is not None:
+        check_name(name)
     layout: PageLayout = store.layout
+    if verified is None:
+        verified = check_bundle(path, layout, trust.sample if trust.model_check else 0)
+    header = verified.header
     check_compatible(header, layout, model_version, force)
     name = name or header.name
+    check_name(name)  # before anything is stored ('/' gave a traceback after the pages)
+    check_trust(verified, trust)
     replaced = False
     try:
         existing = store.get_manifest(name)
@@ -142,11 +206,11 @@ def import_bundle(store: Any, path: Path, *, name: str | None = None, force: boo
     priority = Priority.PINNED if pinned else Priority.NORMAL
     bs = layout.block_size
     stored = skipped = 0
-    with BundleReader(path) as r:
-        if r.header != header:
+    with BundleReader(path, layout) as r:
+        if r.header != header or not np.array_equal(r.tokens, verified.tokens):
             raise BundleError(f"{path} changed while it was imported")
         r.check_tokens()
-        for start, pages in r.iter_pages():
+        for start, pages in r.iter_pages(digests=verified.page_digests):
             end = start + int(pages.shape[0])
             res = store.put(r.tokens[: end * bs], pages, header.scope, start_block=start, priority=priority)
             stored += res.stored
@@ -166,3 +230,43 @@ def import_bundle(store: Any, path: Path, *, name: str | None = None, force: boo
     store.save_manifest(name, manifest)
     return ImportResult(name, header.tokens, header.blocks, stored, skipped, durable, header.model_version,
                         header.namespace, replaced, tuple(warnings))
+
+
+# Tolerance of a recomputed page against the bundle's, per KV dtype: (atol, rtol of the
+# page's largest magnitude). A chunked prefill and a one-shot forward differ by rounding
+# only; a forged page differs by its whole magnitude.
+TOLERANCE = {"float32": (1e-3, 1e-3), "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 3e-2)}
+
+
+def model_checker(model_dir: Path, device: str = "cpu") -> ModelCheck:
+    """A :data:`ModelCheck` that loads the model in ``model_dir`` and recomputes each
+    sampled block (a forward pass over the tokens up to it), comparing it with the page.
+    Raises UntrustedBundleError naming the first block that disagrees, or when the bundle
+    was made under another model version."""
+
+    def check(header: BundleHeader, tokens: np.ndarray, samples: dict[int, torch.Tensor]) -> None:
+        from .hf.model import load_model
+        from .hf.prefill import cache_layer_kv
+        from .layout import pack_pages
+
+        layout = header.layout
+        lm = load_model(model_dir, dtype=layout.dtype, device=device, block_size=layout.block_size)
+        if lm.model_version != header.model_version:
+            raise UntrustedBundleError(f"the bundle was made under model version {header.model_version[:16]}…, "
+                                       f"{model_dir} is {lm.model_version[:16]}…; its pages cannot be checked",
+                                       hint="pass the model the bundle was made with")
+        atol, rtol = TOLERANCE.get(layout.dtype, TOLERANCE["bfloat16"])
+        bs = layout.block_size
+        for i, page in sorted(samples.items()):
+            ids = torch.as_tensor(tokens[: (i + 1) * bs].astype(np.int64), device=device)[None]
+            with torch.no_grad():
+                out = lm.model(input_ids=ids, use_cache=True)
+            want = pack_pages(cache_layer_kv(out.past_key_values), layout, i * bs, 1)[0].float().cpu()
+            got = page.float()
+            err = float((got - want).abs().max())
+            bound = atol + rtol * float(want.abs().max())
+            if not err <= bound:  # also catches NaN
+                raise UntrustedBundleError(f"block {i} of the bundle differs from the model's KV by {err:.3g} "
+                                           f"(tolerance {bound:.3g}): the bundle's pages are not this model's")
+
+    return check

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from . import cluster, main_job, ops, serve
+from . import chat, cluster, keys, main_job, ops, serve
 from .common import TierKVGroup
 
 
@@ -15,7 +15,7 @@ def main() -> None:
     """tierkv: a tiered KV-cache store for LLM serving."""
 
 
-for module in (main_job, ops, serve, cluster):
+for module in (main_job, ops, serve, cluster, keys, chat):
     module.register(main)
 
 __all__ = ["main"]
