@@ -149,3 +149,26 @@ def test_a_deep_string_is_not_nesting(daemon, good):
     f = read_frame_sync(s)
     assert f.request_id == 23 and not f.is_error
     s.close()
+
+
+def test_bad_names_and_lone_surrogates_are_typed_errors(daemon, good):
+    """Issue 11 item 11: an empty or over-long name reached the client as a raw LMDB
+    BadValsizeError, a lone surrogate as a raw UnicodeEncodeError."""
+    from tierkv import Scope
+    from tierkv.errors import InvalidNameError, ProtocolError
+
+    c, toks = good
+    for name in ("", "x" * 300, "€" * 200, "a/b"):
+        for call in (lambda: c.get_manifest(name), lambda: c.delete_manifest(name),
+                     lambda: c.save_manifest(name, {"k": 1})):
+            with pytest.raises((InvalidNameError, ProtocolError)) as info:  # typed: refused by name or by message
+                call()
+            assert "daemon error" not in str(info.value)  # not a raw exception of another library
+    for call in (lambda: c.save_manifest("\ud800", {}), lambda: c.get_manifest("ok\udfff"),
+                 lambda: c.lookup(toks, Scope(SCOPE.model_version, "\ud800")),
+                 lambda: c.lookup(toks, Scope(SCOPE.model_version, "n", ("\udc00",)))):
+        with pytest.raises(ProtocolError, match="surrogate"):
+            call()
+    c.save_manifest("ok-😀", {"k": 1})  # a surrogate pair is a valid character
+    assert c.get_manifest("ok-😀") == {"k": 1}
+    still_serving(daemon, good)

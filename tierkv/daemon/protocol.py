@@ -119,6 +119,7 @@ def parse_head(head: bytes) -> tuple[int, int, int, int, int]:
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def json_depth(raw: bytes) -> int:
@@ -153,6 +154,14 @@ def parse_header(raw: bytes) -> dict:
         raise ProtocolError(f"frame header is not UTF-8 JSON: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("frame header must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        # JSON may escape a lone surrogate, which is no Unicode text: every later encode
+        # (keys, LMDB names) raised a raw UnicodeEncodeError. Pairs (emoji) decode whole.
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError("frame header holds a lone UTF-16 surrogate (not valid Unicode)",
+                                hint="send valid Unicode strings") from None
     return obj
 
 
