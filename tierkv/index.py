@@ -63,6 +63,18 @@ class BlockRecord:
             raise ValueError("truncated record")
         return cls(bytes(key), bytes(parent), mv.hex(), ns, prio, csum, loc, last, tokens)
 
+    def slot_body(self) -> bytes:
+        """This record as its segment slot carries it (the key, then :meth:`encode`), so the
+        index can be rebuilt from the segments (tierkv.repair; docs/format.md)."""
+        return self.key + self.encode()
+
+    @classmethod
+    def from_slot_body(cls, body: bytes) -> "BlockRecord":
+        """Inverse of :meth:`slot_body`; raises ValueError or struct.error when damaged."""
+        if len(body) < 32 + _HEAD.size:
+            raise ValueError("slot record too short")
+        return cls.decode(body[:32], body[32:])
+
 
 def peek_meta(path: Path, name: str) -> str | None:
     """One value of the ``meta`` database of the index at ``path``, read without opening the
@@ -78,11 +90,11 @@ def peek_meta(path: Path, name: str) -> str | None:
 
 class Index:
     def __init__(self, path: Path, map_size: int) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        self.path = path
         # Before mapping: a truncated or unreadable file would kill this process (SIGBUS,
         # SIGABRT); the check raises IndexDamagedError instead (index_check.py).
         check_index(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.env = lmdb.open(
             str(path), map_size=map_size, max_dbs=8, subdir=True, sync=True, metasync=True,
             lock=True, max_readers=256,

@@ -104,12 +104,14 @@ class Ingest(Placement):
             sums = [(b, self._checksummer.submit(page_checksum, b.key, page_of[b.key])) for b in new]
             if disk_plan:
                 items = [(loc, page_of[b.key].detach().cpu()) for loc, b in disk_plan]
-                # Order matters: pages written and fsynced, then the index commit, then we ack.
+                # Order matters: pages and their slot records written and fsynced, then the
+                # index commit, then we ack. A slot record carries the checksum, so it waits.
                 with self._io_lock:
-                    self.disk.write_pages(items)
                     for b, f in sums:
                         b.checksum = f.result()
-                    self.index.put_blocks(self._record(b, loc) for loc, b in disk_plan)
+                    records = [self._record(b, loc) for loc, b in disk_plan]
+                    self.disk.write_pages(items, [r.slot_body() for r in records])
+                    self.index.put_blocks(records)
             for b, f in sums:
                 b.checksum = f.result()
         except BaseException:

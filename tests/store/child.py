@@ -4,11 +4,13 @@
 
 put HOME SEED N_CHAINS     put chains forever-ish, printing "ACK <seed> <i>" (flushed) after
                            each durable put; the parent kills it with SIGKILL at random.
-torture HOME SEED OPS SMALL
-                           random puts / acquires / pins / invalidations, logging "BEGIN ..." and
-                           "ACK ..." lines (SMALL=1: a 16-slot disk, so blocks are evicted from it)
-killat HOME SEED OPS SMALL POINT N
-                           torture, but SIGKILL itself at the N-th call of a named step (POINTS)
+torture HOME SEED OPS SMALL [WB]
+                           random puts / acquires / pins / invalidations / page corruptions,
+                           logging "BEGIN ..." and "ACK ..." lines (SMALL=1: a 16-slot disk, so
+                           blocks are evicted from it; WB=1: write-back, write_through=False)
+killat HOME SEED OPS SMALL POINT N [WB]
+                           torture, but SIGKILL itself at the N-th call of a named step
+                           (POINTS: "<hook>:before" or "<hook>:after" one of HOOKS)
 check HOME SEED N_CHAINS   reopen and check chains 0..N-1 are found whole and byte-identical;
                            prints one JSON line.
 hold HOME                  open the store, print "READY <pid>", wait for stdin to close.
@@ -47,12 +49,40 @@ def scope_of(seed: int, i: int) -> Scope:
     return chain_scope(seed, i - 1) if i % 3 == 2 else chain_scope(seed, i)
 
 
-def store_options(shm: str, small_disk: bool = False, **kw: object) -> dict:
+def store_options(shm: str, small_disk: bool = False, write_back: bool = False, **kw: object) -> dict:
     # Small memory tiers, so every put demotes and evicts; a disk big enough that nothing
-    # acknowledged is ever evicted from it, unless ``small_disk``.
+    # acknowledged is ever evicted from it, unless ``small_disk``. Write-back: puts stay in
+    # memory (unacknowledged) until eviction writes them to disk.
     disk = 16 * 4096 if small_disk else 4096 * 4096
     return dict(shm_dir=Path(shm), device_bytes=4 * 1024, host_bytes=4 * 4096, disk_bytes=disk,
-                segment_pages=4 if small_disk else 8, **kw)
+                segment_pages=4 if small_disk else 8, write_through=not write_back, **kw)
+
+
+def corrupt_one_page(store, rng: random.Random, acked: list[int], seed: int) -> int | None:
+    """Flip one byte of the on-disk page of a block of an acknowledged chain that sits on
+    disk only (so the next acquire reads it and quarantines it). Returns the chain, or None."""
+    import os
+
+    from tierkv.identity import block_keys
+    from tierkv.tiers import TierName
+    from tierkv.tiers.disk import split_location
+
+    for i in rng.sample(acked, min(len(acked), 8)):
+        tokens, scope = chain_tokens(seed, i), scope_of(seed, i)
+        with store._lock:
+            for key in block_keys(tokens, scope, BS):
+                b = store.table.get(key)
+                if b is not None and set(b.loc) == {TierName.DISK} and not b.leases and not b.busy:
+                    seg, off = store.disk._offset(b.loc[TierName.DISK])[::2]
+                    print(f"CORRUPT {i}", flush=True)  # logged first: the chain may be lost now
+                    fd = os.open(seg.path, os.O_RDWR)
+                    try:
+                        byte = os.pread(fd, 1, off + 7)
+                        os.pwrite(fd, bytes([byte[0] ^ 0x20]), off + 7)
+                    finally:
+                        os.close(fd)
+                    return i
+    return None
 
 
 def mode_put(shm: str, home: str, seed: str, n_chains: str) -> None:
@@ -67,14 +97,21 @@ def mode_put(shm: str, home: str, seed: str, n_chains: str) -> None:
     print("DONE", flush=True)
 
 
-def mode_torture(shm: str, home: str, seed: str, ops: str, small: str = "0") -> None:
+def mode_torture(shm: str, home: str, seed: str, ops: str, small: str = "0", wb: str = "0") -> None:
     s, n_ops = int(seed), int(ops)
     rng = random.Random(s)
-    store = open_store(Path(home), **store_options(shm, small == "1"))
+    store = open_store(Path(home), **store_options(shm, small == "1", wb == "1"))
     put_next = 0
+    acked: list[int] = []
     for _ in range(n_ops):
         op = rng.random()
-        if op < 0.6 or put_next < 3:
+        if op < 0.03 and acked:
+            # Damage a page on disk, then read it: the read quarantines it (a kill point).
+            i = corrupt_one_page(store, rng, acked, s)
+            if i is not None:
+                with store.acquire(chain_tokens(s, i), scope_of(s, i)) as lease:
+                    assert_lease_exact(lease)
+        elif op < 0.6 or put_next < 3:
             i = put_next
             put_next += 1
             tokens, scope = chain_tokens(s, i), scope_of(s, i)
@@ -83,6 +120,7 @@ def mode_torture(shm: str, home: str, seed: str, ops: str, small: str = "0") -> 
             r = store.put(tokens, pages_for(tokens, scope), scope, priority=prio)
             if r.durable:
                 print(f"ACK P {i} {prio.name}", flush=True)
+                acked.append(i)
         elif op < 0.8:
             i = rng.randrange(put_next)
             tokens, scope = chain_tokens(s, i), scope_of(s, i)
@@ -101,53 +139,85 @@ def mode_torture(shm: str, home: str, seed: str, ops: str, small: str = "0") -> 
     print("DONE", flush=True)
 
 
-# Steps of put, write-back, eviction, demotion and invalidation a crash can fall between.
-POINTS = {
-    "segment-created": ("tierkv.tiers.segments", "fsync_dir", "after"),
-    "page-written": ("tierkv.tiers.disk.os", "pwrite", "after"),  # data written, not yet synced
-    "page-synced": ("tierkv.tiers.disk.DiskTier", "_write_pages", "after"),  # synced, not indexed
-    "index-committed": ("tierkv.index.Index", "put_blocks", "after"),  # indexed, not acknowledged
-    "index-deleted": ("tierkv.index.Index", "delete_blocks", "after"),  # deleted, slot not freed
-    "slot-freed": ("tierkv.tiers.disk.DiskTier", "free", "after"),
-    "demoted": ("tierkv.placement.Placement", "_demote", "after"),
-    "quarantine": ("tierkv.index.Index", "quarantine", "after"),
+# The calls a crash can fall between, by step: put (segment creation, page runs, slot records,
+# the synced write, the index commit), eviction, demotion, write-back, invalidation and
+# quarantine. Each is hooked where it is called (the name as its caller looks it up), never
+# process-wide: ``_pwrite_all`` is the disk tier's own page/record write.
+HOOKS = {
+    "segment-create": ("tierkv.tiers.disk", "create_segment"),  # a new segment file, renamed, dir synced
+    "segment-dir-sync": ("tierkv.tiers.segments", "fsync_dir"),  # segment renamed, directory not yet synced
+    "page-run-write": ("tierkv.tiers.disk", "_pwrite_all"),  # one run of pages (or records), not synced
+    "records-write": ("tierkv.tiers.disk.DiskTier", "_write_records"),  # pages written, records next, nothing synced
+    "disk-write": ("tierkv.tiers.disk.DiskTier", "_write_pages"),  # after: pages and records synced, not indexed
+    "index-put": ("tierkv.index.Index", "put_blocks"),  # after: indexed, not acknowledged
+    "evict": ("tierkv.placement.Placement", "_evict"),
+    "demote": ("tierkv.placement.Placement", "_demote"),
+    "write-back": ("tierkv.placement.Placement", "_write_back"),
+    "index-delete": ("tierkv.index.Index", "delete_blocks"),  # after: deleted, slot not freed
+    "slot-free": ("tierkv.tiers.disk.DiskTier", "free"),
+    "record-wipe": ("tierkv.tiers.disk.DiskTier", "_wipe_record"),
+    "invalidate": ("tierkv.operations.StoreOperations", "invalidate"),  # after: done, not acknowledged
+    "retire": ("tierkv.placement.Placement", "_retire"),
+    "quarantine": ("tierkv.placement.Placement", "_quarantine"),
+    "index-quarantine": ("tierkv.index.Index", "quarantine"),
 }
+POINTS = tuple(f"{hook}:{when}" for hook in HOOKS for when in ("before", "after"))
+# Hooks reached only in some configurations: (small disk, write-back) that reach them.
+NEEDS = {"write-back": (False, True)}
+
+
+def _resolve(path: str):  # type: ignore[no-untyped-def]
+    import importlib
+
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        mod, cls = path.rsplit(".", 1)
+        return getattr(importlib.import_module(mod), cls)
 
 
 def install_kill_point(point: str, n: int) -> None:
-    import importlib
+    """SIGKILL this process at the ``n``-th call of the hooked function: just before the
+    call runs (``:before``) or just after it returns (``:after``)."""
     import os
     import signal
 
-    mod_name, attr, when = POINTS[point]
-    try:
-        owner = importlib.import_module(mod_name)
-    except ImportError:
-        mod, cls = mod_name.rsplit(".", 1)
-        owner = getattr(importlib.import_module(mod), cls)
-    orig = getattr(owner, attr)
+    hook, when = point.split(":")
+    owner_path, attr = HOOKS[hook]
+    owner = _resolve(owner_path)
+    orig = getattr(owner, attr)  # AttributeError: the step moved; update HOOKS
     calls = [0]
 
     def wrapper(*a, **kw):
         calls[0] += 1
+        if calls[0] == n and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
         out = orig(*a, **kw)
-        if calls[0] == n:
+        if calls[0] == n and when == "after":
             os.kill(os.getpid(), signal.SIGKILL)
         return out
 
     setattr(owner, attr, wrapper)
 
 
-def mode_killat(shm: str, home: str, seed: str, ops: str, small: str, point: str, n: str) -> None:
+def mode_killat(shm: str, home: str, seed: str, ops: str, small: str, point: str, n: str, wb: str = "0") -> None:
     install_kill_point(point, int(n))
-    mode_torture(shm, home, seed, ops, small)
+    mode_torture(shm, home, seed, ops, small, wb)
 
 
-def verify_run(home: Path, shm: Path, seed: int, lines: list[str], small_disk: bool = False) -> dict:
+def neighbours(i: int) -> set[int]:
+    """Chains sharing blocks with chain ``i`` (chain 3k+2 extends chain 3k+1)."""
+    return {i} | ({i + 1} if i % 3 == 1 else set()) | ({i - 1} if i % 3 == 2 else set())
+
+
+def verify_run(home: Path, shm: Path, seed: int, lines: list[str], small_disk: bool = False,
+               write_back: bool = False) -> dict:
     """Reopen a store a torture run left behind (killed or not) and check it against the
     run's own log: every acknowledged chain still whole (on the big disk; pinned ones on
     the small disk) and byte-identical, invalidated chains gone, an interrupted
-    invalidation all-or-nothing, never a wrong byte, and a clean integrity check."""
+    invalidation all-or-nothing, never a wrong byte, and a clean integrity check. A chain
+    whose page the run damaged on purpose (CORRUPT) may be lost, never served wrong."""
+    corrupted: set[int] = set()
     acked: dict[int, bool] = {}  # chain -> pinned
     gone: set[int] = set()
     begun: set[int] = set()
@@ -172,8 +242,10 @@ def verify_run(home: Path, shm: Path, seed: int, lines: list[str], small_disk: b
                 gone.add(i)
                 gone_at[i] = pos
             pending_inv = None
+        elif p[:1] == ["CORRUPT"]:
+            corrupted |= neighbours(int(p[1]))
     problems: list[str] = []
-    store = open_store(home, **{**store_options(str(shm), small_disk), "device_bytes": 16 * 1024})
+    store = open_store(home, **{**store_options(str(shm), small_disk, write_back), "device_bytes": 16 * 1024})
     try:
         store.check_integrity()
 
@@ -192,7 +264,7 @@ def verify_run(home: Path, shm: Path, seed: int, lines: list[str], small_disk: b
         if in_flux and len({whole(i) for i in in_flux}) > 1:
             problems.append(f"interrupted invalidation of {pending_inv} was not all-or-nothing")
         for i, pinned in acked.items():
-            if i in in_flux or (small_disk and not pinned):
+            if i in in_flux or i in corrupted or (small_disk and not pinned):
                 continue
             if not whole(i):
                 problems.append(f"acknowledged chain {i} lost")
@@ -201,9 +273,8 @@ def verify_run(home: Path, shm: Path, seed: int, lines: list[str], small_disk: b
             # Chains 3k+1 and 3k+2 share blocks. A chain still acknowledged, the put in flight,
             # or any put begun after this invalidation (acknowledged or not: on the small disk
             # a put can store part of a chain and report durable=False) may hold them again.
-            neighbours = {i} | ({i + 1} if i % 3 == 1 else set()) | ({i - 1} if i % 3 == 2 else set())
             later = {j for j, at in begun_at.items() if at > gone_at[i]}
-            if neighbours & (shared | later):
+            if neighbours(i) & (shared | later):
                 continue
             tokens, scope = chain_tokens(seed, i), scope_of(seed, i)
             if store.lookup(tokens, scope).num_blocks:
@@ -217,7 +288,7 @@ def verify_run(home: Path, shm: Path, seed: int, lines: list[str], small_disk: b
         stats = {}
     finally:
         store.close()
-    return {"acked": len(acked), "gone": len(gone), "blocks": stats.get("blocks"),
+    return {"acked": len(acked), "gone": len(gone), "blocks": stats.get("blocks"), "corrupted": len(corrupted),
             "quarantined": stats.get("quarantined"), "problems": problems}
 
 
@@ -247,19 +318,22 @@ def _forked_child(args: list[str]) -> tuple[int, "object"]:
 
 
 def run_trial(workdir: Path, seed: int, *, ops: int = 400, small_disk: bool = False, kill_after_acks: int | None = None,
-              point: str | None = None, n: int = 1, fork: bool = True, timeout: float = 120.0) -> dict:
+              point: str | None = None, n: int = 1, fork: bool = True, timeout: float = 120.0,
+              write_back: bool = False) -> dict:
     """One crash trial: a torture child killed with SIGKILL after ``kill_after_acks``
     acknowledgements (plus a random few milliseconds), or by itself at the ``n``-th call
     of ``point``; then :func:`verify_run` on what it left. ``fork=False`` starts the child
-    as a fresh interpreter instead of a fork. Returns the report plus how the child ended."""
+    as a fresh interpreter instead of a fork. Returns the report plus how the child ended:
+    ``killed`` is true only when the planned kill happened (the point fired, or the parent
+    killed it after its acknowledgements), not when the child finished first or timed out."""
     import os
     import signal
     import subprocess
     import time
 
     home, shm = workdir / "home", workdir / "shm"
-    args = [str(a) for a in (["killat", shm, home, seed, ops, int(small_disk), point, n] if point
-                             else ["torture", shm, home, seed, ops, int(small_disk)])]
+    args = [str(a) for a in (["killat", shm, home, seed, ops, int(small_disk), point, n, int(write_back)] if point
+                             else ["torture", shm, home, seed, ops, int(small_disk), int(write_back)])]
     proc = None
     if fork:
         pid, stream = _forked_child(args)
@@ -269,15 +343,18 @@ def run_trial(workdir: Path, seed: int, *, ops: int = 400, small_disk: bool = Fa
     lines: list[str] = []
     deadline = time.monotonic() + timeout
     status = None
+    sent = timed_out = False
     try:
         acks = 0
         for line in stream:  # type: ignore[attr-defined]
             lines.append(line.strip())
             if line.startswith("ACK"):
                 acks += 1
-            if (kill_after_acks is not None and acks >= kill_after_acks) or time.monotonic() > deadline:
+            timed_out = time.monotonic() > deadline
+            if (kill_after_acks is not None and acks >= kill_after_acks) or timed_out:
                 time.sleep(random.Random(seed).random() * 0.02)  # land somewhere inside the next op
                 os.kill(pid, signal.SIGKILL)
+                sent = True
                 break
         lines += [x.strip() for x in stream.read().splitlines()]  # type: ignore[attr-defined]
     finally:
@@ -288,9 +365,14 @@ def run_trial(workdir: Path, seed: int, *, ops: int = 400, small_disk: bool = Fa
             _, raw = os.waitpid(pid, 0)
             status = os.waitstatus_to_exitcode(raw)
         stream.close()  # type: ignore[attr-defined]
-    report = verify_run(home, shm, seed, lines, small_disk)
-    report["killed"] = status == -signal.SIGKILL
+    report = verify_run(home, shm, seed, lines, small_disk, write_back)
+    died = status == -signal.SIGKILL
+    # A point trial counts as killed only if the point killed it (the parent sent nothing);
+    # a random trial only if the parent's kill (not a timeout) found it still running.
+    report["killed"] = died and not timed_out and (sent if point is None else not sent)
+    report["timed_out"] = timed_out
     report["returncode"] = status
+    report["finished"] = "DONE" in lines
     return report
 
 

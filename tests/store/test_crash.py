@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from .child import POINTS, run_trial
+from .child import NEEDS, POINTS, run_trial
 
 
 @pytest.mark.slow
@@ -25,22 +25,42 @@ def test_sigkill_at_random_points(tmp_path, small_disk):
     assert sum(r["acked"] for r in reports) > 0
 
 
-# (point, call number, small disk) chosen so that every point is reached.
-KILL_AT = [
-    ("segment-created", 2, False), ("page-written", 5, False), ("page-synced", 4, False),
-    ("index-committed", 6, False), ("index-deleted", 3, True), ("slot-freed", 4, True), ("demoted", 5, False),
-    ("index-deleted", 1, False),  # the first invalidation on the big disk
-]
+def _config(point: str, k: int) -> tuple[int, bool, bool]:
+    """(call number, small disk, write-back) for the k-th point: early calls, so every point
+    is reached; write-back where the hook needs it, and on every third point besides."""
+    hook = point.split(":")[0]
+    small, wb = NEEDS.get(hook, (k % 4 == 3, k % 3 == 1))
+    return 1 + k % 3, small, wb
 
 
 @pytest.mark.slow
-def test_sigkill_at_each_step(tmp_path):
-    assert {p for p, _, _ in KILL_AT} >= set(POINTS) - {"quarantine"}
-    reports = [run_trial(tmp_path / f"{point}-{i}", 77 + i, ops=300, small_disk=small, point=point, n=n)
-               for i, (point, n, small) in enumerate(KILL_AT)]
-    for (point, n, small), r in zip(KILL_AT, reports):
-        assert r["killed"], f"{point}#{n} was never reached: {r}"
-        assert r["problems"] == [], (point, r)
+@pytest.mark.parametrize("k,point", list(enumerate(POINTS)))
+def test_sigkill_at_each_step(tmp_path, k, point):
+    """Every step of put, evict, demote, write-back, invalidate and quarantine, killed just
+    before and just after its call; the trial counts only if that kill fired."""
+    n, small, wb = _config(point, k)
+    r = run_trial(tmp_path, 77 + k, ops=300, small_disk=small, point=point, n=n, write_back=wb)
+    assert r["killed"], f"{point}#{n} (small={small}, write-back={wb}) was never reached: {r}"
+    assert r["problems"] == [], (point, r)
+
+
+def test_kill_points_hook_their_own_calls_not_pwrite(tmp_path):
+    """The first page write kills before any page is written, but after the segment's
+    header was written (create_segment's own pwrite is not a kill point)."""
+    from tierkv.tiers.segments import read_header
+
+    r = run_trial(tmp_path, 5, ops=60, point="page-run-write:before", n=1)
+    assert r["killed"] and r["problems"] == [], r
+    segs = list((tmp_path / "home" / "segments").glob("seg-*"))
+    assert segs == [] or all(read_header(p).segment_pages for p in segs)  # reclaimed or whole
+
+
+@pytest.mark.slow
+def test_sigkill_in_write_back_mode(tmp_path):
+    rng = random.Random(99)
+    for i in range(3):
+        r = run_trial(tmp_path / f"wb{i}", rng.randrange(10**6), kill_after_acks=rng.randint(1, 4), write_back=True)
+        assert r["killed"] and r["problems"] == [], r
 
 
 def test_torture_runs_to_completion_cleanly(tmp_path):
@@ -61,8 +81,8 @@ def test_crash_torture_script_reports_json(tmp_path):
     import sys
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "crash_torture.py"
-    out = subprocess.run([sys.executable, str(script), "--trials", "2", "--workdir", str(tmp_path), "--seed", "3", "--json"],
+    out = subprocess.run([sys.executable, str(script), "--killed", "2", "--workdir", str(tmp_path), "--seed", "3", "--json"],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["trials"] == 2 and summary["failed"] == 0
+    assert summary["killed"] == 2 and summary["failed"] == 0

@@ -228,14 +228,19 @@ def test_layout_mismatch_on_reopen(make_store, home, tmp_path, other):
     assert store.lookup(toks(412, 1), SCOPE).num_blocks == 1
 
 
-def test_foreign_segment_layout_is_a_clear_error(make_store, home, tmp_path):
+def test_foreign_segment_layout_is_quarantined(make_store, home, tmp_path):
+    # Issue 11 item 5: a segment of another layout (damaged or foreign) is moved aside and
+    # counted; the rest of the home opens (it used to make the whole home unopenable).
     from tierkv.tiers.segments import SegmentHeader, create_segment
 
-    make_store().close()
+    store = make_store()
+    put_chain(store, toks(414, 2))
+    store.close()
     create_segment(home / "segments" / "seg-000009.safetensors", SegmentHeader(PageLayout(2, 2, 8, 8), "00" * 32, 2))
-    with pytest.raises(LayoutMismatchError):
-        open_store(home, shm_dir=tmp_path / "shm")
-    assert list((tmp_path / "shm").iterdir()) == []
+    store = make_store()
+    assert store.stats()["tiers"]["disk"]["quarantined_segments"] == 1
+    assert (home / "segments" / "seg-000009.safetensors.bad").exists()
+    assert store.lookup(toks(414, 2), SCOPE).num_blocks == 2
 
 
 def test_closed_store_and_lease_misuse(make_store, tmp_path):

@@ -18,7 +18,8 @@ from ..identity import Scope
 from ..model_version import default_memo_path
 from ..results import Residency
 from .common import (
-    connect_daemon, emit, fmt_bytes, home_option, json_option, print_columns, print_table, socket_option, warn,
+    connect_daemon, emit, fmt_bytes, home_option, json_option, print_columns, print_table, progress_bar, socket_option,
+    warn,
 )
 from .keys import keys_option
 
@@ -238,13 +239,15 @@ def unpin(name: str, home: Path, socket_path: Path | None, as_json: bool) -> Non
 
 # ---- verify ----------------------------------------------------------------------------
 @click.command()
-@click.option("--repair", is_flag=True, help="Quarantine blocks whose page is corrupt (they are dropped from the index).")
+@click.option("--repair", is_flag=True, help="Quarantine blocks whose page is corrupt (they are dropped from the index); "
+              "rebuild a damaged or missing index from the segments first.")
 @target_options
 @click.pass_context
 def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Re-read every disk page and check its checksum, then check the index against the tiers.
 
     Exits 1 when corruption was found and not repaired, or the integrity check fails."""
+    rebuilt = _rebuild_if_damaged(home, as_json) if repair and socket_path is None else None
     with target(home, socket_path) as store:
         r = store.verify(repair=repair)
         integrity_error: str | None = None
@@ -257,7 +260,8 @@ def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | Non
             except AssertionError as e:
                 integrity_error = str(e) or "integrity check failed"
     out = {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": bool(r.repaired and r.corrupt),
-           "integrity_checked": check is not None, "integrity_error": integrity_error}
+           "integrity_checked": check is not None, "integrity_error": integrity_error,
+           "index_rebuilt": rebuilt}
     ok = (not r.corrupt or repair) and integrity_error is None
     out["ok"] = ok
     if as_json:
@@ -265,13 +269,30 @@ def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | Non
     else:
         print_table([("pages checked", r.checked), ("corrupt", len(r.corrupt)),
                      ("quarantined", len(r.corrupt) if repair else 0),
-                     ("index consistent", "not checked" if check is None else integrity_error or "yes")])
+                     ("index consistent", "not checked" if check is None else integrity_error or "yes")]
+                    + ([(f"index rebuilt: {k}", v) for k, v in rebuilt.items()] if rebuilt else []))
         for key in r.corrupt:
             click.echo(f"  corrupt block {key}")
         if r.corrupt and not repair:
             click.echo("run `tierkv verify --repair` to quarantine the corrupt blocks", err=True)
     if not ok:
         ctx.exit(1)
+
+
+def _rebuild_if_damaged(home: Path, as_json: bool) -> dict[str, Any] | None:
+    """``verify --repair`` on a home whose index cannot be opened: rebuild it from the
+    segments (tierkv.repair) before verifying. None when the index was fine."""
+    from ..repair import index_damaged, rebuild_index
+
+    why = index_damaged(home)
+    if why is None:
+        return None
+    warn(f"{why}; rebuilding the index from the segments")
+    progress, close = progress_bar("rebuilding index", enabled=not as_json)
+    try:
+        return rebuild_index(home, progress=progress).to_dict()
+    finally:
+        close()
 
 
 # ---- gc --------------------------------------------------------------------------------

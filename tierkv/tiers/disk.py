@@ -5,6 +5,13 @@ bytes; it never decides what to evict (the store's manager does). A segment belo
 model version; when its last page is freed the file is deleted, so invalidating a model
 version gives its disk space back to the file system.
 
+Each written slot also gets its slot record (what the index holds for the page; see
+segments.py), written beside the page and made durable by the same fdatasync; freeing a slot
+wipes its record, so a rebuild of the index (tierkv.repair) does not bring the block back.
+
+A segment whose header is damaged or foreign (a failed checksum, another layout) is
+*quarantined* at open: renamed ``*.bad``, counted and logged; the rest of the home opens.
+
 Faults: an OSError while writing or syncing marks the tier *degraded* for
 ``DEGRADED_RETRY_S`` (puts then skip the disk and say so) and surfaces as DiskWriteError.
 After a failed fsync the data is treated as lost; the slot is never reported durable.
@@ -20,16 +27,16 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import DiskWriteError, LayoutMismatchError
+from ..errors import DiskWriteError
 from ..layout import PageLayout
 from .base import TierName
 from .diskio import BounceBuffer, pread_full, probe_kvikio, probe_odirect
-from .segments import SegmentFormatError, SegmentHeader, create_segment, read_header
+from .segments import SegmentFormatError, SegmentHeader, create_segment, encode_record, read_header
 
 log = logging.getLogger(__name__)
 SEG_SHIFT = 20
@@ -74,17 +81,22 @@ class DiskTier:
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._dir_dev = os.stat(self.dir).st_dev  # see page_missing
         self.layout = layout
         cap_slots = capacity_bytes // layout.slot_bytes
         self.segment_pages = max(1, min(segment_pages, cap_slots or 1))
         self.max_segments = cap_slots // self.segment_pages
         self.fsync = fsync
         self._segs: dict[int, _Segment] = {}
+        self.quarantined_segments = 0  # damaged or foreign segments moved aside at open
         self._fd_lock = threading.Lock()
         self._read_fds: dict[int, int] = {}
         self._local = threading.local()
         self.degraded_reason: str | None = None
         self._degraded_until = 0.0
+        # Read health (note_read_error): a read I/O error is a miss, never a deletion.
+        self.read_degraded_reason: str | None = None
+        self.read_errors = 0
         self.odirect = odirect and probe_odirect(self.dir)
         self._kvikio, kv_path = probe_kvikio()
         self.read_path = kv_path or ("posix-odirect" if self.odirect else "posix-buffered")
@@ -105,13 +117,20 @@ class DiskTier:
                 continue
             try:
                 header = read_header(p)
+                if header.layout != self.layout:
+                    # The index (checked first) says which layout this home holds: a segment
+                    # of another one is damaged or foreign; its blocks become misses.
+                    raise SegmentFormatError(f"{p}: holds layout {header.layout.to_json()}, the home {self.layout.to_json()}")
             except SegmentFormatError as e:
-                log.warning("quarantining damaged segment: %s", e)
-                p.rename(p.with_name(p.name + ".bad"))
+                self.quarantine_segment(p, str(e))
                 continue
-            if header.layout != self.layout:
-                raise LayoutMismatchError(f"segment {p} holds layout {header.layout}, the store uses {self.layout}")
             self._segs[int(m.group(1))] = _Segment(header, p)
+
+    def quarantine_segment(self, path: Path, reason: str) -> None:
+        """Move a damaged segment aside (``*.bad``, kept for inspection), count it, log it."""
+        log.warning("quarantining segment %s: %s", path.name, reason)
+        path.rename(path.with_name(path.name + ".bad"))
+        self.quarantined_segments += 1
 
     # ---- slots ---------------------------------------------------------------------
     @property
@@ -190,6 +209,23 @@ class DiskTier:
         if not seg.used:
             # Last page gone: give the space back (the index no longer points here).
             self._drop_segment(seg_id)
+        else:
+            self._wipe_record(seg, index)
+
+    def _wipe_record(self, seg: _Segment, index: int) -> None:
+        """Zero a freed slot's record, so that rebuilding the index from the segments does not
+        bring the block back. Not synced and best effort: a crash or an I/O error here at
+        worst lets a rebuild restore a deleted block, whose bytes are still exactly its key's."""
+        if not seg.header.record_bytes:
+            return
+        try:
+            fd = os.open(seg.path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, bytes(seg.header.record_bytes), seg.header.record_offset(index))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("could not wipe the record of a freed slot in %s: %s", seg.path.name, e)
 
     # ---- bytes ---------------------------------------------------------------------
     def _offset(self, loc: int) -> tuple[_Segment, int, int]:
@@ -204,6 +240,40 @@ class DiskTier:
             self.degraded_reason = None
         return self.degraded_reason is not None
 
+    def note_read_error(self, err: BaseException) -> None:
+        """A read failed with an I/O error (not a bad page). The tier is *read-degraded*
+        (stats, logs) until a read succeeds again. Reads are not skipped meanwhile: every
+        later read is the retry (a failed device answers at once), and the first one that
+        succeeds clears the state. The blocks stay indexed and are served again then."""
+        self.read_errors += 1
+        reason = errno.errorcode.get(getattr(err, "errno", None) or 0, str(err))
+        if self.read_degraded_reason is None:
+            log.error("disk tier read-degraded: %s (blocks stay indexed; their reads miss until the device answers)", err)
+        self.read_degraded_reason = reason
+
+    def note_read_ok(self) -> None:
+        if self.read_degraded_reason is not None:
+            log.warning("disk tier reads work again (was: %s)", self.read_degraded_reason)
+            self.read_degraded_reason = None
+
+    def page_missing(self, loc: int) -> bool:
+        """Whether the slot at ``loc`` is provably gone: its segment file is missing or too
+        short to hold it (a truncated segment). Anything else (an error while checking, the
+        segments directory no longer being the file system it was at open) is no proof."""
+        seg_id, index = split_location(loc)
+        seg = self._segs.get(seg_id)
+        if seg is None:
+            return True
+        try:
+            if os.stat(self.dir).st_dev != self._dir_dev:
+                return False  # the file system was unmounted underneath: not proof of anything
+            size = os.stat(seg.path).st_size
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return size < seg.header.data_offset + (index + 1) * self.layout.slot_bytes
+
     def _guard_io(self, fn, *args):  # type: ignore[no-untyped-def]
         try:
             return fn(*args)
@@ -214,10 +284,11 @@ class DiskTier:
             log.error("disk tier degraded: %s", e)
             raise DiskWriteError(f"disk tier write failed: {e}") from e
 
-    def write_pages(self, items: list[tuple[int, torch.Tensor]]) -> None:
-        """Write pages (CPU tensors of one page each) and make them durable (fdatasync per
+    def write_pages(self, items: list[tuple[int, torch.Tensor]], records: Sequence[bytes] | None = None) -> None:
+        """Write pages (CPU tensors of one page each) and, in ``records`` (one body per item,
+        from ``BlockRecord.slot_body``), their slot records; make both durable (fdatasync per
         segment). Only after this returns may the index point at them."""
-        self._guard_io(self._write_pages, items)
+        self._guard_io(self._write_pages, items, records)
 
     def _bounce(self, nbytes: int = 0) -> BounceBuffer:
         """This thread's aligned staging buffer, grown to at least ``nbytes``."""
@@ -243,8 +314,9 @@ class DiskTier:
                 runs.append([k])
         return runs
 
-    def _write_pages(self, items: list[tuple[int, torch.Tensor]]) -> None:
+    def _write_pages(self, items: list[tuple[int, torch.Tensor]], records: Sequence[bytes] | None = None) -> None:
         touched: dict[int, int] = {}
+        buffered: dict[int, int] = {}  # segment -> a plain descriptor for the slot records
         page_bytes, slot = self.layout.page_bytes, self.layout.slot_bytes
         locs = [loc for loc, _ in items]
         runs = self._runs(locs)
@@ -270,12 +342,31 @@ class DiskTier:
                     pending = writer.submit(_pwrite_all, touched[seg_id], memoryview(bounce.mm)[: len(run) * slot], off)
                 if pending is not None:
                     pending.result()
+            if records is not None:
+                self._write_records(locs, runs, records, buffered)
             if self.fsync:
-                for fd in touched.values():
-                    os.fdatasync(fd)
+                # One fdatasync per segment covers its pages and records (one inode).
+                for seg_id, fd in touched.items():
+                    os.fdatasync(buffered.get(seg_id, fd))
         finally:
-            for fd in touched.values():
+            for fd in [*touched.values(), *buffered.values()]:
                 os.close(fd)
+
+    def _write_records(self, locs: list[int], runs: list[list[int]], records: Sequence[bytes],
+                       fds: dict[int, int]) -> None:
+        """The slot records of a write, one pwrite per run of consecutive slots (buffered:
+        records are small and not 4 KiB-aligned, so O_DIRECT does not apply)."""
+        for run in runs:
+            seg, seg_id, _ = self._offset(locs[run[0]])
+            size = seg.header.record_bytes
+            if not size:
+                continue  # a format-1 segment: no records
+            if seg_id not in fds:
+                fds[seg_id] = os.open(seg.path, os.O_WRONLY)
+            # A body that does not fit (an over-long namespace) leaves a zeroed record: the
+            # page is stored and served, only a rebuild cannot restore it.
+            raw = b"".join(encode_record(records[k], size) or bytes(size) for k in run)
+            _pwrite_all(fds[seg_id], memoryview(raw), seg.header.record_offset(split_location(locs[run[0]])[1]))
 
     def _staging(self, nbytes: int) -> tuple[BounceBuffer, BounceBuffer]:
         """This thread's two aligned write buffers, grown to at least ``nbytes`` each."""
@@ -350,6 +441,9 @@ class DiskTier:
             "segment_pages": self.segment_pages,
             "file_bytes": self.file_bytes(),
             "degraded": self.degraded_reason,
+            "read_degraded": self.read_degraded_reason,
+            "read_errors": self.read_errors,
+            "quarantined_segments": self.quarantined_segments,
         }
 
     def check_integrity(self) -> None:
