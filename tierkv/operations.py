@@ -61,6 +61,8 @@ class StoreOperations(Placement):
                 self._flush_to_disk(b)  # write-through for pinned prefixes
         if records:
             self.index.put_blocks(records)
+            # The slot records too, so that a rebuilt index keeps the pins (tierkv.repair).
+            self.disk.update_records([(r.disk_loc, r.slot_body()) for r in records])
         return len(chain)
 
     def save_manifest(self, name: str, manifest: dict) -> None:

@@ -59,6 +59,19 @@ def test_rebuild_after_the_index_is_deleted(tmp_path):
         assert all(store.table.get(k).priority == Priority.PINNED for k in pinned)
 
 
+def test_rebuild_keeps_a_pin_made_after_the_write(tmp_path):
+    home, shm = tmp_path / "home", tmp_path / "shm"
+    fill(home, shm)
+    t, scope = CHAINS[6]
+    with open_store(home, shm_dir=shm, **OPTS) as store:
+        store.set_priority(t, scope, Priority.PINNED)
+    shutil.rmtree(home / "index")
+    rebuild_index(home)
+    with open_store(home, shm_dir=shm, **OPTS) as store:
+        assert all(store.table.get(k).priority == Priority.PINNED for k in keys_of(t, scope))
+        assert store.table.get(keys_of(*CHAINS[7])[0]).priority == Priority.NORMAL
+
+
 def test_verify_repair_rebuilds_a_truncated_index(tmp_path):
     from tierkv.cli.ops import verify
 

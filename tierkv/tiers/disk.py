@@ -368,6 +368,30 @@ class DiskTier:
             raw = b"".join(encode_record(records[k], size) or bytes(size) for k in run)
             _pwrite_all(fds[seg_id], memoryview(raw), seg.header.record_offset(split_location(locs[run[0]])[1]))
 
+    def update_records(self, records: Sequence[tuple[int, bytes]]) -> None:
+        """Rewrite the slot records of pages already on disk (``(location, body)``, e.g. after
+        a priority change, whose index commit came first) and sync them. Best effort: a
+        failure is logged, and costs only that a rebuilt index has the old priority."""
+        try:
+            by_seg: dict[int, list[tuple[int, bytes]]] = {}
+            for loc, body in records:
+                by_seg.setdefault(split_location(loc)[0], []).append((loc, body))
+            for seg_id, items in by_seg.items():
+                seg = self._segs[seg_id]
+                if not seg.header.record_bytes:
+                    continue
+                fd = os.open(seg.path, os.O_WRONLY)
+                try:
+                    for loc, body in items:
+                        raw = encode_record(body, seg.header.record_bytes) or bytes(seg.header.record_bytes)
+                        _pwrite_all(fd, memoryview(raw), seg.header.record_offset(split_location(loc)[1]))
+                    if self.fsync:
+                        os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            log.warning("could not rewrite slot records: %s", e)
+
     def _staging(self, nbytes: int) -> tuple[BounceBuffer, BounceBuffer]:
         """This thread's two aligned write buffers, grown to at least ``nbytes`` each."""
         pair = getattr(self._local, "staging", None)
