@@ -49,11 +49,17 @@ def home_layout(home: str | os.PathLike[str]) -> PageLayout:
     return PageLayout.from_dict(json.loads(raw))
 
 
-def connect(socket_path: str | os.PathLike[str], **options: Any) -> Any:
-    """A client of a running ``tierkv serve`` daemon, with the same API as :class:`Store`."""
+def connect(socket_path: str | os.PathLike[str], layout: PageLayout | None = None, **options: Any) -> Any:
+    """A client of a running ``tierkv serve`` daemon, with the same API as :class:`Store`.
+
+    ``layout`` declares the page layout of the pages this client stores and reads: the
+    daemon opens (creating on first use) a store for it, so one daemon serves every model
+    on the host. Without it the client gets the daemon's layout when it serves exactly one,
+    else only operations (manifests, stats, invalidate, verify, gc). ``options``: ``timeout``,
+    ``connect_timeout``, ``daemon_uid``."""
     from .daemon.client import Client
 
-    return Client(Path(socket_path), **options)
+    return Client(Path(socket_path), layout=layout, **options)
 
 
 __all__ = [

@@ -36,7 +36,8 @@ def pages_for(n_blocks: int, seed: int = 0) -> torch.Tensor:
 def make_config(workdir: Path, **kw) -> DaemonConfig:
     base = dict(home=workdir / "home", socket=workdir / "run" / "d.sock", layout=LAYOUT, device="cpu",
                 device_bytes=1 * MiB, host_bytes=2 * MiB, disk_bytes=8 * MiB, staging_bytes=256 * KiB,
-                client_staging_bytes=64 * KiB, shm_dir=workdir / "shm", workers=4)
+                client_staging_bytes=64 * KiB, shm_dir=workdir / "shm", workers=4,
+                max_layouts=1)  # the whole budget to LAYOUT (test_layouts.py splits it)
     base.update(kw)
     return DaemonConfig(**base)
 
@@ -89,11 +90,12 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
     return pred()
 
 
-def spawn_daemon(workdir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """``python -m tierkv.daemon.server`` in a subprocess; returns once its socket answers."""
+def spawn_daemon(workdir: Path, *extra: str, env: dict | None = None, layout: str | None = LAYOUT_ARG) -> subprocess.Popen:
+    """``python -m tierkv.daemon.server`` in a subprocess; returns once its socket answers.
+    ``layout=None``: no --layout (clients declare theirs)."""
     sock = workdir / "run" / "d.sock"
     cmd = [sys.executable, "-m", "tierkv.daemon.server", "--home", str(workdir / "home"), "--socket", str(sock),
-           "--layout", LAYOUT_ARG, "--device", "cpu", "--device-bytes", "1MiB", "--host-bytes", "2MiB",
+           *(("--layout", layout) if layout else ()), "--device", "cpu", "--device-bytes", "1MiB", "--host-bytes", "2MiB",
            "--disk-bytes", "8MiB", "--staging-bytes", "256KiB", "--log-level", "WARNING", *extra]
     e = dict(os.environ, **(env or {}), TIERKV_SHM_TEST=str(workdir))
     proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

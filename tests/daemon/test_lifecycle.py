@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tierkv
-from tierkv.daemon.config import DaemonConfig, merge, peek_layout, read_config_file, resolve_layout
+from tierkv.daemon.config import DaemonConfig, merge, read_config_file
 from tierkv.errors import ConfigError, DaemonUnavailableError, DiskWriteError, LayoutMismatchError, TierKVError
 from tierkv.layout import PageLayout
 
@@ -172,17 +172,6 @@ def test_config_precedence_flags_over_file_over_env(tmp_path):
         merge({"socket": "/tmp/" + "x" * 120}, {}, env)
 
 
-def test_layout_comes_from_an_existing_home(workdir):
-    assert peek_layout(workdir / "home") is None
-    with pytest.raises(ConfigError, match="layout"):
-        resolve_layout(make_config(workdir, layout=None))
-    tierkv.open(workdir / "home", LAYOUT, device="cpu", device_bytes=1 << 20, host_bytes=0, disk_bytes=0,
-                shm_dir=workdir / "shm").close()
-    assert resolve_layout(make_config(workdir, layout=None)).layout == LAYOUT
-    with pytest.raises(LayoutMismatchError):
-        resolve_layout(make_config(workdir, layout=PageLayout(1, 1, 8)))
-
-
 def test_sighup_reload_applies_limits_now_and_capacities_at_restart(workdir, caplog):
     cfg = make_config(workdir)
     d = DaemonThread(cfg).start()
@@ -191,7 +180,7 @@ def test_sighup_reload_applies_limits_now_and_capacities_at_restart(workdir, cap
                                                      "client_staging_bytes": 16 << 10})
         with caplog.at_level(logging.INFO, logger="tierkv.daemon.server"):
             d.call(d.daemon._on_sighup)
-        assert d.daemon.handlers.leases.timeout_s == 5.0 and d.daemon.handlers.staging.quota == 2
+        assert d.daemon.handlers.leases.timeout_s == 5.0 and d.daemon.layouts.only().staging.quota == 2
         assert any("host_bytes" in r.message and "restart" in r.message for r in caplog.records)
         with tierkv.connect(cfg.socket) as c:
             assert c.lease_timeout_s == 5.0 and c.stats()["tiers"]["host"]["capacity_bytes"] < 4 << 20

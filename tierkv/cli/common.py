@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 import click
 
 from ..config import default_home
 from ..errors import LayoutMismatchError, TierKVError
 from ..layout import PageLayout
+
+if TYPE_CHECKING:
+    from ..api import StoreAPI
+    from ..daemon.client import Client
 
 F = TypeVar("F", bound=Callable[..., Any])
 HOME_ENV = "TIERKV_HOME"
@@ -55,23 +59,23 @@ def socket_option(f: F) -> F:
     )(f)
 
 
-def connect_daemon(socket_path: Path, layout: PageLayout | None = None) -> Any:
-    """A client of the daemon at ``socket_path`` (the Store API). With ``layout``, a daemon
-    whose home holds pages of another layout is refused (LayoutMismatchError)."""
+def connect_daemon(socket_path: Path, layout: PageLayout | None = None) -> "Client":
+    """A client of the daemon at ``socket_path`` (the Store API). ``layout`` is declared to
+    the daemon, which opens a store for it on first use (one daemon serves every model);
+    without it the client is for operations (or the daemon's only layout)."""
     import tierkv
 
-    client = tierkv.connect(socket_path)
-    if layout is not None and client.layout != layout:
+    client = tierkv.connect(socket_path, layout=layout)
+    if layout is not None and client.layout != layout:  # a daemon of an older tierkv
         client.close()
         raise LayoutMismatchError(
-            f"the daemon at {socket_path} serves pages of layout {client.layout.to_json()}, "
-            f"this model needs {layout.to_json()}",
-            hint="start a daemon on a home for this model (another --home), or drop --socket",
+            f"the daemon at {socket_path} serves pages of layout {client.layout}, this model needs {layout.to_json()}",
+            hint="upgrade the daemon (it then serves every layout), or drop --socket",
         )
     return client
 
 
-def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, **options: Any) -> Any:
+def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, **options: Any) -> "StoreAPI":
     """The store for ``layout``: a client of the daemon at ``socket_path`` when given, else
     the home opened in this process; ``options`` are StoreConfig fields given on the
     command line (None means the store's default)."""
@@ -80,6 +84,24 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     if socket_path is not None:
         return connect_daemon(socket_path, layout)
     return tierkv.open(home, layout, **{k: v for k, v in options.items() if v is not None})
+
+
+# Operations need the disk tier only: keep the memory tiers in (sparse) host memory, so an
+# ops command neither initialises CUDA nor takes GPU memory from a serving process.
+OPS_STORE_OPTIONS: dict[str, Any] = {"device": "cpu", "host_bytes": 0}
+
+
+def open_target(home: Path, socket_path: Path | None, **options: Any) -> "StoreAPI":
+    """A :class:`~tierkv.Store` on ``home`` (opened with its own layout), or, with
+    ``socket_path``, a client of the daemon serving it (same API). ``options`` are StoreConfig
+    fields for a home opened here. Raises NotFoundError for a home without a store,
+    DaemonOwnsHomeError when a daemon holds the home, DaemonUnavailableError when the
+    daemon cannot be reached."""
+    import tierkv
+
+    if socket_path is not None:
+        return connect_daemon(socket_path)
+    return tierkv.open(home, None, **{**OPS_STORE_OPTIONS, **options})
 
 
 def warn(message: str) -> None:

@@ -29,12 +29,14 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="TOML config file (keys as in docs/operations.md); SIGHUP re-reads it.")
 @click.option("--layout", default=None,
-              help="Page layout for a new home: num_layers=..,num_kv_heads=..,head_dim=..,block_size=..,dtype=.. "
-                   "(an existing home's own layout is used; a different one is an error).")
+              help="Optional: open a store for this page layout at start (num_layers=..,num_kv_heads=..,head_dim=..,"
+                   "block_size=..,dtype=..). Not needed: clients declare their layout when they connect.")
+@click.option("--max-layouts", type=int, default=None,
+              help="Page layouts (models) served at once; each gets 1/N of every tier budget (default 4, or 1 with --layout).")
 @click.option("--device", default=None, help="cuda:N or cpu (default: cuda:0 when available).")
-@click.option("--device-bytes", default=None, help="Device tier capacity (e.g. 8GiB).")
-@click.option("--host-bytes", default=None, help="Host (shared-memory) tier capacity.")
-@click.option("--disk-bytes", default=None, help="Disk tier capacity.")
+@click.option("--device-bytes", default=None, help="Device tier budget, shared by the layouts (e.g. 8GiB).")
+@click.option("--host-bytes", default=None, help="Host (shared-memory) tier budget, shared by the layouts.")
+@click.option("--disk-bytes", default=None, help="Disk tier budget, shared by the layouts.")
 @click.option("--staging-bytes", default=None, help="Shared staging region for pages clients put.")
 @click.option("--lease-timeout", "lease_timeout_s", type=float, default=None,
               help="Seconds a lease may go without renew before the daemon releases it (default 600).")

@@ -16,6 +16,7 @@ requests by id, so several threads may call one client at once.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import socket
@@ -30,7 +31,7 @@ import torch
 
 from .. import errors
 from ..blocks import Priority
-from ..errors import CapacityError, DaemonUnavailableError, ForkedStoreError, LeaseError, ProtocolError, TierKVError
+from ..errors import CapacityError, ConfigError, DaemonUnavailableError, ForkedStoreError, LeaseError, ProtocolError, TierKVError
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult
@@ -58,8 +59,12 @@ class Client:
     """Connected to a daemon; same methods as :class:`tierkv.Store` (data stays in shm)."""
 
     def __init__(self, socket_path: Path, timeout: float = 60.0, connect_timeout: float = 5.0,
-                 daemon_uid: int | None = None) -> None:
-        """``daemon_uid``: the uid the daemon runs as when it is neither root nor this user
+                 daemon_uid: int | None = None, layout: PageLayout | None = None) -> None:
+        """``layout``: the page layout this client stores and reads; the daemon opens a
+        store for it on first use (one daemon serves several layouts). Without it the client
+        gets the daemon's layout when it serves exactly one, else no data path (lookup,
+        acquire, put, ... raise ConfigError): what operations tools need.
+        ``daemon_uid``: the uid the daemon runs as when it is neither root nor this user
         (the listener's uid is checked before anything is sent or mapped)."""
         self.socket_path = Path(socket_path)
         self.timeout = timeout
@@ -88,7 +93,7 @@ class Client:
         self._reader.start()
         self._regions: list[SharedRegion] = []
         try:
-            hello = self._call_frame(Op.HELLO, m.Hello(VERSION, os.getpid()))
+            hello = self._call_frame(Op.HELLO, m.Hello(VERSION, os.getpid(), layout))
             fds = list(hello.fds)
             try:
                 self._setup(hello.header, fds)  # takes (and sets to -1) the descriptors it maps
@@ -99,9 +104,15 @@ class Client:
             raise
 
     def _setup(self, hello: dict[str, Any], fds: list[int]) -> None:
-        self.layout = PageLayout.from_dict(hello["layout"])
         self.daemon_pid = int(hello["daemon_pid"])
         self.lease_timeout_s = float(hello["lease_timeout_s"])
+        self.layouts = tuple(str(x) for x in hello.get("layouts", ()))  # the daemon's, at connect
+        self.layout: PageLayout | None = None
+        self.device_pool = self.host_pool = self.staging_pool = None  # type: ignore[assignment]
+        self.stage_quota = 0
+        if hello.get("layout") is None:
+            return  # no layout declared, and the daemon serves none or several: operations only
+        self.layout = PageLayout.from_dict(hello["layout"])
         self.stage_quota = int(hello["stage_quota"])
         regions = {}
         for name in ("device", "host", "staging"):
@@ -198,6 +209,14 @@ class Client:
     def _call(self, op: Op, msg: Any) -> dict[str, Any]:
         return self._call_frame(op, msg).header
 
+    def _need_layout(self) -> PageLayout:
+        if self.layout is None:
+            raise ConfigError(
+                f"this client declared no page layout and the daemon on {self.socket_path} serves "
+                f"{len(self.layouts) or 'no'} layouts ({', '.join(self.layouts) or 'none yet'})",
+                hint="connect with tierkv.connect(socket, layout=...) to store or read pages")
+        return self.layout
+
     @staticmethod
     def _req(tokens: Any, scope: Scope, block_extra: Any = None, max_blocks: int | None = None,
              start_block: int = 0) -> m.PrefixRequest:
@@ -209,14 +228,18 @@ class Client:
                block_extra: Sequence[Sequence[str | bytes]] | None = None) -> LookupResult:
         f = self._call_frame(Op.LOOKUP, self._req(tokens, scope, block_extra))
         r = m.KeysReply.decode(f.header, f.payload)
-        return LookupResult(int(r.fields["tokens_matched"]), r.keys, tuple(r.fields["tiers"]))
+        names = r.fields.get("tier_names")
+        if not isinstance(names, list) or len(r.values) != len(r.keys) or not all(0 <= v < len(names) for v in r.values):
+            raise ProtocolError("lookup reply: tiers do not match its keys")
+        return LookupResult(int(r.fields["tokens_matched"]), r.keys, tuple(str(names[v]) for v in r.values))
 
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
                 start_block: int = 0) -> RemoteLease:
+        self._need_layout()
         f = self._call_frame(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks, start_block))
         r = m.KeysReply.decode(f.header, f.payload)
-        slots = tuple(r.fields["slots"])
+        slots = r.values
         n_pool = self.device_pool.shape[0]
         if len(slots) != len(r.keys) or not all(isinstance(s, int) and 0 <= s < n_pool for s in slots):
             raise ProtocolError(f"daemon returned device slots outside the pool of {n_pool}")
@@ -246,7 +269,7 @@ class Client:
         """Same as :meth:`Store.put`. Pages go through staging slots in shared memory, in
         chunks of at most the daemon's per-connection quota (smaller, and after a wait,
         while other clients hold the staging region)."""
-        self.layout.check_pages(pages)
+        self._need_layout().check_pages(pages)
         arr = as_token_array(tokens)
         ws = m.WireScope(scope.model_version, scope.namespace, scope.extra_keys)
         n = int(pages.shape[0])
@@ -364,7 +387,14 @@ class Client:
         return VerifyResult(int(r["checked"]), tuple(r["corrupt"]), bool(r["repaired"]))
 
     def stats(self) -> StoreStats:
-        return StoreStats.from_dict(self._call(Op.STATS, m.Empty())["stats"])
+        f = self._call_frame(Op.STATS, m.Empty())
+        if f.header.get("format") != "json":
+            raise ProtocolError("stats reply without its JSON payload")
+        try:
+            d = json.loads(f.payload)
+        except ValueError as e:
+            raise ProtocolError(f"stats reply payload is not JSON: {e}") from None
+        return StoreStats.from_dict(d)
 
     def ping(self) -> None:
         self._call(Op.PING, m.Empty())

@@ -4,28 +4,27 @@ Precedence: command-line flags beat the TOML config file, which beats the enviro
 (``TIERKV_HOME``, ``TIERKV_SOCKET``) and built-in defaults. Only the CLI reads the file and
 the environment; it hands the values to :func:`merge` as plain mappings.
 
-The page layout is fixed per home. When the home already exists its layout comes from the
-home's index (:func:`peek_layout`, a read-only look at the LMDB ``meta`` database); a layout
-given by flag or file must then agree. A new home needs one.
+No page layout is needed: clients declare theirs when they connect and the daemon opens a
+store per layout (layouts.py). ``layout`` (``--layout``) only pre-creates one at start.
 """
 from __future__ import annotations
 
 import json
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import MiB, GiB, default_home
-from ..errors import ConfigError, LayoutMismatchError
-from ..index import peek_meta
+from ..errors import ConfigError
 from ..layout import PageLayout
 
 SOCKET_ENV = "TIERKV_SOCKET"
 HOME_ENV = "TIERKV_HOME"
 BIND_ENV = "MC_TCP_BIND_ADDRESS"  # the Mooncake transfer engine's bind address
 DEFAULT_BIND = "127.0.0.1"
+DEFAULT_MAX_LAYOUTS = 4
 
 
 def default_socket() -> Path:
@@ -56,6 +55,9 @@ class DaemonConfig:
     max_connections: int = 256
     max_inflight: int = 32  # concurrent requests per connection
     workers: int = 8  # threads that run store calls (the event loop never does)
+    # Page layouts served at once; each gets 1/max_layouts of every budget. None: 1 when
+    # ``layout`` is given (a one-model daemon, as before layouts were declared), else 4.
+    max_layouts: int | None = None
     namespace_per_uid: bool = False  # prefix every namespace with "uid<N>/" (trusted side)
     allowed_uids: tuple[int, ...] = ()  # peers besides the daemon's own uid
     shm_dir: Path | None = None
@@ -93,7 +95,7 @@ class DaemonConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if not self.lease_timeout_s > 0:
             raise ValueError("lease_timeout_s must be positive")
-        for name in ("max_connections", "max_inflight", "workers"):
+        for name in ("max_connections", "max_inflight", "workers", "resolved_max_layouts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         object.__setattr__(self, "local_only_namespaces", tuple(self.local_only_namespaces))
@@ -103,6 +105,12 @@ class DaemonConfig:
                                  "e.g. http://HOST:8080/metadata)")
             self.remote_config()  # validates the remote settings now, not when the daemon opens
         self.publish_policy()
+
+    @property
+    def resolved_max_layouts(self) -> int:
+        if self.max_layouts is not None:
+            return self.max_layouts
+        return 1 if self.layout is not None else DEFAULT_MAX_LAYOUTS
 
     @property
     def remote_enabled(self) -> bool:
@@ -229,25 +237,3 @@ def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping
         return DaemonConfig(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
-
-
-def peek_layout(home: Path) -> PageLayout | None:
-    """The layout recorded in ``home``'s index, read without taking the home, or None for a
-    new home. Runs before the store opens the index, never while this process holds it."""
-    raw = peek_meta(home / "index", "layout")
-    return None if raw is None else PageLayout.from_dict(json.loads(raw))
-
-
-def resolve_layout(config: DaemonConfig) -> DaemonConfig:
-    """``config`` with the layout the home holds; ConfigError when none is known,
-    LayoutMismatchError when the one given disagrees with the home's."""
-    stored = peek_layout(config.home)
-    if stored is None:
-        if config.layout is None:
-            raise ConfigError(f"{config.home} holds no store yet, so the page layout is unknown",
-                              hint="pass --layout num_layers=..,num_kv_heads=..,head_dim=..,block_size=..,dtype=..")
-        return config
-    if config.layout is not None and config.layout != stored:
-        raise LayoutMismatchError(f"{config.home} holds pages of layout {stored.to_json()}, "
-                                  f"the daemon was given {config.layout.to_json()}")
-    return replace(config, layout=stored)

@@ -11,11 +11,13 @@ import numpy as np
 
 from ..errors import ProtocolError
 from ..identity import KEY_BYTES
+from ..layout import PageLayout
 from .protocol import MAX_TOKENS
 
 MAX_NAME = 200
 MAX_STR = 4096
 MAX_LIST = 1 << 16
+MAX_PAGE_BYTES = 1 << 30  # one page (one block of every layer's K and V)
 Header = dict[str, Any]
 
 
@@ -114,15 +116,39 @@ class WireScope:
 # ---- requests -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hello:
+    """The first request. ``layout`` declares the page layout this client stores and reads
+    (the daemon opens a store for it on first use); None: no data path (operations tools),
+    or the daemon's only layout when it serves exactly one."""
+
     client_version: int
     pid: int
+    layout: PageLayout | None = None
 
     def encode(self) -> tuple[Header, bytes]:
-        return {"client_version": self.client_version, "pid": self.pid}, b""
+        h: Header = {"client_version": self.client_version, "pid": self.pid}
+        if self.layout is not None:
+            h["layout"] = self.layout.to_dict()
+        return h, b""
 
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "Hello":
-        return cls(_int(h, "client_version"), _int(h, "pid"))
+        raw = _get(h, "layout", (dict, type(None)), None)
+        return cls(_int(h, "client_version"), _int(h, "pid"), None if raw is None else layout_from_wire(raw))
+
+
+def layout_from_wire(raw: Header) -> PageLayout:
+    """A declared layout, every field checked (PageLayout validates values; the bounds here
+    keep a hostile client from asking for absurd pages)."""
+    try:
+        layout = PageLayout(num_layers=_int(raw, "num_layers", 1, 4096), num_kv_heads=_int(raw, "num_kv_heads", 1, 4096),
+                            head_dim=_int(raw, "head_dim", 1, 65536), block_size=_int(raw, "block_size", 1, 65536),
+                            dtype=_get(raw, "dtype", str))
+    except ValueError as e:
+        raise ProtocolError(f"bad layout: {e}") from None
+    if layout.page_bytes > MAX_PAGE_BYTES:
+        raise ProtocolError(f"a page of layout {layout.to_json()} is {layout.page_bytes} bytes, "
+                            f"more than the {MAX_PAGE_BYTES} the daemon accepts")
+    return layout
 
 
 @dataclass(frozen=True)
@@ -319,21 +345,31 @@ class Reply:
 @dataclass(frozen=True)
 class KeysReply:
     """LOOKUP and ACQUIRE replies: block keys as raw 32-byte strings in the payload (hex in
-    JSON would triple their size), other fields in the header."""
+    JSON would triple their size), then ``values``, one int32 per key (ACQUIRE: the device
+    slot; LOOKUP: the tier, an index into the header's ``tier_names``), other fields in the
+    header. Per-block lists in the JSON header made a reply of 8,000 blocks exceed the
+    64 KiB header limit (issue 11, item 9); the payload holds ~500,000."""
 
     keys: tuple[bytes, ...]
     fields: Header = field(default_factory=dict)
+    values: tuple[int, ...] = ()
 
     def encode(self) -> tuple[Header, bytes]:
-        return {**self.fields, "num_keys": len(self.keys)}, b"".join(self.keys)
+        if self.values and len(self.values) != len(self.keys):
+            raise ProtocolError(f"{len(self.values)} values for {len(self.keys)} keys")
+        vals = np.asarray(self.values, dtype="<i4").tobytes() if self.values else b""
+        return {**self.fields, "num_keys": len(self.keys), "num_values": len(self.values)}, b"".join(self.keys) + vals
 
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "KeysReply":
         n = _int(h, "num_keys", 0, MAX_TOKENS)
-        if len(payload) != n * KEY_BYTES:
-            raise ProtocolError(f"{n} keys need {n * KEY_BYTES} payload bytes, got {len(payload)}")
+        nv = _int(h, "num_values", 0, MAX_TOKENS, 0)
+        if nv not in (0, n) or len(payload) != n * KEY_BYTES + 4 * nv:
+            raise ProtocolError(f"{n} keys and {nv} values need {n * KEY_BYTES + 4 * nv} payload bytes, "
+                                f"got {len(payload)}")
         keys = tuple(payload[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n))
-        return cls(keys, {k: v for k, v in h.items() if k != "num_keys"})
+        values = tuple(np.frombuffer(payload, dtype="<i4", offset=n * KEY_BYTES, count=nv).tolist()) if nv else ()
+        return cls(keys, {k: v for k, v in h.items() if k not in ("num_keys", "num_values")}, values)
 
 
 @dataclass(frozen=True)

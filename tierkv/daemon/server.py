@@ -1,16 +1,17 @@
 """The daemon: the one process that opens a home, serving clients on a Unix socket.
 
-Lifecycle: ``Daemon(config).run()`` opens the store (with ``socket_path`` recorded in the
-home's LOCK, so a second opener gets DaemonOwnsHomeError naming the socket), creates the
-staging region, binds the socket (security.py), writes the pid file, starts the metrics
-endpoint, and serves until SIGTERM/SIGINT (or :meth:`request_stop`). Stopping: no new
-connections, requests already received finish (a put that was read is stored and
-acknowledged), every lease is released, the store is closed (which flushes write-back
-blocks), the socket and pid file are removed. SIGHUP re-reads the config file: lease
+Lifecycle: ``Daemon(config).run()`` takes the home (its LOCK names the socket, so a second
+opener gets DaemonOwnsHomeError naming it) and opens a store for every page layout the home
+holds (layouts.py; an empty home holds none: clients declare theirs at HELLO and the
+daemon opens a store per layout on first use), binds the socket (security.py), writes the
+pid file, starts the metrics endpoint, and serves until SIGTERM/SIGINT (or
+:meth:`request_stop`). Stopping: no new connections, requests already received finish (a
+put that was read is stored and acknowledged), every lease is released, the stores are
+closed (which flushes write-back blocks), the socket and pid file are removed. SIGHUP re-reads the config file: lease
 timeout, staging quota, allowed uids and limits apply at once; tier capacities cannot be
 resized live and apply at the next start (logged).
 
-Cluster: with ``remote_master`` set the daemon wraps its store in a
+Cluster: with ``remote_master`` set the daemon wraps each layout's store in a
 :class:`~tierkv.cluster.ClusterNode` (lookups count the remote tier, acquires pull from it,
 puts publish by the policy), sets ``MC_TCP_BIND_ADDRESS`` before any Mooncake client
 exists, and connects the remote tier from a keeper thread: a master that is absent or
@@ -29,6 +30,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -37,11 +39,13 @@ from typing import Any, Callable
 
 from ..config import StoreConfig
 from ..errors import ConfigError, DaemonUnavailableError, ProtocolError, TierKVError
+from ..layout import PageLayout
 from ..store import Store
-from ..tiers.shm import SharedRegion, default_shm_dir
-from . import messages, regions, security
-from .config import BIND_ENV, REMOTE_FIELDS, DaemonConfig, resolve_layout
+from ..tiers.shm import default_shm_dir
+from . import messages, security
+from .config import BIND_ENV, REMOTE_FIELDS, DaemonConfig
 from .handlers import Handlers
+from .layouts import Budget, LayoutEntry, Layouts
 from .metrics import DaemonMetrics
 from .protocol import (FLAG_ERROR, FLAG_REPLY, BadHeaderError, FatalFrameError, Frame, Op, encode_frame, read_frame,
                        send_with_fds)
@@ -58,6 +62,7 @@ class Connection:
     writer: asyncio.StreamWriter
     inflight: asyncio.Semaphore
     client_pid: int = 0
+    entry: LayoutEntry | None = None  # the layout bound at HELLO (None: operations only)
     tasks: set[asyncio.Task] = field(default_factory=set)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -102,29 +107,51 @@ class Daemon:
         self.metrics_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self.store: Any = None  # the Store, or a ClusterNode wrapping it when the remote tier is on
+        self.layouts: Layouts | None = None
         self.handlers: Handlers | None = None
         self.metrics: DaemonMetrics | None = None
 
     # ---- opening and closing -----------------------------------------------------------
-    def _open(self) -> tuple[Any, SharedRegion]:
-        cfg = self.config = resolve_layout(self.config)
-        assert cfg.layout is not None
+    @property
+    def store(self) -> Any:
+        """The store when the daemon serves exactly one layout (tests and tools), else None."""
+        entry = self.layouts.only() if self.layouts is not None else None
+        return None if entry is None else entry.store
+
+    def _open_store(self, home: Path, layout: PageLayout, budget: Budget) -> tuple[Any, Store]:
+        """One layout's store with its share of the budgets (wrapped in a ClusterNode when
+        the remote tier is on), and the local Store. Called by :class:`Layouts`, at start or
+        on first use."""
+        cfg = self.config
+        local = store = Store(StoreConfig(
+            home=home, layout=layout, device=cfg.device, device_bytes=budget.device_bytes,
+            host_bytes=budget.host_bytes, disk_bytes=budget.disk_bytes, write_through=cfg.write_through,
+            shm_dir=cfg.shm_dir,
+        ), socket_path=str(cfg.socket))
+        if cfg.remote_enabled:
+            try:
+                store = self._join_cluster(local)
+            except BaseException:
+                local.close()
+                raise
+        return store, local
+
+    def _open(self) -> socket.socket:
+        cfg = self.config
         security.prepare_socket_dir(cfg.socket.parent, shared=bool(cfg.allowed_uids))
         security.clear_socket_path(cfg.socket)  # refuse early, before taking the home
-        shm_dir = cfg.shm_dir or default_shm_dir()  # opening the store reaps dead processes' regions
-        self.store = Store(StoreConfig(
-            home=cfg.home, layout=cfg.layout, device=cfg.device, device_bytes=cfg.device_bytes, host_bytes=cfg.host_bytes,
-            disk_bytes=cfg.disk_bytes, write_through=cfg.write_through, shm_dir=cfg.shm_dir,
-        ), socket_path=str(cfg.socket))
-        staging: SharedRegion | None = None
+        shm_dir = cfg.shm_dir or default_shm_dir()  # opening a store reaps dead processes' regions
+        n = cfg.resolved_max_layouts
+        budget = Budget(cfg.device_bytes // n, cfg.host_bytes // n, cfg.disk_bytes // n, cfg.staging_bytes // n,
+                        min(cfg.client_staging_bytes, cfg.staging_bytes // n))
+        self.layouts = Layouts(cfg.home, str(cfg.socket), n, budget, shm_dir, self._open_store)
         sock = None
         try:
-            if cfg.remote_enabled:
-                self.store = self._join_cluster(self.store)
-            staging, pool = regions.create_staging(shm_dir, cfg.layout, cfg.staging_bytes)
-            self.handlers = Handlers(self.store, cfg, pool, staging)
-            self.metrics = DaemonMetrics(self.store.stats, self._daemon_stats, cfg.layout.page_bytes)
+            self.layouts.start(cfg.layout)
+            self.handlers = Handlers(self.layouts, cfg)
+            only = self.layouts.only()
+            self.metrics = DaemonMetrics(self.handlers.merged_stats, self._daemon_stats,
+                                         only.layout.page_bytes if only is not None else 0)
             sock = security.bind_private_socket(cfg.socket, shared=bool(cfg.allowed_uids))
             security.write_pid_file(cfg.resolved_pid_file)
             if cfg.metrics_port is not None:
@@ -140,13 +167,11 @@ class Daemon:
                 sock.close()
                 cfg.socket.unlink(missing_ok=True)
                 cfg.resolved_pid_file.unlink(missing_ok=True)
-            if staging is not None:
-                staging.close()
             if self.handlers is not None:
                 self.handlers.executor.shutdown(wait=False)
-            self.store.close()
+            self.layouts.close()
             raise
-        return sock, staging
+        return sock
 
     def _join_cluster(self, store: Store) -> Any:
         """Wrap ``store`` in a ClusterNode with the configured remote tier. Nothing remote
@@ -166,30 +191,37 @@ class Daemon:
                  rcfg.global_segment_bytes >> 20, rcfg.key_prefix)
         return ClusterNode(store, remote, cfg.publish_policy())
 
-    def _keep_remote(self, node: Any, remote: Any) -> None:
-        """Keeper thread: connect the remote tier at start, reconnect it while it is down
-        (as often as its backoff allows) and check it now and then while it is up, so that
-        ``stats`` tells its state even when no request has touched it. Each time the tier
-        comes up it republishes the named prefixes: a restarted master has lost them."""
+    def _keep_remote(self) -> None:
+        """Keeper thread: connect each layout's remote tier at start (or when the layout
+        opens), reconnect it while it is down (as often as its backoff allows) and check it
+        now and then while it is up, so that ``stats`` tells its state even when no request
+        has touched it. Each time a tier comes up its node republishes the named prefixes: a
+        restarted master has lost them."""
         probe = [b"\0" * 32]
-        last_check = 0.0
+        last_check: dict[str, float] = {}
+        ups_seen: dict[str, int] = {}
         wait = 0.0
-        ups_seen = 0
         while not self._remote_stop.wait(wait):
             wait = 0.25
-            try:
-                if not remote.up:
-                    if remote.available:
+            assert self.layouts is not None
+            for entry in self.layouts.entries():
+                node, lid = entry.store, entry.layout_id
+                remote = getattr(node, "remote", None)
+                if remote is None:
+                    continue
+                try:
+                    if not remote.up:
+                        if remote.available:
+                            remote.exists(probe)
+                    elif time.monotonic() - last_check.get(lid, 0.0) >= REMOTE_CHECK_S:
+                        last_check[lid] = time.monotonic()
                         remote.exists(probe)
-                elif time.monotonic() - last_check >= REMOTE_CHECK_S:
-                    last_check = time.monotonic()
-                    remote.exists(probe)
-                ups = remote.counters["connects"] + remote.counters["reconnects"]
-                if remote.up and ups != ups_seen:
-                    ups_seen = ups
-                    log.info("remote tier up: republished %d blocks of named prefixes", node.republish())
-            except Exception:  # noqa: BLE001 - the keeper must outlive any surprise
-                log.exception("remote tier keeper")
+                    ups = remote.counters["connects"] + remote.counters["reconnects"]
+                    if remote.up and ups != ups_seen.get(lid, 0):
+                        ups_seen[lid] = ups
+                        log.info("remote tier of %s up: republished %d blocks of named prefixes", lid, node.republish())
+                except Exception:  # noqa: BLE001 - the keeper must outlive any surprise
+                    log.exception("remote tier keeper (%s)", lid)
 
     def _stop_remote_keeper(self) -> None:
         self._remote_stop.set()
@@ -220,20 +252,19 @@ class Daemon:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        sock, staging = self._open()
-        assert self.handlers is not None and self.store is not None
+        sock = self._open()
+        assert self.handlers is not None and self.layouts is not None
         server = await asyncio.start_unix_server(self._on_connect, sock=sock)
         if self._install_signals:
             self._loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             self._loop.add_signal_handler(signal.SIGINT, self._stop.set)
             self._loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         sweeper = asyncio.create_task(self._sweep_leases())
-        remote = getattr(self.store, "remote", None)
-        if remote is not None:
-            self._remote_keeper = threading.Thread(target=self._keep_remote, args=(self.store, remote),
-                                                   name="tierkv-remote-keeper", daemon=True)
+        if self.config.remote_enabled:
+            self._remote_keeper = threading.Thread(target=self._keep_remote, name="tierkv-remote-keeper", daemon=True)
             self._remote_keeper.start()
-        log.info("tierkv daemon (pid %d) serving %s on %s", os.getpid(), self.config.home, self.config.socket)
+        log.info("tierkv daemon (pid %d) serving %s on %s (layouts: %s)", os.getpid(), self.config.home,
+                 self.config.socket, ", ".join(e.layout_id for e in self.layouts.entries()) or "none yet")
         self.ready.set()
         try:
             await self._stop.wait()
@@ -245,8 +276,7 @@ class Daemon:
             await server.wait_closed()
             self.handlers.executor.shutdown(wait=True)
             self._stop_remote_keeper()
-            self.store.close()  # flushes write-back blocks, releases the home
-            staging.close()
+            self.layouts.close()  # flushes write-back blocks, releases the home
             for p in (self.config.socket, self.config.resolved_pid_file):
                 Path(p).unlink(missing_ok=True)
             if self.metrics:
@@ -282,7 +312,7 @@ class Daemon:
         """Apply what can change live; tier capacities apply at the next start."""
         old = self.config
         restart_only = ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "device", "home", "socket",
-                        *REMOTE_FIELDS)
+                        "max_layouts", *REMOTE_FIELDS)
         for name in restart_only:
             if getattr(new, name) != getattr(old, name):
                 log.warning("SIGHUP: %s changed (%s -> %s); it applies when the daemon restarts",
@@ -293,8 +323,8 @@ class Daemon:
         if self.handlers is not None:
             self.handlers.config = self.config
             self.handlers.leases.timeout_s = new.lease_timeout_s
-            page = self.handlers.store.layout.page_bytes
-            self.handlers.staging.quota = min(max(1, new.client_staging_bytes // page), self.handlers.staging.slots.capacity)
+            assert self.layouts is not None
+            self.layouts.set_client_quota(min(new.client_staging_bytes, self.layouts.budget.staging_bytes))
         log.info("SIGHUP: reloaded (lease timeout %.0f s)", new.lease_timeout_s)
 
     async def _sweep_leases(self) -> None:
@@ -387,11 +417,15 @@ class Daemon:
                 self.metrics.latency.labels(op_name).observe(time.perf_counter() - t0)
 
     def check_integrity(self) -> None:
-        """Cross-check the daemon's lease and staging tables and the store."""
-        assert self.handlers is not None and self.store is not None
+        """Cross-check the daemon's lease table, every layout's staging table and store, and
+        that each connection's leases are leases of a store the daemon serves."""
+        assert self.handlers is not None and self.layouts is not None
         self.handlers.leases.check_integrity()
-        self.handlers.staging.check_integrity()
-        self.store.check_integrity()
+        self.layouts.check_integrity()
+        served = [e.store for e in self.layouts.entries()]
+        for conn in self.connections.values():
+            assert conn.entry is None or any(conn.entry.store is s for s in served), \
+                f"connection {conn.id} bound to a layout the daemon no longer serves"
 
 
 def main() -> None:
