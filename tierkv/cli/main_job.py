@@ -17,7 +17,7 @@ from ..hf import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_TOKENS, DTYPE_CHOICES, Loaded
 from ..hf import load_model as _load_model
 from ..hf import version_of
 from ..model_version import default_memo_path
-from .common import emit, home_option, json_option, open_store, progress_bar, socket_option, warn
+from .common import emit, home_option, json_option, open_store, open_target, progress_bar, socket_option, warn
 
 
 def model_options(required: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -133,7 +133,9 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(min=1), default=None, help="Sample among the k most likely tokens.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for sampling.")
-@click.option("--no-cache", is_flag=True, help="Recompute everything; the store is not even opened.")
+@click.option("--no-cache", is_flag=True,
+              help="Recompute everything: no KV is read from or written to the store (with --prefix it is opened "
+                   "only to read the prefix's manifest).")
 @click.option("--namespace", default=None,
               help="Tenant salt of the block keys [default: the prefix's namespace, else 'default'].")
 @home_option
@@ -149,8 +151,6 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
 
     if prefix_name and prefix_paths:
         raise click.UsageError("pass --prefix NAME or --prefix-from PATH, not both")
-    if prefix_name and no_cache:
-        raise click.UsageError("--no-cache does not open the store, so it cannot read prefix NAME; use --prefix-from PATH")
     lm = load_model(model_dir, dtype, block_size, device)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, seed=seed)
     opts = _doc_options(include, exclude, max_file_bytes, no_gitignore)
@@ -165,7 +165,13 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
         return lm.encode_document(prompt), namespace or "default"
 
     if no_cache:
-        tokens, _ = request(None)
+        if prefix_name:
+            # The prefix's manifest is read from the store; none of its KV is used (the way
+            # to compare cached and uncached output of the same request).
+            with open_target(home, socket_path) as store:
+                tokens, _ = request(store)
+        else:
+            tokens, _ = request(None)
         result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling)
     else:
         with open_store(home, lm.layout, socket_path) as store:

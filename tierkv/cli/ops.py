@@ -18,41 +18,12 @@ from ..identity import Scope
 from ..model_version import default_memo_path
 from ..results import Residency
 from .common import (
-    connect_daemon, emit, fmt_bytes, home_option, json_option, print_columns, print_table, progress_bar, socket_option,
-    warn,
+    OPS_STORE_OPTIONS, emit, fmt_bytes, home_option, json_option, print_columns, print_table, progress_bar, socket_option,
+    open_target, warn,
 )
 from .keys import keys_option
 
 F = TypeVar("F", bound=Callable[..., Any])
-# Operations need the disk tier only: keep the memory tiers in (sparse) host memory, so an
-# ops command neither initialises CUDA nor takes GPU memory from a serving process.
-OPS_STORE_OPTIONS: dict[str, Any] = {"device": "cpu", "host_bytes": 0}
-
-
-def open_target(home: Path, socket_path: Path | None, **options: Any) -> Any:
-    """A :class:`~tierkv.Store` on ``home`` (opened with its own layout), or, with
-    ``socket_path``, a client of the daemon serving it (same API). ``options`` are StoreConfig
-    fields for a home opened here. Raises NotFoundError for a home without a store,
-    DaemonOwnsHomeError when a daemon holds the home, DaemonUnavailableError when the
-    daemon cannot be reached."""
-    import tierkv
-
-    if socket_path is not None:
-        return connect_daemon(socket_path)
-    return tierkv.open(home, None, **{**OPS_STORE_OPTIONS, **options})
-
-
-def need(store: Any, *methods: str) -> None:
-    """Raise ProtocolError when ``store`` (a daemon client of another version) lacks a
-    method this command calls, instead of failing halfway with an AttributeError."""
-    from ..errors import ProtocolError
-
-    missing = [m for m in methods if not callable(getattr(store, m, None))]
-    if missing:
-        raise ProtocolError(
-            f"the daemon client does not offer {', '.join(missing)}, which this command needs",
-            hint="run the command without --socket (stop the daemon first), or upgrade tierkv",
-        )
 
 
 @contextlib.contextmanager
@@ -178,7 +149,6 @@ def ls(home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Named prefixes (token count, model version, pinned, blocks per tier), then the model
     versions and namespaces in the store with their block counts."""
     with target(home, socket_path) as store:
-        need(store, "list_manifests", "chain_residency", "stats")
         prefixes = prefix_rows(store)
         s = store.stats()
     out = {"prefixes": prefixes, "model_versions": s["model_versions"], "namespaces": s["namespaces"],
@@ -204,7 +174,6 @@ def ls(home: Path, socket_path: Path | None, as_json: bool) -> None:
 # ---- pin / unpin -----------------------------------------------------------------------
 def _set_pinned(name: str, pinned: bool, home: Path, socket_path: Path | None, as_json: bool) -> None:
     with target(home, socket_path) as store:
-        need(store, "get_manifest", "set_priority_from", "save_manifest")
         manifest = store.get_manifest(name)
         last = manifest.get("last_block_key")
         changed = 0
@@ -315,7 +284,6 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
 
     versions = [v for v in (_check_model_version(v) for v in keep_versions) if v]
     with target(home, socket_path) as store:
-        need(store, "list_manifests", "chain_tokens", "chain_residency", "delete_manifest", "invalidate", "stats")
         versions += [_model_version_of(d, home, store) for d in keep_models]
         r = collect(store, versions, keep_namespaces, dry_run=dry_run)
     out = {
@@ -359,7 +327,6 @@ def export_cmd(name: str, output: Path, keys_dir: Path, home: Path, socket_path:
         warn(f"created a signing key in {keys_dir}; importers trust your bundles after "
              f"`tierkv keys trust NAME {public.hex()}`")
     with target(home, socket_path) as store:
-        need(store, "get_manifest", "chain_tokens", "acquire")
         r = export_prefix(store, name, output, signer=keyring.sign)
     emit(as_json, {"name": r.name, "path": str(r.path), "tokens": r.tokens, "blocks": r.blocks,
                    "model_version": r.model_version, "namespace": r.namespace, "file_bytes": r.file_bytes},
@@ -412,7 +379,6 @@ def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bo
     else:
         store_cm = target(home, socket_path)
     with store_cm as store:
-        need(store, "get_manifest", "put", "chain_residency", "save_manifest")
         r = import_bundle(store, bundle, name=name, force=force, model_version=expected, trust=trust, verified=verified)
     for w in r.warnings:
         warn(w)

@@ -1,0 +1,138 @@
+"""The three implementations of :class:`tierkv.api.StoreAPI` the conformance suite runs
+against: the embedded store, a client of a daemon serving from a thread of this process,
+and a :class:`~tierkv.cluster.ClusterNode` over the in-process fake cluster."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import tierkv
+from tierkv import PageLayout, Scope
+from tierkv.identity import block_keys
+
+KINDS = ("embedded", "daemon", "cluster")
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+BS = LAYOUT.block_size
+MV_A = hashlib.sha256(b"conformance model a").hexdigest()
+MV_B = hashlib.sha256(b"conformance model b").hexdigest()
+SCOPE = Scope(MV_A, "tenant-a")
+# The same tier sizes for every implementation, so that the same scenario evicts the same way.
+SIZES: dict[str, int] = dict(device_bytes=32 * LAYOUT.page_bytes, host_bytes=32 * LAYOUT.slot_bytes,
+                             disk_bytes=4096 * LAYOUT.slot_bytes)  # 16 segments of the default 256 pages
+
+
+def tokens(seed: int, n_blocks: int, extra: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 50_000, n_blocks * BS + extra).astype(np.int32)
+
+
+def pages_for(toks: np.ndarray, scope: Scope = SCOPE, layout: PageLayout = LAYOUT) -> torch.Tensor:
+    """A pure function of each block's key: any implementation must hand back these bytes."""
+    out = []
+    for k in block_keys(toks, scope, layout.block_size):
+        g = torch.Generator().manual_seed(int.from_bytes(k[:8], "little") & (2**63 - 1))
+        out.append(torch.randn(layout.shape, generator=g).to(layout.torch_dtype))
+    if not out:
+        return torch.empty((0, *layout.shape), dtype=layout.torch_dtype)
+    return torch.stack(out)
+
+
+def short_dir(prefix: str) -> Path:
+    """A private directory under /tmp: AF_UNIX socket paths are limited to 107 bytes."""
+    return Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
+
+
+class DaemonRunner:
+    """``tierkv serve`` in a thread of the test process, on its own home."""
+
+    def __init__(self, workdir: Path, layout: PageLayout | None, **sizes: int) -> None:
+        from tierkv.daemon.config import DaemonConfig
+        from tierkv.daemon.server import Daemon
+
+        opts: dict[str, Any] = dict(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
+                                    staging_bytes=256 * layout_slot(layout), client_staging_bytes=64 * layout_slot(layout),
+                                    shm_dir=workdir / "shm", workers=2, **{**SIZES, **sizes})
+        if "max_layouts" in DaemonConfig.__dataclass_fields__:
+            opts["max_layouts"] = 1  # the whole budget to the one layout, as the embedded store has it
+        self.config = DaemonConfig(**opts)
+        self.daemon = Daemon(self.config, install_signals=False)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.daemon.ready.wait(30), "daemon did not start"
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        try:
+            self.daemon.run()
+        except BaseException as e:  # noqa: BLE001 - surfaced by __init__
+            self.error = e
+            self.daemon.ready.set()
+
+    @property
+    def socket(self) -> Path:
+        return self.config.socket
+
+    def stop(self) -> None:
+        self.daemon.request_stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "daemon did not stop"
+
+
+def layout_slot(layout: PageLayout | None) -> int:
+    return (layout or LAYOUT).slot_bytes
+
+
+@dataclass
+class Impl:
+    """One implementation under test: ``api`` plus how to tear it down."""
+
+    kind: str
+    api: Any
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        try:
+            self.api.close()
+        finally:
+            for fn in reversed(self.cleanup):
+                fn()
+
+
+def open_impl(kind: str, workdir: Path, layout: PageLayout = LAYOUT, **sizes: int) -> Impl:
+    if kind == "embedded":
+        return Impl(kind, tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm",
+                                      **{**SIZES, **sizes}))
+    if kind == "daemon":
+        runner = DaemonRunner(workdir, layout, **sizes)
+        try:
+            client = tierkv.connect(runner.socket)
+        except BaseException:
+            runner.stop()
+            raise
+        return Impl(kind, client, [runner.stop])
+    if kind == "cluster":
+        from cluster.kit import FakeCluster, remote_config
+
+        from tierkv.cluster import ClusterNode
+        from tierkv.cluster.remote import RemoteTier
+
+        store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
+        fake = FakeCluster()
+        return Impl(kind, ClusterNode(store, RemoteTier(remote_config(), layout, backend_factory=fake.factory,
+                                                        clock=time.monotonic)))
+    raise ValueError(kind)
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
