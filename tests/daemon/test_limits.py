@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tierkv
+from tierkv import PageLayout
 from tierkv.daemon import messages as m
 from tierkv.daemon.protocol import Op, encode_frame, read_frame_sync
 from tierkv.errors import CapacityError, DaemonUnavailableError
@@ -95,3 +96,55 @@ def test_put_waits_for_staging_held_by_others(daemon):
             assert torch.equal(lease.pages(), pages)
         for o in others[1:]:
             o.close()
+
+
+# ---- reply sizes (issue 11, item 9) ----------------------------------------------------------
+SMALL_LAYOUT = PageLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype="float32")
+
+
+def test_lookup_and_acquire_of_8192_blocks(workdir):
+    """A LOOKUP of 8,000+ blocks failed: its per-block tier list overflowed the 64 KiB
+    header. Per-block values now travel in the payload."""
+    n = 8192
+    page = SMALL_LAYOUT.page_bytes
+    d = DaemonThread(make_config(workdir, layout=SMALL_LAYOUT, device_bytes=(n + 64) * page, host_bytes=0,
+                                 disk_bytes=(n + 64) * SMALL_LAYOUT.slot_bytes, staging_bytes=1024 * page,
+                                 client_staging_bytes=1024 * page)).start()
+    try:
+        toks = prompt(n * 16, seed=80)
+        pages = torch.randn((n, *SMALL_LAYOUT.shape))
+        with tierkv.connect(d.config.socket) as c:
+            assert c.put(toks, pages, SCOPE).stored == n
+            r = c.lookup(toks, SCOPE)
+            assert r.tokens_matched == n * 16 and len(r.keys) == n and len(r.tiers) == n
+            assert set(r.tiers) <= {"device", "host", "disk"}
+            with c.acquire(toks, SCOPE) as lease:
+                assert lease.num_blocks == n and len(set(lease.slots)) == n
+                assert torch.equal(lease.page(n - 1), pages[n - 1])
+        d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()
+
+
+def test_stats_larger_than_a_frame_header(workdir):
+    """stats failed for everyone once there were 3,000 namespaces: the reply header passed
+    64 KiB. The same overflow with fewer, longer names (400 x 200 characters, ~90 KB of
+    namespaces) keeps the test quick; the stats JSON now travels in the payload."""
+    from tierkv import Scope
+
+    n = 400
+    home = workdir / "home"
+    with tierkv.open(home, SMALL_LAYOUT, device="cpu", device_bytes=64 * SMALL_LAYOUT.page_bytes, host_bytes=0,
+                     disk_bytes=2 * n * SMALL_LAYOUT.slot_bytes, write_through=False, shm_dir=workdir / "shm") as s:
+        toks = prompt(16, seed=81)
+        page = torch.randn((1, *SMALL_LAYOUT.shape))
+        for i in range(n):
+            s.put(toks, page, Scope(SCOPE.model_version, f"{i:06d}-" + "n" * 193))
+    d = DaemonThread(make_config(workdir, layout=SMALL_LAYOUT, disk_bytes=2 * n * SMALL_LAYOUT.slot_bytes)).start()
+    try:
+        with tierkv.connect(d.config.socket) as c:
+            st = c.stats()
+            assert len(st["namespaces"]) == n and st["blocks"] == n
+            assert sum(len(k) for k in st["namespaces"]) > 64 * 1024
+    finally:
+        d.stop()

@@ -96,7 +96,9 @@ def encode_frame(opcode: int, request_id: int, header: dict, payload: bytes = b"
     """One frame as bytes; raises ProtocolError when a part exceeds its limit."""
     raw = json.dumps(header, separators=(",", ":")).encode()
     if len(raw) > MAX_HEADER:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER}-byte limit")
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER}-byte limit",
+                            hint="per-block data belongs in the payload; this message is too large for its header "
+                                 "(shorter names or manifests, or fewer blocks per request)")
     if len(payload) > MAX_PAYLOAD:
         raise ProtocolError(f"payload of {len(payload)} bytes exceeds the {MAX_PAYLOAD}-byte limit",
                             hint=f"send at most {MAX_TOKENS} token ids per request")
