@@ -31,7 +31,7 @@ import torch
 
 from .. import errors
 from ..blocks import Priority
-from ..errors import CapacityError, DaemonUnavailableError, ForkedStoreError, LeaseError, ProtocolError, TierKVError
+from ..errors import CapacityError, ConfigError, DaemonUnavailableError, ForkedStoreError, LeaseError, ProtocolError, TierKVError
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult
@@ -59,8 +59,12 @@ class Client:
     """Connected to a daemon; same methods as :class:`tierkv.Store` (data stays in shm)."""
 
     def __init__(self, socket_path: Path, timeout: float = 60.0, connect_timeout: float = 5.0,
-                 daemon_uid: int | None = None) -> None:
-        """``daemon_uid``: the uid the daemon runs as when it is neither root nor this user
+                 daemon_uid: int | None = None, layout: PageLayout | None = None) -> None:
+        """``layout``: the page layout this client stores and reads; the daemon opens a
+        store for it on first use (one daemon serves several layouts). Without it the client
+        gets the daemon's layout when it serves exactly one, else no data path (lookup,
+        acquire, put, ... raise ConfigError): what operations tools need.
+        ``daemon_uid``: the uid the daemon runs as when it is neither root nor this user
         (the listener's uid is checked before anything is sent or mapped)."""
         self.socket_path = Path(socket_path)
         self.timeout = timeout
@@ -89,7 +93,7 @@ class Client:
         self._reader.start()
         self._regions: list[SharedRegion] = []
         try:
-            hello = self._call_frame(Op.HELLO, m.Hello(VERSION, os.getpid()))
+            hello = self._call_frame(Op.HELLO, m.Hello(VERSION, os.getpid(), layout))
             fds = list(hello.fds)
             try:
                 self._setup(hello.header, fds)  # takes (and sets to -1) the descriptors it maps
@@ -100,9 +104,15 @@ class Client:
             raise
 
     def _setup(self, hello: dict[str, Any], fds: list[int]) -> None:
-        self.layout = PageLayout.from_dict(hello["layout"])
         self.daemon_pid = int(hello["daemon_pid"])
         self.lease_timeout_s = float(hello["lease_timeout_s"])
+        self.layouts = tuple(str(x) for x in hello.get("layouts", ()))  # the daemon's, at connect
+        self.layout: PageLayout | None = None
+        self.device_pool = self.host_pool = self.staging_pool = None  # type: ignore[assignment]
+        self.stage_quota = 0
+        if hello.get("layout") is None:
+            return  # no layout declared, and the daemon serves none or several: operations only
+        self.layout = PageLayout.from_dict(hello["layout"])
         self.stage_quota = int(hello["stage_quota"])
         regions = {}
         for name in ("device", "host", "staging"):
@@ -199,6 +209,14 @@ class Client:
     def _call(self, op: Op, msg: Any) -> dict[str, Any]:
         return self._call_frame(op, msg).header
 
+    def _need_layout(self) -> PageLayout:
+        if self.layout is None:
+            raise ConfigError(
+                f"this client declared no page layout and the daemon on {self.socket_path} serves "
+                f"{len(self.layouts) or 'no'} layouts ({', '.join(self.layouts) or 'none yet'})",
+                hint="connect with tierkv.connect(socket, layout=...) to store or read pages")
+        return self.layout
+
     @staticmethod
     def _req(tokens: Any, scope: Scope, block_extra: Any = None, max_blocks: int | None = None,
              start_block: int = 0) -> m.PrefixRequest:
@@ -218,6 +236,7 @@ class Client:
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
                 start_block: int = 0) -> RemoteLease:
+        self._need_layout()
         f = self._call_frame(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks, start_block))
         r = m.KeysReply.decode(f.header, f.payload)
         slots = r.values
@@ -250,7 +269,7 @@ class Client:
         """Same as :meth:`Store.put`. Pages go through staging slots in shared memory, in
         chunks of at most the daemon's per-connection quota (smaller, and after a wait,
         while other clients hold the staging region)."""
-        self.layout.check_pages(pages)
+        self._need_layout().check_pages(pages)
         arr = as_token_array(tokens)
         ws = m.WireScope(scope.model_version, scope.namespace, scope.extra_keys)
         n = int(pages.shape[0])

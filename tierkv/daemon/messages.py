@@ -11,11 +11,13 @@ import numpy as np
 
 from ..errors import ProtocolError
 from ..identity import KEY_BYTES
+from ..layout import PageLayout
 from .protocol import MAX_TOKENS
 
 MAX_NAME = 200
 MAX_STR = 4096
 MAX_LIST = 1 << 16
+MAX_PAGE_BYTES = 1 << 30  # one page (one block of every layer's K and V)
 Header = dict[str, Any]
 
 
@@ -114,15 +116,39 @@ class WireScope:
 # ---- requests -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hello:
+    """The first request. ``layout`` declares the page layout this client stores and reads
+    (the daemon opens a store for it on first use); None: no data path (operations tools),
+    or the daemon's only layout when it serves exactly one."""
+
     client_version: int
     pid: int
+    layout: PageLayout | None = None
 
     def encode(self) -> tuple[Header, bytes]:
-        return {"client_version": self.client_version, "pid": self.pid}, b""
+        h: Header = {"client_version": self.client_version, "pid": self.pid}
+        if self.layout is not None:
+            h["layout"] = self.layout.to_dict()
+        return h, b""
 
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "Hello":
-        return cls(_int(h, "client_version"), _int(h, "pid"))
+        raw = _get(h, "layout", (dict, type(None)), None)
+        return cls(_int(h, "client_version"), _int(h, "pid"), None if raw is None else layout_from_wire(raw))
+
+
+def layout_from_wire(raw: Header) -> PageLayout:
+    """A declared layout, every field checked (PageLayout validates values; the bounds here
+    keep a hostile client from asking for absurd pages)."""
+    try:
+        layout = PageLayout(num_layers=_int(raw, "num_layers", 1, 4096), num_kv_heads=_int(raw, "num_kv_heads", 1, 4096),
+                            head_dim=_int(raw, "head_dim", 1, 65536), block_size=_int(raw, "block_size", 1, 65536),
+                            dtype=_get(raw, "dtype", str))
+    except ValueError as e:
+        raise ProtocolError(f"bad layout: {e}") from None
+    if layout.page_bytes > MAX_PAGE_BYTES:
+        raise ProtocolError(f"a page of layout {layout.to_json()} is {layout.page_bytes} bytes, "
+                            f"more than the {MAX_PAGE_BYTES} the daemon accepts")
+    return layout
 
 
 @dataclass(frozen=True)
