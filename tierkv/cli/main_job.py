@@ -136,6 +136,8 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
 @click.option("--no-cache", is_flag=True,
               help="Recompute everything: no KV is read from or written to the store (with --prefix it is opened "
                    "only to read the prefix's manifest).")
+@click.option("--no-store-output", is_flag=True,
+              help="Do not store the blocks the generated tokens complete (a next turn repeating them misses).")
 @click.option("--namespace", default=None,
               help="Tenant salt of the block keys [default: the prefix's namespace, else 'default'].")
 @home_option
@@ -144,8 +146,8 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
 def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | None, prefix_name: str | None,
                  prefix_paths: tuple[Path, ...], include: tuple[str, ...], exclude: tuple[str, ...],
                  max_file_bytes: int, no_gitignore: bool, max_tokens: int | None, prompt: str,
-                 max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool, namespace: str | None,
-                 home: Path, socket_path: Path | None, as_json: bool) -> None:
+                 max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool,
+                 no_store_output: bool, namespace: str | None, home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Generate text after a prefix, restoring what the store holds of it."""
     from ..materialize import document_tokens, load_prefix
 
@@ -177,11 +179,12 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
         with open_store(home, lm.layout, socket_path) as store:
             tokens, ns = request(store)
             result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
-                              sampling=sampling)
+                              sampling=sampling, store_output=not no_store_output)
     text = lm.decode(list(result.tokens))
     out = {
         "text": text, "tokens": list(result.tokens), "prompt_tokens": result.prompt_tokens,
         "cached_tokens": result.cached_tokens, "new_tokens": len(result.tokens), "stored_blocks": result.stored_blocks,
+        "stored_output_blocks": result.stored_output_blocks,
         "ttft_s": round(result.ttft_s, 6), "total_s": round(result.total_s, 6), "model_version": lm.model_version,
     }
     if not as_json:
