@@ -1,7 +1,7 @@
 """Check an LMDB index file before this process maps it, so that a damaged index is a clear
 error (IndexDamagedError) and never a signal.
 
-LMDB trusts its file: a ``data.mdb`` shorter than its last used page makes the mapping fault
+LMDB trusts its file: a ``data.mdb`` cut short of a page in use makes the mapping fault
 (SIGBUS), and a page it cannot parse trips an assertion (SIGABRT). Both kill the process that
 mapped the file, so nothing in this process may touch a file that has not passed:
 
@@ -14,9 +14,12 @@ mapped the file, so nothing in this process may touch a file that has not passed
        +136 u64 last used page number   +144 u64 transaction id
 
    Both must be valid (LMDB refuses the file otherwise); LMDB uses the one with the larger
-   transaction id, and the file must hold every page up to its last page. Anything else (bad magic or version, a page size that is not a
-   power of two in 4 KiB..64 KiB, a file shorter than two pages or than the last page) is
-   damage.
+   transaction id. Its free-page tree (which the walk below cannot read, and LMDB reads at
+   the first write) is walked here with plain reads: every page in the file and naming
+   itself. Anything else (bad magic or version, a page size that is not a power of two in
+   4 KiB..64 KiB, a file shorter than two pages, a tree page past the end) is damage. The
+   file may end before the meta's last page number: LMDB counts pages a transaction took
+   and gave back before committing ("loose" pages), which it never wrote.
 2. **A walk in a child process** (``python -I -c``, only lmdb imported): every named
    database, every key and value, read-only and without the lock table. A page LMDB cannot
    parse kills or fails the child, which here becomes IndexDamagedError. The walk costs about
@@ -29,6 +32,7 @@ damage too (``tierkv verify --repair`` rebuilds it from the segments).
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -52,6 +56,8 @@ class MetaPage:
     map_size: int
     last_page: int
     txnid: int
+    free_root: int  # root page of LMDB's free-page tree (P_INVALID when empty)
+    main_root: int  # root page of the main tree (it names the named databases)
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,8 @@ def _parse_meta(raw: bytes) -> MetaPage | None:
         return None
     if page_size < 4096 or page_size > 65536 or page_size & (page_size - 1):
         return None
-    return MetaPage(page_size, map_size, last_page, txnid)
+    free_root, main_root = _U64.unpack_from(raw, 40 + 40)[0], _U64.unpack_from(raw, 88 + 40)[0]
+    return MetaPage(page_size, map_size, last_page, txnid, free_root, main_root)
 
 
 def read_metas(data: Path) -> tuple[MetaPage | None, MetaPage | None]:
@@ -112,10 +119,68 @@ def check_meta(index_dir: Path) -> IndexFileReport:
     meta = max((m0, m1), key=lambda m: m.txnid)
     if m0.page_size != m1.page_size:
         raise IndexDamagedError(f"{data}: the two meta pages disagree on the page size")
-    need = (meta.last_page + 1) * meta.page_size
-    if size < need or size < 2 * meta.page_size:
-        raise IndexDamagedError(f"{data}: {size} bytes, shorter than its last used page needs ({need}): truncated")
+    if size < 2 * meta.page_size:
+        raise IndexDamagedError(f"{data}: {size} bytes, shorter than its two meta pages: truncated")
+    # Not "the file holds every page up to last_page": a transaction that took a page and
+    # gave it back before committing (an LMDB "loose" page) advances last_page without
+    # writing it, so after a kill the file can legitimately end before last_page (seen in
+    # the crash torture). What must be in the file is every page a tree points at.
+    pages = size // meta.page_size
+    with open(data, "rb") as f:
+        if meta.main_root != P_INVALID:
+            _page(f, meta.main_root, pages, meta.page_size, "main tree root")
+        if meta.free_root != P_INVALID:
+            # The child walk below never reads the free-page tree; LMDB reads it at the
+            # first write, so it is walked here, with plain reads (a page past the end is a
+            # short read here, not a SIGBUS).
+            _walk_tree(f, meta.free_root, pages, meta.page_size)
     return IndexFileReport(new=False, meta=meta)
+
+
+P_INVALID = (1 << 64) - 1
+P_BRANCH, P_LEAF, P_OVERFLOW = 0x01, 0x02, 0x04
+F_BIGDATA = 0x01
+_NODE = struct.Struct("<HHHH")  # lo, hi, flags, key size (then the key, then the data)
+
+
+def _page(f, pgno: int, pages: int, psize: int, what: str) -> bytes:  # type: ignore[no-untyped-def]
+    """Page ``pgno``, checked to be in the file and to name itself."""
+    if pgno >= pages:
+        raise IndexDamagedError(f"{f.name}: the {what} is page {pgno}, past the end of the file ({pages} pages): truncated")
+    raw = os.pread(f.fileno(), psize, pgno * psize)
+    if len(raw) != psize or _U64.unpack_from(raw, 0)[0] != pgno:
+        raise IndexDamagedError(f"{f.name}: page {pgno} ({what}) does not hold that page: overwritten or zeroed")
+    return raw
+
+
+def _walk_tree(f, root: int, pages: int, psize: int) -> int:  # type: ignore[no-untyped-def]
+    """Check every page of the tree at ``root`` (branch, leaf and overflow pages) with plain
+    reads; returns the pages seen. Raises IndexDamagedError."""
+    todo, seen = [root], 0
+    while todo:
+        pgno = todo.pop()
+        raw = _page(f, pgno, pages, psize, "free-page tree")
+        seen += 1
+        if seen > pages:
+            raise IndexDamagedError(f"{f.name}: the free-page tree loops")
+        _, _, flags, lower, upper = _PAGE_HEAD.unpack_from(raw, 0)
+        if not flags & (P_BRANCH | P_LEAF) or not 16 <= lower <= upper <= psize:
+            raise IndexDamagedError(f"{f.name}: page {pgno} of the free-page tree is not a tree page")
+        for k in range((lower - 16) // 2):
+            off = struct.unpack_from("<H", raw, 16 + 2 * k)[0]
+            if off < upper or off + _NODE.size > psize:
+                raise IndexDamagedError(f"{f.name}: page {pgno} has a node outside the page")
+            lo, hi, nflags, ksize = _NODE.unpack_from(raw, off)
+            if flags & P_BRANCH:
+                todo.append(lo | hi << 16 | nflags << 32)
+            elif nflags & F_BIGDATA:
+                at = off + _NODE.size + ksize
+                first = _U64.unpack_from(raw, at)[0]
+                over = _page(f, first, pages, psize, "free-list overflow page")
+                n_over = struct.unpack_from("<I", over, 12)[0]
+                if not _PAGE_HEAD.unpack_from(over, 0)[2] & P_OVERFLOW or first + n_over > pages:
+                    raise IndexDamagedError(f"{f.name}: a free-list overflow run is damaged or past the end")
+    return seen
 
 
 # Runs in a fresh interpreter (-I: no user site, no cwd on sys.path, so neither this package

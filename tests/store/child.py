@@ -365,7 +365,11 @@ def run_trial(workdir: Path, seed: int, *, ops: int = 400, small_disk: bool = Fa
             _, raw = os.waitpid(pid, 0)
             status = os.waitstatus_to_exitcode(raw)
         stream.close()  # type: ignore[attr-defined]
-    report = verify_run(home, shm, seed, lines, small_disk, write_back)
+    try:
+        report = verify_run(home, shm, seed, lines, small_disk, write_back)
+    except Exception as e:  # a home the trial left unopenable is a failure, reported as one
+        report = {"acked": 0, "gone": 0, "blocks": None, "corrupted": 0, "quarantined": None,
+                  "problems": [f"reopen failed: {type(e).__name__}: {e}"]}
     died = status == -signal.SIGKILL
     # A point trial counts as killed only if the point killed it (the parent sent nothing);
     # a random trial only if the parent's kill (not a timeout) found it still running.
