@@ -1,7 +1,10 @@
-"""transformers integration: layout and model version of a local model, cached prefill,
-generation. See :mod:`tierkv.hf.prefill` for how a stored prefix becomes a DynamicCache."""
+"""transformers integration: layout and model version of a local model, which caches can be
+stored, cached prefill, generation, multi-turn chat. See :mod:`tierkv.hf.prefill` for how a
+stored prefix becomes a DynamicCache."""
 from __future__ import annotations
 
+from .cache_support import attention_kinds, check_config, probe_cache
+from .chat import ChatTurn, Conversation
 from .generate import GREEDY, GenerationResult, SamplingConfig, generate
 from .model import (
     DEFAULT_BLOCK_SIZE,
@@ -31,6 +34,8 @@ from .prefill import (
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CHUNK_TOKENS",
+    "ChatTurn",
+    "Conversation",
     "DTYPE_CHOICES",
     "GREEDY",
     "GenerationResult",
@@ -38,9 +43,11 @@ __all__ = [
     "PrefillResult",
     "Restored",
     "SamplingConfig",
+    "attention_kinds",
     "cache_from_kv",
     "cache_layer_kv",
     "cached_prefill",
+    "check_config",
     "check_model_dir",
     "context_length",
     "empty_cache",
@@ -50,6 +57,7 @@ __all__ = [
     "lease_kv",
     "load_config",
     "load_model",
+    "probe_cache",
     "resolve_dtype",
     "restore_cache",
     "version_of",
