@@ -30,7 +30,8 @@ def _config(point: str, k: int) -> tuple[int, bool, bool]:
     is reached; write-back where the hook needs it, and on every third point besides."""
     hook = point.split(":")[0]
     small, wb = NEEDS.get(hook, (k % 4 == 3, k % 3 == 1))
-    return 1 + k % 3, small, wb
+    rare = "quarantine" in hook  # only after a deliberate corruption: a few calls per run
+    return 1 if rare else 1 + k % 3, small, wb
 
 
 @pytest.mark.slow
