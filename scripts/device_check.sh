@@ -36,7 +36,7 @@ fi
 # /tmp/tkv, and run from there (from the repository root, its tierkv/ would shadow it).
 REPO="$PWD"
 rm -rf /tmp/tkv && mkdir -p /tmp/tkv
-cp -r tierkv /tmp/tkv/tierkv && cp -r kernels /tmp/tkv/tierkv/kernels && cp -r tests /tmp/tkv/tests
+cp -r tierkv /tmp/tkv/tierkv && cp kernels/*.py /tmp/tkv/tierkv/kernels/ && cp -r tests /tmp/tkv/tests
 cp pyproject.toml /tmp/tkv/
 export PYTHONPATH="/tmp/tkv${PYTHONPATH:+:$PYTHONPATH}"
 cd /tmp/tkv

@@ -10,7 +10,19 @@ Public API (see docs/kernels.md):
 """
 from __future__ import annotations
 
-from .base import AttentionOutput, KernelInputError, TileConfig, default_tiles
+import os
+
+# The kernel sources live in the repository's top-level kernels/ directory, which has no
+# __init__.py: a package there would shadow the Hugging Face `kernels` package (that
+# transformers and vLLM import) whenever Python runs from the repository root. In a source
+# tree or an editable install this package reaches them through its ``__path__``; a built
+# wheel has them copied in here (setup.py's build_py).
+_SOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels")
+if os.path.isfile(os.path.join(_SOURCES, "paged_decode.py")) and _SOURCES not in __path__:
+    __path__.append(_SOURCES)
+
+# The imports below resolve through the __path__ above.
+from .base import AttentionOutput, KernelInputError, TileConfig, default_tiles  # noqa: E402
 from .cascade import CascadePlan, LevelPlan, SharedLevel, cascade_attention, plan_cascade
 from .merge import merge_states
 from .paged_decode import paged_decode_attention
