@@ -6,7 +6,6 @@ import datetime
 import hashlib
 import json
 import shutil
-import struct
 import tempfile
 import threading
 from pathlib import Path
@@ -233,10 +232,10 @@ def test_pin_unknown_name(home):
 def flip_page_byte(home: Path, model_version: str, index: int = 0, offset: int = 17) -> None:
     """Flip one byte inside page slot ``index`` of the segment of ``model_version``."""
     for p in sorted((home / "segments").glob("seg-*.safetensors")):
-        if read_header(p).model_version == model_version:
+        header = read_header(p)
+        if header.model_version == model_version:
             with open(p, "r+b") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                pos = 8 + header_len + index * LAYOUT.slot_bytes + offset
+                pos = header.data_offset + index * LAYOUT.slot_bytes + offset  # after the slot records
                 f.seek(pos)
                 b = f.read(1)
                 f.seek(pos)
