@@ -93,6 +93,7 @@ class Client:
         self._reader.start()
         self._regions: list[SharedRegion] = []
         try:
+            self._last_send = time.monotonic()
             hello = self._call_frame(Op.HELLO, m.Hello(VERSION, os.getpid(), layout))
             fds = list(hello.fds)
             try:
@@ -103,7 +104,25 @@ class Client:
             self.close()
             raise
 
+    def _keepalive(self, idle_s: float) -> None:
+        """PING when nothing was sent for a third of the daemon's idle timeout: the daemon
+        closes a connection that holds nothing and sends nothing (quotas.py), and an idle
+        client must stay usable."""
+        period = max(0.05, idle_s / 3)
+        while not self._closed and self._failure is None:
+            time.sleep(period)
+            if self._closed or time.monotonic() - self._last_send < period:
+                continue
+            try:
+                self._call_async(Op.PING, m.Empty())
+            except TierKVError:
+                return
+
     def _setup(self, hello: dict[str, Any], fds: list[int]) -> None:
+        idle = hello.get("idle_timeout_s")
+        if isinstance(idle, (int, float)) and idle > 0:
+            threading.Thread(target=self._keepalive, args=(float(idle),), name="tierkv-client-keepalive",
+                             daemon=True).start()
         self.daemon_pid = int(hello["daemon_pid"])
         self.lease_timeout_s = float(hello["lease_timeout_s"])
         self.layouts = tuple(str(x) for x in hello.get("layouts", ()))  # the daemon's, at connect
@@ -192,9 +211,16 @@ class Client:
         try:
             with self._send_lock:
                 self._sock.sendall(frame)
+                self._last_send = time.monotonic()
         except OSError as e:
             with self._pending_lock:
                 self._pending.pop(rid, None)
+            # The daemon may have refused or closed this connection with a reason (a quota,
+            # the connection limit): the reader is about to deliver it; prefer it.
+            if threading.current_thread() is not self._reader:
+                self._reader.join(0.5)
+            if self._failure is not None:
+                raise self._failure from None
             raise DaemonUnavailableError(f"cannot reach the daemon on {self.socket_path}: {e}") from None
         return fut
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from ..config import MiB, GiB, default_home
 from ..errors import ConfigError
 from ..layout import PageLayout
+from .quotas import Quotas
 
 SOCKET_ENV = "TIERKV_SOCKET"
 HOME_ENV = "TIERKV_HOME"
@@ -60,6 +61,7 @@ class DaemonConfig:
     max_layouts: int | None = None
     namespace_per_uid: bool = False  # prefix every namespace with "uid<N>/" (trusted side)
     allowed_uids: tuple[int, ...] = ()  # peers besides the daemon's own uid
+    quotas: Quotas = field(default_factory=Quotas)  # per-uid limits and timeouts ([quotas] in the file)
     shm_dir: Path | None = None
     # ---- the remote tier (docs/cluster.md); off unless remote_master is given ----
     remote_master: str | None = None  # HOST:PORT of the Mooncake master's RPC service
@@ -228,6 +230,12 @@ def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping
             values[k] = Path(values[k]).expanduser()
     if values.get("layout") is not None and not isinstance(values["layout"], PageLayout):
         values["layout"] = parse_layout(values["layout"])
+    if isinstance(values.get("quotas"), Mapping):
+        try:
+            values["quotas"] = Quotas(**{k: parse_size(v) if k.endswith("_bytes") else v
+                                         for k, v in values["quotas"].items()})
+        except TypeError as e:
+            raise ConfigError(f"bad [quotas] table: {e}", hint="see docs/operations.md, 'Quotas and timeouts'") from None
     if "allowed_uids" in values:
         values["allowed_uids"] = tuple(int(u) for u in values["allowed_uids"])
     if "local_only_namespaces" in values:

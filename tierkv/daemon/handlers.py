@@ -27,6 +27,7 @@ from ..results import InvalidateResult, VerifyResult
 from . import messages as m
 from .layouts import LayoutEntry, Layouts, layout_id, merge_stats
 from .leases import LeaseTable
+from .quotas import QuotaRules, blocks_wanted
 from .tenancy import Tenancy
 from .protocol import VERSION, Op
 
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from .server import Connection
 
 log = logging.getLogger(__name__)
-MAX_LEASES_PER_CONNECTION = 4096
 Reply = tuple[dict[str, Any], bytes]
 
 
@@ -66,6 +66,8 @@ class Handlers:
         self.tenancy = Tenancy(config.namespace_per_uid)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="tierkv-daemon")
         self.leases = LeaseTable(config.lease_timeout_s)
+        self.quota = QuotaRules(config.quotas)
+        self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
         # opcode -> (message class with decode(header, payload), handler)
         self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
             Op.HELLO: (m.Hello, self.hello), Op.LOOKUP: (m.PrefixRequest, self.lookup),
@@ -123,6 +125,7 @@ class Handlers:
         conn.entry = entry
         header: dict[str, Any] = {
             "protocol": VERSION, "daemon_pid": os.getpid(), "lease_timeout_s": self.leases.timeout_s,
+            "idle_timeout_s": self.config.quotas.idle_timeout_s,
             "namespace_per_uid": self.config.namespace_per_uid, "layouts": [e.layout_id for e in self.layouts.entries()],
             "layout": None,
         }
@@ -148,11 +151,19 @@ class Handlers:
                            tuple(names.index(t) for t in r.tiers)).encode()
 
     async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
-        if self.leases.count(conn.id) >= MAX_LEASES_PER_CONNECTION:
-            raise CapacityError(f"this connection holds {MAX_LEASES_PER_CONNECTION} leases", hint="release some first")
-        lease = await self.run(self.entry(conn).store.acquire, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
-                               msg.max_blocks, msg.start_block)
-        held = self.leases.add(conn.id, lease)
+        entry, uid = self.entry(conn), conn.creds.uid
+        want = blocks_wanted(len(msg.tokens), entry.layout.block_size, msg.start_block, msg.max_blocks)
+        self.quota.check_lease(uid, [u for _, u in self.peers()], self.leases.count(conn.id), self.leases.blocks_of(uid),
+                               want, int(entry.local.device.slots.capacity))
+        # Room is taken before the store call, so acquires in flight count: the cap was
+        # checked before an await and concurrent acquires passed it together.
+        reservation = self.leases.reserve(conn.id, uid, want)
+        try:
+            lease = await self.run(entry.store.acquire, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
+                                   msg.max_blocks, msg.start_block)
+            held = self.leases.add(conn.id, lease, uid)
+        finally:
+            self.leases.unreserve(reservation)
         return m.KeysReply(lease.keys, {"lease_id": held.lease_id}, tuple(lease.slots)).encode()
 
     async def release(self, conn: "Connection", msg: m.LeaseRef) -> Reply:
@@ -169,7 +180,10 @@ class Handlers:
         return {}, b""
 
     async def stage(self, conn: "Connection", msg: m.Stage) -> Reply:
-        staging = self.entry(conn).staging
+        staging, uid = self.entry(conn).staging, conn.creds.uid
+        peers = self.peers()
+        self.quota.check_staging(uid, [u for _, u in peers], staging.held_by(c for c, u in peers if u == uid),
+                                 msg.count, staging.slots.capacity)
         slots = staging.alloc(conn.id, msg.count)
         if slots is None:
             raise CapacityError(f"no {msg.count} staging slots free (quota {staging.quota} per connection)",
@@ -346,7 +360,8 @@ class Handlers:
         return {"pid": os.getpid(), "leases": len(self.leases),
                 "staging_slots_used": sum(e.staging.slots.num_used for e in entries),
                 "staging_slots": sum(e.staging.slots.capacity for e in entries),
-                "layouts": [e.layout_id for e in entries], "max_layouts": self.layouts.max_layouts}
+                "layouts": [e.layout_id for e in entries], "max_layouts": self.layouts.max_layouts,
+                "quota_refusals": dict(self.quota.refusals)}
 
     # ---- ending leases ------------------------------------------------------------------------
     async def release_all(self, leases: list) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
+from typing import Iterable
 from dataclasses import dataclass, field
 
 from ..results import Lease
@@ -25,25 +27,57 @@ class HeldLease:
     conn_id: int
     lease: Lease
     renewed: float = field(default_factory=time.monotonic)
+    uid: int = -1
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Room taken for an acquire in flight (see quotas.py): one lease of ``blocks``."""
+
+    conn_id: int
+    uid: int
+    blocks: int
 
 
 class LeaseTable:
     """Lease id -> store lease, grouped by connection. Only :meth:`add` and :meth:`take*`
-    move a lease in or out."""
+    move a lease in or out. Per uid it counts leased blocks, and per connection and uid
+    the acquires in flight (:meth:`reserve`), which the quota rules count as held."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
         self._held: dict[int, HeldLease] = {}
         self._by_conn: dict[int, set[int]] = {}
+        self._blocks_by_uid: Counter[int] = Counter()
+        self._reserved_leases: Counter[int] = Counter()  # conn id -> acquires in flight
+        self._reserved_blocks: Counter[int] = Counter()  # uid -> blocks of acquires in flight
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def add(self, conn_id: int, lease: Lease) -> HeldLease:
-        h = HeldLease(next(self._ids), conn_id, lease)
+    def reserve(self, conn_id: int, uid: int, blocks: int) -> Reservation:
+        r = Reservation(conn_id, uid, blocks)
+        self._reserved_leases[conn_id] += 1
+        self._reserved_blocks[uid] += blocks
+        return r
+
+    def unreserve(self, r: Reservation) -> None:
+        self._reserved_leases[r.conn_id] -= 1
+        self._reserved_blocks[r.uid] -= r.blocks
+        for c, k in ((self._reserved_leases, r.conn_id), (self._reserved_blocks, r.uid)):
+            if c[k] <= 0:
+                del c[k]
+
+    def blocks_of(self, uid: int) -> int:
+        """Blocks leased by ``uid``'s connections, counting acquires in flight."""
+        return self._blocks_by_uid[uid] + self._reserved_blocks[uid]
+
+    def add(self, conn_id: int, lease: Lease, uid: int = -1) -> HeldLease:
+        h = HeldLease(next(self._ids), conn_id, lease, uid=uid)
         self._held[h.lease_id] = h
         self._by_conn.setdefault(conn_id, set()).add(h.lease_id)
+        self._blocks_by_uid[uid] += lease.num_blocks
         return h
 
     def renew(self, conn_id: int, lease_id: int) -> bool:
@@ -70,10 +104,14 @@ class LeaseTable:
         return [(h, self._remove(h)) for h in old]
 
     def count(self, conn_id: int) -> int:
-        return len(self._by_conn.get(conn_id, ()))
+        """Leases of ``conn_id``, counting its acquires in flight."""
+        return len(self._by_conn.get(conn_id, ())) + self._reserved_leases[conn_id]
 
     def _remove(self, h: HeldLease) -> Lease:
         del self._held[h.lease_id]
+        self._blocks_by_uid[h.uid] -= h.lease.num_blocks
+        if self._blocks_by_uid[h.uid] <= 0:
+            del self._blocks_by_uid[h.uid]
         ids = self._by_conn[h.conn_id]
         ids.discard(h.lease_id)
         if not ids:
@@ -85,6 +123,10 @@ class LeaseTable:
         assert grouped == set(self._held), "lease ids by connection disagree with the held leases"
         for conn, ids in self._by_conn.items():
             assert ids and all(self._held[i].conn_id == conn for i in ids)
+        per_uid: Counter[int] = Counter()
+        for h in self._held.values():
+            per_uid[h.uid] += h.lease.num_blocks
+        assert +per_uid == +self._blocks_by_uid, "leased blocks per uid disagree with the held leases"
 
 
 class StagingSlots:
@@ -111,6 +153,10 @@ class StagingSlots:
             self._owner[s] = conn_id
             mine.add(s)
         return got  # type: ignore[return-value]
+
+    def held_by(self, conn_ids: "Iterable[int]") -> int:
+        """Slots held by these connections (a uid's, for its quota)."""
+        return sum(len(self._by_conn.get(c, ())) for c in conn_ids)
 
     def owns(self, conn_id: int, slots: tuple[int, ...]) -> bool:
         return len(set(slots)) == len(slots) and all(self._owner.get(s) == conn_id for s in slots)

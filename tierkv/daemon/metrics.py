@@ -132,6 +132,8 @@ class DaemonMetrics:
                               ["op", "error"], registry=self.registry)
         self.rejected = Counter("tierkv_rejected_connections", "Connections refused (peer uid, limits, bad frames)",
                                 ["reason"], registry=self.registry)
+        self.quota_refusals = Counter("tierkv_quota_refusals", "Requests refused by a per-uid quota, by quota",
+                                      ["quota"], registry=self.registry)
         self._server: Any = None
         self.port: int | None = None
 

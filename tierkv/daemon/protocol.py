@@ -25,6 +25,7 @@ import socket
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Callable
 
 from ..errors import ProtocolError
 
@@ -167,22 +168,43 @@ def parse_header(raw: bytes) -> dict:
     return obj
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Frame | None:
+class IdleConnectionError(FatalFrameError):
+    """The peer sent nothing for the idle timeout while holding nothing (quotas.py)."""
+
+
+class FrameTimeoutError(FatalFrameError):
+    """A frame began but did not arrive whole within the frame timeout (a half-sent frame
+    would hold the connection's reader forever)."""
+
+
+async def read_frame(reader: asyncio.StreamReader, *, idle_timeout: float | None = None,
+                     frame_timeout: float | None = None, is_idle: Callable[[], bool] = lambda: True) -> Frame | None:
     """The next frame, or None at a clean end of stream (EOF between frames).
 
     Raises FatalFrameError on a bad head or a stream cut inside a frame (truncated), and
-    ProtocolError on an undecodable header (the caller can reply and go on)."""
-    try:
-        head = await reader.readexactly(HEAD.size)
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
+    ProtocolError on an undecodable header (the caller can reply and go on). With
+    ``idle_timeout``: IdleConnectionError when no byte came for that long and ``is_idle()``
+    (otherwise it keeps waiting); with ``frame_timeout``: FrameTimeoutError when the frame's
+    remaining bytes do not all come within that long of its first byte."""
+    while True:
+        try:
+            async with asyncio.timeout(idle_timeout):
+                first = await reader.readexactly(1)
+            break
+        except TimeoutError:
+            if is_idle():
+                raise IdleConnectionError(f"no request for {idle_timeout:g} s; closing an idle connection",
+                                          hint="connect again when needed") from None
+        except asyncio.IncompleteReadError:
             return None
-        raise FatalFrameError(f"truncated frame head ({len(e.partial)} of {HEAD.size} bytes)") from None
-    opcode, flags, rid, hlen, plen = parse_head(head)
     try:
-        body = await reader.readexactly(hlen + plen)
-    except asyncio.IncompleteReadError as e:
-        raise FatalFrameError(f"truncated frame body ({len(e.partial)} of {hlen + plen} bytes)") from None
+        async with asyncio.timeout(frame_timeout):
+            head = first + await _read_exactly(reader, HEAD.size - 1, "frame head", 1)
+            opcode, flags, rid, hlen, plen = parse_head(head)
+            body = await _read_exactly(reader, hlen + plen, "frame body")
+    except TimeoutError:
+        raise FrameTimeoutError(f"a frame did not arrive whole within {frame_timeout:g} s of its first byte",
+                                hint="send each frame at once") from None
     try:
         header = parse_header(body[:hlen])
     except ProtocolError as e:
@@ -197,6 +219,13 @@ class BadHeaderError(ProtocolError):
         super().__init__(message)
         self.opcode = opcode
         self.request_id = request_id
+
+
+async def _read_exactly(reader: asyncio.StreamReader, n: int, what: str, before: int = 0) -> bytes:
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as e:
+        raise FatalFrameError(f"truncated {what} ({before + len(e.partial)} of {before + n} bytes)") from None
 
 
 def recv_exact(sock: socket.socket, n: int, fds: list[int] | None = None) -> bytes:

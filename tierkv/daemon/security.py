@@ -91,7 +91,7 @@ def prepare_socket_dir(directory: Path, shared: bool = False) -> None:
                               hint="put the socket in a directory you own, e.g. $XDG_RUNTIME_DIR/tierkv")
     if st.st_mode & (0o066 if shared else 0o077):
         raise SocketPathError(f"{directory} has mode {stat.S_IMODE(st.st_mode):o}; the socket's directory must be "
-                              f"{mode:o}", hint=f"chmod {mode:o} {directory}, or put the socket in a private directory")
+                              f"{mode:04o}", hint=f"chmod {mode:o} {directory}, or put the socket in a private directory")
 
 
 def socket_is_live(path: Path, timeout: float = 1.0) -> bool:

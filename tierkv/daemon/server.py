@@ -47,8 +47,8 @@ from .config import BIND_ENV, REMOTE_FIELDS, DaemonConfig
 from .handlers import Handlers
 from .layouts import Budget, LayoutEntry, Layouts
 from .metrics import DaemonMetrics
-from .protocol import (FLAG_ERROR, FLAG_REPLY, BadHeaderError, FatalFrameError, Frame, Op, encode_frame, read_frame,
-                       send_with_fds)
+from .protocol import (FLAG_ERROR, FLAG_REPLY, BadHeaderError, FatalFrameError, Frame, FrameTimeoutError,
+                       IdleConnectionError, Op, encode_frame, read_frame, send_with_fds)
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 60.0
@@ -65,6 +65,8 @@ class Connection:
     entry: LayoutEntry | None = None  # the layout bound at HELLO (None: operations only)
     tasks: set[asyncio.Task] = field(default_factory=set)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    unsent: int = 0  # bytes of replies encoded and not yet taken by the peer (quotas.py)
+    send_timeout_s: float = 30.0
 
     def request_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -72,15 +74,31 @@ class Connection:
 
     async def send(self, opcode: int, request_id: int, header: dict, payload: bytes = b"", flags: int = FLAG_REPLY,
                    fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Send one reply. A peer that takes nothing for ``send_timeout_s`` is cut off
+        (ConnectionError; its leases are released when its reader ends)."""
         frame = encode_frame(opcode, request_id, header, payload, flags)
-        async with self.write_lock:
-            if self.writer.is_closing():
-                return
-            if fds:  # shared-memory descriptors travel with this reply (SCM_RIGHTS)
-                await send_with_fds(self.writer, frame, fds)
-                return
-            self.writer.write(frame)
-            await self.writer.drain()
+        self.unsent += len(frame)
+        try:
+            async with self.write_lock:
+                if self.writer.is_closing():
+                    return
+                try:
+                    async with asyncio.timeout(self.send_timeout_s):
+                        if fds:  # shared-memory descriptors travel with this reply (SCM_RIGHTS)
+                            await send_with_fds(self.writer, frame, fds)
+                            return
+                        self.writer.write(frame)
+                        await self.writer.drain()
+                except TimeoutError:
+                    self.writer.transport.abort()
+                    raise ConnectionError(f"the peer read no reply for {self.send_timeout_s:g} s") from None
+        finally:
+            self.unsent -= len(frame)
+
+    def holds_nothing(self) -> bool:
+        """No request in flight and no reply waiting (leases and staging are checked by
+        the daemon, which owns those tables)."""
+        return not self.tasks and self.unsent == 0
 
     async def send_error(self, opcode: int, request_id: int, exc: BaseException) -> None:
         name, hint = type(exc).__name__, getattr(exc, "hint", "") or ""
@@ -152,6 +170,9 @@ class Daemon:
             only = self.layouts.only()
             self.metrics = DaemonMetrics(self.handlers.merged_stats, self._daemon_stats,
                                          only.layout.page_bytes if only is not None else 0)
+            self.handlers.peers = lambda: [(c.id, c.creds.uid) for c in self.connections.values()]
+            refusals = self.metrics.quota_refusals
+            self.handlers.quota.on_refuse = lambda quota: refusals.labels(quota).inc()
             sock = security.bind_private_socket(cfg.socket, shared=bool(cfg.allowed_uids))
             security.write_pid_file(cfg.resolved_pid_file)
             if cfg.metrics_port is not None:
@@ -336,14 +357,19 @@ class Daemon:
     # ---- connections ----------------------------------------------------------------------
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         creds = security.peer_credentials(writer.get_extra_info("socket"))
-        conn = Connection(next(self._ids), creds, writer, asyncio.Semaphore(self.config.max_inflight))
+        conn = Connection(next(self._ids), creds, writer, asyncio.Semaphore(self.config.max_inflight),
+                          send_timeout_s=self.config.quotas.send_timeout_s)
         reason = None
+        assert self.handlers is not None
         if not security.peer_allowed(creds, self.config.allowed_uids):
             reason = "uid"
             err: TierKVError = security.PeerRejectedError(f"peer uid {creds.uid} (pid {creds.pid}) may not use this daemon")
         elif len(self.connections) >= self.config.max_connections:
             reason = "limit"
-            err = DaemonUnavailableError(f"the daemon serves {self.config.max_connections} connections already")
+            err = DaemonUnavailableError(f"the daemon serves {self.config.max_connections} connections already",
+                                         hint="retry later; the operator can raise max_connections")
+        elif (err2 := self._uid_connection_refusal(creds.uid)) is not None:
+            reason, err = "uid_connections", err2
         elif self._stop is not None and self._stop.is_set():
             reason = "stopping"
             err = DaemonUnavailableError("the daemon is shutting down")
@@ -367,17 +393,46 @@ class Daemon:
             del self.connections[conn.id]
             writer.close()
 
+    def _uid_connection_refusal(self, uid: int) -> TierKVError | None:
+        assert self.handlers is not None
+        try:
+            self.handlers.quota.check_connection(uid, [c.creds.uid for c in self.connections.values()])
+        except TierKVError as e:
+            return e
+        return None
+
+    def _holds_nothing(self, conn: Connection) -> bool:
+        assert self.handlers is not None
+        return (conn.holds_nothing() and self.handlers.leases.count(conn.id) == 0
+                and not any(e.staging.held_by([conn.id]) for e in self.handlers.layouts.entries()))
+
     async def _serve_connection(self, conn: Connection, reader: asyncio.StreamReader) -> None:
+        q = self.config.quotas
         while True:
+            if conn.unsent > q.unread_reply_bytes:
+                # The peer does not read its replies: read no more of its requests until it
+                # does (each would pin another reply); cut it off after send_timeout_s.
+                deadline = time.monotonic() + q.send_timeout_s
+                while conn.unsent > q.unread_reply_bytes and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                if conn.unsent > q.unread_reply_bytes:
+                    log.warning("connection %d: %d reply bytes unread for %.0f s; closing it", conn.id, conn.unsent,
+                                q.send_timeout_s)
+                    if self.metrics:
+                        self.metrics.rejected.labels("unread_replies").inc()
+                    conn.writer.transport.abort()
+                    return
             try:
-                frame = await read_frame(reader)
+                frame = await read_frame(reader, idle_timeout=q.idle_timeout_s, frame_timeout=q.frame_timeout_s,
+                                         is_idle=lambda: self._holds_nothing(conn))
             except BadHeaderError as e:
                 await conn.send_error(e.opcode, e.request_id, e)
                 continue
             except FatalFrameError as e:
                 log.warning("connection %d: %s; closing it", conn.id, e.message)
                 if self.metrics:
-                    self.metrics.rejected.labels("frame").inc()
+                    reason = {IdleConnectionError: "idle", FrameTimeoutError: "frame_timeout"}.get(type(e), "frame")
+                    self.metrics.rejected.labels(reason).inc()
                 await conn.send_error(0, 0, e)
                 return
             except (ConnectionError, OSError):

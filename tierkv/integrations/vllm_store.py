@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -49,6 +50,11 @@ def _open_shared(cfg: ConnectorConfig, layout: PageLayout) -> Any:
         return entry[0]
 
 
+def _warm(store: Any, tokens: list[int], scope: Scope, start_block: int, max_blocks: int) -> int:
+    with store.acquire(tokens, scope, max_blocks=max_blocks, start_block=start_block) as lease:
+        return lease.num_blocks
+
+
 def _close_shared(store: Any) -> None:
     with _shared_lock:
         for key, entry in list(_shared.items()):
@@ -78,6 +84,7 @@ class StoreHandle:
         self._retry_s = RETRY_MIN_S
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        self._prefetch_pool: ThreadPoolExecutor | None = None
 
     # ---- opening -----------------------------------------------------------------------
     def _get(self) -> Any:
@@ -168,6 +175,35 @@ class StoreHandle:
             self._drop_client(e)
             return None
 
+    def prefetch(self, tokens: list[int], scope: Scope, start_block: int, max_blocks: int) -> None:
+        """Start promoting blocks ``start_block ..`` (at most ``max_blocks``) of the cached
+        prefix into the device tier, without waiting; failures are logged and counted."""
+        store = self._get()
+        if store is None:
+            return
+        try:
+            if self.config.home is not None:
+                # Embedded: lease just the window on a helper thread (Store.prefetch warms the
+                # whole prefix, including blocks vLLM holds itself).
+                future = self._prefetcher().submit(_warm, store, tokens, scope, start_block, max_blocks)
+            else:
+                future = store.prefetch(tokens, scope)
+        except Exception as e:
+            self._fail("prefetch", e)
+            return
+        future.add_done_callback(self._prefetched)
+
+    def _prefetched(self, future: Future) -> None:
+        e = future.exception()
+        if e is not None:
+            self._fail("prefetch", e)
+
+    def _prefetcher(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._prefetch_pool is None:
+                self._prefetch_pool = ThreadPoolExecutor(1, thread_name_prefix="tierkv-vllm-prefetch")
+            return self._prefetch_pool
+
     def put(self, tokens: list[int], pages: torch.Tensor, scope: Scope, start_block: int) -> bool:
         """Store pages of blocks ``start_block..``; False when it failed (nothing to undo)."""
         store = self._get()
@@ -191,7 +227,16 @@ class StoreHandle:
             self._fail("stats", e)
             return {}
 
+    def open(self) -> bool:
+        """Open the store (or connect to the daemon) now, when the connector starts, so no
+        request pays for it; False when that failed (retried after the back-off)."""
+        return self._get() is not None
+
     def close(self) -> None:
+        with self._lock:
+            pool, self._prefetch_pool = self._prefetch_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         with self._lock:
             store, self._store = self._store, None
         if store is None:
