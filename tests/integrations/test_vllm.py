@@ -47,6 +47,7 @@ class FakeHandle:
         self.layout, self.hit_tokens, self.pages = layout, hit_tokens, pages
         self.tiers = ("device", "host", "disk", "disk") * 8
         self.puts: list[tuple[list[int], torch.Tensor, int]] = []
+        self.prefetches: list[tuple[int, int, int]] = []  # (tokens, start_block, max_blocks)
         self.errors = 0
 
     def lookup(self, tokens, scope):
@@ -57,8 +58,13 @@ class FakeHandle:
         if self.pages is None:
             return None
         n = max(0, min(len(self.pages) - start_block, max_blocks))  # a window of the cached prefix
-        pages = self.pages
-        return SimpleNamespace(num_blocks=n, page=lambda i: pages[start_block + i], release=lambda: None)
+        # The pool holds the pages in reverse slot order: copies must follow lease.slots.
+        pool = self.pages.flip(0)
+        slots = tuple(len(self.pages) - 1 - (start_block + i) for i in range(n))
+        return SimpleNamespace(num_blocks=n, pool=pool, slots=slots, release=lambda: None)
+
+    def prefetch(self, tokens, scope, start_block, max_blocks):
+        self.prefetches.append((len(tokens), start_block, max_blocks))
 
     def put(self, tokens, pages, scope, start_block):
         self.puts.append((tokens, pages, start_block))
@@ -214,6 +220,82 @@ def test_saves_follow_chunked_prefill_and_skip_draft_tokens():
     side.finished(req)
     assert side.build(scheduler_output(cached=[("a", 5 * B, 1)])).saves == []
     side.check_integrity()
+
+
+def test_a_hit_is_never_saved_again():
+    # Regression: stored_blocks started at the capped hit, so a prompt of whole blocks had its
+    # last block (stored, but not loadable: vLLM computes the last token) saved on every hit.
+    blocks = [30, 31, 32, 33]
+    side = make_scheduler(hit_tokens=4 * B, blocks_of={"a": blocks})
+    req = request("a", list(range(4 * B)))
+    assert side.matched(req, 0) == 3 * B
+    side.allocated(req, blocks, 3 * B)
+    meta = side.build(scheduler_output(new=[("a", 3 * B, B)]))
+    assert len(meta.loads) == 1 and meta.saves == []
+    side.check_integrity()
+
+
+def test_reads_start_when_blocks_are_promised():
+    blocks = [10, 11, 12, 13, 14, 15]
+    side = make_scheduler(hit_tokens=4 * B, blocks_of={"a": blocks, "b": blocks})
+    req = request("a", list(range(5 * B + 3)))
+    assert side.matched(req, B) == 3 * B
+    assert side.handle.prefetches == []  # a lookup alone reads nothing
+    side.allocated(req, blocks, 3 * B)
+    assert side.handle.prefetches == [(4 * B, 1, 3)]  # the window to load, not vLLM's own block 0
+    side.handle.tiers = ("device",) * 8  # already in tierkv's device tier: nothing to read ahead
+    req = request("b", list(range(5 * B + 3)))
+    assert side.matched(req, 0) == 4 * B
+    side.allocated(req, blocks, 4 * B)
+    assert len(side.handle.prefetches) == 1
+
+
+class BlockingPuts(FakeHandle):
+    """Puts wait for ``go``: a save must not wait for them."""
+
+    def __init__(self, layout):
+        super().__init__(layout)
+        import threading
+
+        self.go = threading.Event()
+
+    def put(self, tokens, pages, scope, start_block):
+        assert self.go.wait(30)
+        return super().put(tokens, pages, scope, start_block)
+
+
+def test_saves_only_copy_and_a_full_queue_drops_instead_of_waiting():
+    import time
+
+    from tierkv.integrations.vllm_scheduler import SaveSpec
+
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
+    caches = {f"l.{i}.attn": torch.randn(8, 2, B, 64) for i in range(2)}
+    handle = BlockingPuts(layout)
+    worker = WorkerSide(handle, layout, enabled=True, save_queue_bytes=2 * layout.page_bytes)
+    worker.paged = PagedKV(caches, layout, 8, KV_BY_TOKENS)
+    want = worker.paged.gather([1, 2, 3])
+
+    def spec(block):
+        return SaveSpec("a", tuple(range((block + 1) * B)), Scope(MV), block, (block + 1,))
+
+    t0 = time.perf_counter()
+    for block in range(3):  # the third does not fit: two pages are copied and not yet written
+        worker.save(TierKVConnectorMetadata(saves=[spec(block)]))
+        time.sleep(0.05)
+    assert time.perf_counter() - t0 < 5 and handle.puts == []
+    caches["l.0.attn"].zero_()  # vLLM reuses its blocks: the copies are already made
+    assert worker.counters.snapshot()["save_dropped_blocks"] == 1
+    worker.saves.check_integrity()
+    handle.go.set()
+    assert worker.flush(30)
+    assert [(start, len(tokens)) for tokens, _, start in handle.puts] == [(0, B), (1, 2 * B)]
+    for i, (_, pages, _) in enumerate(handle.puts):
+        assert torch.equal(pages[0], want[i])
+    snap = worker.counters.snapshot()
+    assert snap["saved_tokens"] == 2 * B and snap["save_failures"] == 0
+    worker.saves.check_integrity()
+    worker.close()
 
 
 def test_uncacheable_and_disabled_requests_are_left_alone():
@@ -416,12 +498,11 @@ def test_wrong_kv_would_be_noticed(model_dir, stored_home, reference, tmp_path):
     # Guards the test above: loading other KV than the prompt's changes the logprobs, so
     # equal logprobs there mean the loaded KV was the right one.
     home = copy_home(stored_home, tmp_path / "home")
-    real = vllm_pages.PagedKV.scatter
+    def copy_in_noise(self, pool, slots, block_ids):  # loads copy from the leased slots
+        noise = torch.randn(len(slots), *self.layout.shape).to(self.layout.torch_dtype)
+        self.scatter(noise, block_ids)
 
-    def scatter_noise(self, pages, block_ids):
-        real(self, torch.randn_like(pages), block_ids)
-
-    with mock.patch.object(vllm_pages.PagedKV, "scatter", scatter_noise):
+    with mock.patch.object(vllm_pages.PagedKV, "copy_in", copy_in_noise):
         results, sched, worker = run_engine(model_dir, store_options(home))
     assert worker["loaded_tokens"] == SHARED
     got, want = results[0][1], reference[0][1]
@@ -598,3 +679,45 @@ def test_cpu_attn_pages_match_what_its_kernel_writes(dtype):
     pages = torch.randn(1, *layout.shape).to(dtype)
     paged.scatter(pages, [0])
     assert torch.equal(paged.gather([0]), pages) and torch.equal(paged.gather([2])[0, 0, 0], key)
+
+
+@pytest.mark.slow
+def test_a_daemon_with_only_home_and_socket_serves_vllm(model_dir, reference, tmp_path):
+    """Issue 10: `tierkv serve --home H --socket S`, no layout typed. The connector declares
+    the layout of vLLM's own KV cache (dtype, block size, layers, KV heads, head dim) when it
+    connects; the daemon opens that layout's store, and a second engine hits."""
+    import subprocess
+    import sys
+    import time
+
+    import tierkv
+    from tierkv.daemon.layouts import layout_id
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    sock = run_dir / "tierkv.sock"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", "from tierkv.cli import main; main()", "serve",
+                             "--home", str(tmp_path / "home"), "--socket", str(sock)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.2)
+        extra = {"socket": str(sock), "timeout_s": 30}
+        results, sched, worker = run_engine(model_dir, extra)
+        assert results[0][0] == reference[0][0] and worker["saved_tokens"] == SHARED
+        with tierkv.connect(sock) as client:
+            assert client.layout is not None and client.layout.block_size == B
+            stats = client.stats()
+            assert list(stats["layouts"]) == [layout_id(client.layout)] and stats["blocks"] == SHARED // B
+        results, sched, worker = run_engine(model_dir, extra)
+        assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED
+        assert results[0][0] == reference[0][0]
+        assert max_diff(results[0][1], reference[0][1]) <= 1e-5
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

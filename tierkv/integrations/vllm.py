@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+STATS_FLUSH_S = 30.0  # stats() waits this long for queued saves to be written
 _HIT_SOURCE = {"device": CacheHitSource.DEVICE, "host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 __all__ = ["TierKVConnector", "TierKVConnectorMetadata", "TierKVConnectorStats", "VLLM_VERSION"]
@@ -97,12 +98,15 @@ class TierKVConnector(KVConnectorBase_V1):
         # A disabled connector still needs a layout for its (idle) helpers.
         layout = layout or PageLayout(1, 1, 1)
         self.handle = StoreHandle(self.config, layout)
+        if enabled:
+            # Now, at engine start: opening lazily made the first request pay for it.
+            self.handle.open()
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.handle, layout, mv if enabled else None, self.config.save)
         else:
-            self.worker = WorkerSide(self.handle, layout, enabled)
+            self.worker = WorkerSide(self.handle, layout, enabled, self.config.save_queue_bytes)
         self._reported: dict[str, Any] = {k: 0 for k in STAT_KEYS}
         log.info("TierKVConnector (%s) for vLLM %s: %s, model version %s, layout %s", role.name, VLLM_VERSION,
                  f"home {self.config.home}" if self.config.home else f"socket {self.config.socket}",
@@ -145,7 +149,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self.scheduler.finished(request)
-        return False, None  # saves are synchronous: vLLM may free the blocks now
+        return False, None  # saves copy the pages in wait_for_save: vLLM may free the blocks now
 
     # ---- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -188,7 +192,10 @@ class TierKVConnector(KVConnectorBase_V1):
     # ---- both -------------------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
         """Cumulative counters of this side (hits on the scheduler side; loaded and saved
-        tokens and load latency on the worker side) and the store's own statistics."""
+        tokens and load latency on the worker side) and the store's own statistics. On the
+        worker side it first waits (up to :data:`STATS_FLUSH_S`) for queued saves."""
+        if self.worker is not None:
+            self.worker.flush(STATS_FLUSH_S)  # report saves as written, not as queued
         side = self.scheduler or self.worker
         counters = side.counters.snapshot() if side is not None else {}
         enabled = self.model_version is not None and (self.worker is None or self.worker.enabled)
@@ -197,4 +204,6 @@ class TierKVConnector(KVConnectorBase_V1):
                 **counters, "store": self.handle.stats()}
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()  # writes the queued saves first
         self.handle.close()

@@ -32,6 +32,7 @@ VLLM_VERSION = "0.32.0"  # the vLLM release this integration is built and tested
 DEFAULT_NAMESPACE = "default"
 _KNOWN_KEYS = frozenset({
     "home", "socket", "device_bytes", "host_bytes", "disk_bytes", "timeout_s", "model_version", "save",
+    "save_queue_bytes",
 })
 
 
@@ -48,7 +49,8 @@ class ConnectorConfig:
     running ``tierkv serve``) is set. Capacities apply to an embedded home only.
     ``model_version`` replaces the weights part of the model-version hash (for models not
     in a local directory, or checkpoints versioned by the operator). ``save=False`` makes the
-    connector read-only.
+    connector read-only. ``save_queue_bytes`` bounds the pages copied out of vLLM and not yet
+    written; a save that does not fit is dropped (counted), never waited for.
     """
 
     home: str | None = None
@@ -59,11 +61,12 @@ class ConnectorConfig:
     timeout_s: float = 5.0
     model_version: str | None = None
     save: bool = True
+    save_queue_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if (self.home is None) == (self.socket is None):
             raise ValueError("TierKVConnector needs exactly one of 'home' and 'socket' in kv_connector_extra_config")
-        for name in ("device_bytes", "host_bytes", "disk_bytes"):
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "save_queue_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -82,7 +85,7 @@ class ConnectorConfig:
         for key in ("home", "socket", "model_version"):
             if extra.get(key) is not None:
                 kw[key] = str(extra[key])
-        for key in ("device_bytes", "host_bytes", "disk_bytes"):
+        for key in ("device_bytes", "host_bytes", "disk_bytes", "save_queue_bytes"):
             if key in extra:
                 kw[key] = int(extra[key])
         if "timeout_s" in extra:

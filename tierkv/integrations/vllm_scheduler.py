@@ -73,7 +73,8 @@ class _Tracked:
 @dataclass(frozen=True)
 class _Match:
     local_tokens: int
-    hit_tokens: int
+    hit_tokens: int  # what vLLM may take: capped below the last prompt token
+    stored_blocks: int  # leading full prompt blocks tierkv holds (not capped): never saved again
     tiers: tuple[str, ...]  # tierkv tier of each matched block ("device", "host", "disk")
 
 
@@ -100,14 +101,18 @@ class SchedulerSide:
         if self.model_version is None or not cacheable(request):
             return 0
         prompt = request.prompt_token_ids
-        limit = (len(prompt) - 1) // self.block_size * self.block_size
+        B = self.block_size
+        limit = (len(prompt) - 1) // B * B
         if limit <= local_tokens:
             return 0  # vLLM already has every block tierkv could give
         scope = scope_of(request, self.model_version)
         t0 = time.perf_counter()
-        found = self.handle.lookup(list(prompt[:limit]), scope)
-        hit = min(found.tokens_matched - found.tokens_matched % self.block_size, limit)
-        self._matches[request.request_id] = _Match(local_tokens, hit, found.tiers)
+        # Every full block, not just those vLLM may take: a prompt of whole blocks has its
+        # last block stored too, and knowing it keeps that block from being saved again.
+        found = self.handle.lookup(list(prompt[: len(prompt) // B * B]), scope)
+        stored = found.tokens_matched // B
+        hit = min(stored * B, limit)
+        self._matches[request.request_id] = _Match(local_tokens, hit, stored, found.tiers)
         ext = max(0, hit - local_tokens)
         self.counters.add(lookups=1, hit_requests=int(ext > 0), hit_tokens=ext)
         log.debug("tierkv lookup %s: local %d, tierkv %d tokens (%.2f ms)", request.request_id, local_tokens, hit,
@@ -123,7 +128,7 @@ class SchedulerSide:
         match = self._matches.pop(req_id, None)
         scope = scope_of(request, self.model_version)
         if req_id not in self._tracked:
-            known = match.hit_tokens // self.block_size if match else 0
+            known = match.stored_blocks if match else 0
             self._tracked[req_id] = _Tracked(request, scope, known)
         if num_external_tokens <= 0 or match is None:
             return
@@ -135,10 +140,16 @@ class SchedulerSide:
         if end <= first:
             return
         self._sources[req_id] = match.tiers[first:end]
-        self._loads.append(LoadSpec(
+        spec = LoadSpec(
             req_id=req_id, token_ids=tuple(request.prompt_token_ids[: end * B]), scope=scope,
             first_block=first, block_ids=tuple(block_ids[first:end]),
-        ))
+        )
+        self._loads.append(spec)
+        # Start the reads now: the blocks are promised, and the worker copies them out of
+        # tierkv's device tier in this step's start_load_kv. Blocks not in the device tier yet
+        # are read (and verified) by tierkv meanwhile; the worker's lease waits for them.
+        if any(t != "device" for t in match.tiers[first:end]):
+            self.handle.prefetch(list(spec.token_ids), scope, first, end - first)
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the planned load by the tierkv tier they come from (consumed once)."""

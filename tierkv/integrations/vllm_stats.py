@@ -24,8 +24,9 @@ class Counters:
     loaded_tokens: int = 0  # worker: tokens written into vLLM's KV blocks
     load_failed_blocks: int = 0  # worker: promised blocks that could not be loaded (recomputed)
     load_seconds: float = 0.0  # worker: time spent in loads
-    saved_tokens: int = 0  # worker: tokens handed to tierkv
+    saved_tokens: int = 0  # worker: tokens written to tierkv (by the save queue's writer)
     save_failures: int = 0  # worker: puts that failed (the blocks are simply not cached)
+    save_dropped_blocks: int = 0  # worker: blocks not saved because the save queue was full
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:
@@ -38,7 +39,8 @@ class Counters:
             return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
 
 
-STAT_KEYS = ("loads", "loaded_tokens", "load_failed_blocks", "load_seconds", "saved_tokens", "save_failures")
+STAT_KEYS = ("loads", "loaded_tokens", "load_failed_blocks", "load_seconds", "saved_tokens", "save_failures",
+             "save_dropped_blocks")
 
 
 @dataclass
@@ -64,6 +66,7 @@ class TierKVConnectorStats(KVConnectorStats):
             "tierkv_load_failed_blocks": self.data.get("load_failed_blocks", 0),
             "tierkv_saved_tokens": self.data.get("saved_tokens", 0),
             "tierkv_save_failures": self.data.get("save_failures", 0),
+            "tierkv_save_dropped_blocks": self.data.get("save_dropped_blocks", 0),
             "tierkv_avg_load_ms": round(1000 * self.data.get("load_seconds", 0.0) / loads, 3) if loads else 0.0,
         }
 

@@ -6,39 +6,48 @@ sync loads) and verified by tierkv: a page read from disk is checksummed, and a 
 cannot be leased - evicted since the lookup, corrupt, or the daemon gone - is reported to
 vLLM as a failed block, so vLLM recomputes from the first failed block instead of reading
 garbage. Blocks after a failed one are reported too: a prefix is only usable up to its
-first hole.
+first hole. The reads themselves usually started earlier: the scheduler side asks tierkv to
+prefetch a request's pages when it promises them (``update_state_after_alloc``), so by the
+time the worker leases them they are in tierkv's device tier, and the worker copies them
+from the leased pool slots straight into vLLM's blocks.
 
-Saves run in ``wait_for_save`` after the forward: the pages are gathered (copied) out of
-vLLM's blocks and put synchronously, so vLLM may free or reuse the blocks as soon as the
-call returns (``request_finished`` never has to delay a free).
+Saves run in ``wait_for_save`` after the forward, but only the copy out of vLLM's blocks
+happens there (so vLLM may free or reuse the blocks as soon as the call returns); the
+durable put runs on the :class:`~.vllm_saver.SaveQueue` writer thread, and a save that does
+not fit in the bounded queue is dropped and counted instead of stalling the engine.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from ..layout import PageLayout
 from .vllm_pages import PagedKV, UnsupportedCacheError, backend_kv_split
+from .vllm_saver import PendingSave, SaveQueue
 from .vllm_scheduler import LoadSpec, SaveSpec, TierKVConnectorMetadata
 from .vllm_stats import Counters
 from .vllm_store import StoreHandle
 
 log = logging.getLogger(__name__)
+DEFAULT_SAVE_QUEUE_BYTES = 256 << 20  # pages copied out of vLLM and not yet written
 
 
 class WorkerSide:
     """Moves pages between tierkv and vLLM's KV caches for the steps' plans."""
 
-    def __init__(self, handle: StoreHandle, layout: PageLayout, enabled: bool) -> None:
+    def __init__(self, handle: StoreHandle, layout: PageLayout, enabled: bool,
+                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES) -> None:
         self.handle = handle
         self.layout = layout
         self.enabled = enabled
         self.paged: PagedKV | None = None
         self.counters = Counters()
         self._failed_blocks: set[int] = set()
+        self.saves = SaveQueue(self._write, save_queue_bytes)
 
     def register(self, vllm_config: Any, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         """Map vLLM's per-layer caches; an unsupported shape disables the connector."""
@@ -79,18 +88,12 @@ class WorkerSide:
         lease = self.handle.acquire(list(spec.token_ids), spec.scope, len(spec.block_ids), spec.first_block)
         if lease is None:
             return 0
-        try:
+        with _released(lease):
             got = min(lease.num_blocks, len(spec.block_ids))
-            if got <= 0:
-                return 0
-            pages = torch.stack([lease.page(i) for i in range(got)])
-            self.paged.scatter(pages, spec.block_ids[:got])
-            return got
-        finally:
-            try:
-                lease.release()
-            except Exception as e:  # a dead daemon cannot take the lease back; it expires there
-                log.debug("tierkv lease release failed: %s", e)
+            if got > 0:
+                # Straight from the leased slots into vLLM's blocks: no intermediate stack.
+                self.paged.copy_in(lease.pool, lease.slots[:got], spec.block_ids[:got])
+            return max(got, 0)
 
     def take_failed_blocks(self) -> set[int]:
         """vLLM block ids whose promised KV was not loaded since the last call."""
@@ -99,6 +102,7 @@ class WorkerSide:
 
     # ---- saves ----------------------------------------------------------------------------
     def save(self, meta: TierKVConnectorMetadata) -> None:
+        """Copy each planned save out of vLLM's blocks and queue it (returns without writing)."""
         if self.paged is None:
             return
         for spec in meta.saves:
@@ -112,7 +116,35 @@ class WorkerSide:
             log.warning("tierkv save for %s skipped: %s: %s", spec.req_id, type(e).__name__, e)
             self.counters.add(save_failures=1)
             return
-        if self.handle.put(list(spec.token_ids), pages, spec.scope, spec.first_block):
-            self.counters.add(saved_tokens=len(spec.block_ids) * self.layout.block_size)
+        pending = PendingSave(spec.req_id, spec.token_ids, spec.scope, spec.first_block, pages)
+        if not self.saves.submit(pending):
+            self.counters.add(save_dropped_blocks=len(spec.block_ids))
+
+    def _write(self, save: PendingSave) -> bool:
+        # On the writer thread.
+        ok = self.handle.put(list(save.token_ids), save.pages, save.scope, save.first_block)
+        if ok:
+            self.counters.add(saved_tokens=save.pages.shape[0] * self.layout.block_size)
         else:
             self.counters.add(save_failures=1)
+        return ok
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued saves are written (stats and tests read settled counters)."""
+        return self.saves.flush(timeout)
+
+    def close(self) -> None:
+        self.saves.close()
+
+
+@contextmanager
+def _released(lease: Any) -> Iterator[Any]:
+    """``with`` for a lease whose release may fail: a dead daemon cannot take the lease back
+    (it expires there), and that must not fail vLLM's step."""
+    try:
+        yield lease
+    finally:
+        try:
+            lease.release()
+        except Exception as e:
+            log.debug("tierkv lease release failed: %s", e)
