@@ -129,8 +129,11 @@ class DiskTier:
     def quarantine_segment(self, path: Path, reason: str) -> None:
         """Move a damaged segment aside (``*.bad``, kept for inspection), count it, log it."""
         log.warning("quarantining segment %s: %s", path.name, reason)
-        path.rename(path.with_name(path.name + ".bad"))
         self.quarantined_segments += 1
+        try:
+            path.rename(path.with_name(path.name + ".bad"))
+        except OSError as e:  # a read-only home: the segment is left in place, and unused
+            log.error("could not move %s aside: %s", path.name, e)
 
     # ---- slots ---------------------------------------------------------------------
     @property
@@ -198,7 +201,13 @@ class DiskTier:
             fd = self._read_fds.pop(seg_id, None)
             if fd is not None:
                 os.close(fd)
-        self._segs.pop(seg_id).path.unlink(missing_ok=True)
+        path = self._segs.pop(seg_id).path
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            # A failing file system: the slot is free all the same (the index no longer
+            # points here); the empty file is reclaimed at the next open.
+            log.warning("could not delete empty segment %s: %s", path, e)
 
     def free(self, loc: int) -> None:
         seg_id, index = split_location(loc)
