@@ -53,7 +53,12 @@ class HomeLock:
 
     def release(self) -> None:
         if self.fd >= 0:
-            os.ftruncate(self.fd, 0)
+            try:
+                os.ftruncate(self.fd, 0)  # forget the owner record
+            except OSError:
+                # A read-only (or failed) file system: the record stays, but it is read only
+                # when the lock is held, so it is never shown stale; the lock must still go.
+                pass
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = -1
