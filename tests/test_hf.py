@@ -3,6 +3,7 @@ generation with and without the cache, and model-loading errors."""
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 import torch
@@ -157,10 +158,20 @@ def test_missing_and_non_model_directories(tmp_path):
         load_model(tmp_path / "empty")
 
 
-def test_tokenizer_larger_than_embedding_is_refused(tmp_path):
+def test_tokenizer_larger_than_embedding_warns_and_refuses_only_the_extra_tokens(tmp_path, caplog):
     d = tiny_models.save_model_dir(tmp_path / "small-vocab", "llama", vocab_size=100)
-    with pytest.raises(ConfigError, match=r"has \d+ tokens but the model embeds only 100"):
-        load_model(d)
+    with caplog.at_level("WARNING", logger="tierkv.hf.model"):
+        lm = load_model(d)  # a warning, not an error: text without the extra tokens runs
+    assert re.search(r"has \d+ tokens but the model embeds only 100", caplog.text)
+    assert lm.embedding_rows == 100 and lm.check_ids([0, 5, 99]) == [0, 5, 99]
+    words = tiny_models.corpus(50)
+    high = next(w for line in words for w in line.split() if max(lm.tokenizer(w, add_special_tokens=False)["input_ids"]) >= 100)
+    bad = max(lm.tokenizer(high, add_special_tokens=False)["input_ids"])
+    name = lm.tokenizer.convert_ids_to_tokens(bad)
+    with pytest.raises(InvalidTokensError, match=rf"token {re.escape(repr(name))} \(id {bad}\) is outside the model's embedding of 100 rows"):
+        lm.encode_prompt(f"{high} {high}")
+    with pytest.raises(InvalidTokensError):
+        lm.encode_document(high)
 
 
 def test_weight_change_gives_new_version_and_no_cached_tokens(tmp_path, store_factory):

@@ -69,7 +69,7 @@ def test_bad_input_is_reported_without_traceback(llama_dir, repo, tmp_path):
     assert "no config.json" in run("generate", "--model", tmp_path / "not-a-model", "--prompt", "x",
                                    "--no-cache", ok=False).stderr
     mismatched = tiny_models.save_model_dir(tmp_path / "small-vocab", "llama", vocab_size=50)
-    assert "embeds only 50" in run("generate", "--model", mismatched, "--prompt", "x", "--no-cache", ok=False).stderr
+    assert "outside the model's embedding of 50 rows" in run("generate", "--model", mismatched, "--prompt", "store the block", "--no-cache", ok=False).stderr
     (tmp_path / "empty-repo").mkdir()
     assert "no text files" in run("materialize", tmp_path / "empty-repo", "--model", llama_dir, "--home", home,
                                   ok=False).stderr
@@ -80,13 +80,15 @@ def test_bad_input_is_reported_without_traceback(llama_dir, repo, tmp_path):
     other = tiny_models.save_model_dir(tmp_path / "other", "llama", seed=9)
     assert "model version" in run("generate", "--model", other, "--home", home, "--prefix", "repo", "--prompt", "x",
                                   ok=False).stderr
-    usage = CliRunner().invoke(main, ["generate", "--model", str(llama_dir), "--prefix", "repo", "--no-cache",
-                                      "--prompt", "x"])
-    assert usage.exit_code == 2 and "--prefix-from" in usage.stderr
+    # --prefix NAME --no-cache: the prefix's tokens from the store's manifest, none of its KV.
+    cold = run_json("generate", "--model", llama_dir, "--home", home, "--prefix", "repo", "--no-cache", "--prompt",
+                    "x", "--max-new-tokens", "1")
+    assert cold["cached_tokens"] == 0
     # Nothing above damaged the store: the prefix still serves from cache.
     warm = run_json("generate", "--model", llama_dir, "--home", home, "--prefix", "repo", "--prompt", "x",
                     "--max-new-tokens", "1")
-    assert warm["cached_tokens"] > 0
+    assert warm["cached_tokens"] > 0 and warm["tokens"] == cold["tokens"]
+    assert warm["prompt_tokens"] == cold["prompt_tokens"]
 
 
 def test_quickstart_with_a_user_model(llama_dir, tmp_path):

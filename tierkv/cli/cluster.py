@@ -31,7 +31,8 @@ def _tokenizer_model(model_dir: Path, dtype: str, block_size: int) -> Any:
     from transformers import AutoTokenizer
 
     from ..hf import version_of
-    from ..hf.model import LoadedModel, check_model_dir, context_length, load_config
+    from ..hf.config import check_model_dir, context_length, load_config
+    from ..hf.model import LoadedModel
     from ..model_version import default_memo_path
 
     root = check_model_dir(model_dir)

@@ -3,22 +3,23 @@ stored, cached prefill, generation, multi-turn chat. See :mod:`tierkv.hf.prefill
 stored prefix becomes a DynamicCache."""
 from __future__ import annotations
 
-from .cache_support import attention_kinds, check_config, probe_cache
+from .cache_support import probe_cache
 from .chat import ChatTurn, Conversation
 from .generate import GREEDY, GenerationResult, SamplingConfig, generate
-from .model import (
+from .config import (
     DEFAULT_BLOCK_SIZE,
     DTYPE_CHOICES,
-    LoadedModel,
+    attention_kinds,
+    check_config,
     check_model_dir,
     context_length,
     layout_from_config,
     layout_from_model,
     load_config,
-    load_model,
     resolve_dtype,
-    version_of,
+    text_config,
 )
+from .model import LoadedModel, load_model, version_of
 from .prefill import (
     DEFAULT_CHUNK_TOKENS,
     PrefillResult,
@@ -60,5 +61,6 @@ __all__ = [
     "probe_cache",
     "resolve_dtype",
     "restore_cache",
+    "text_config",
     "version_of",
 ]

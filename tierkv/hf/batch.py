@@ -29,7 +29,8 @@ from ..errors import ConfigError, InvalidTokensError, PageFormatError
 from ..identity import Scope
 from ..layout import PageLayout
 from .cascade_attention import STATE_KWARG, BatchAttention, SuffixPages, swapped_attention
-from .model import LoadedModel, context_length, layout_from_model
+from .config import context_length, layout_from_model, text_config
+from .model import LoadedModel
 from .prefill import cached_prefill
 
 if TYPE_CHECKING:
@@ -117,10 +118,9 @@ def _check(model: Any, prompts: Sequence[Sequence[int]], prefix_tokens: Sequence
         raise ConfigError(f"a prompt has {max(len(p) for p in requests)} tokens; the model's context is {limit}",
                           hint="use shorter prompts")
     budgets = [max_new_tokens if limit is None else min(max_new_tokens, limit - len(p)) for p in requests]
-    text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
-        else model.config
-    window = getattr(text_config, "sliding_window", None)
-    if window and getattr(text_config, "use_sliding_window", True) and \
+    text = text_config(model.config)
+    window = getattr(text, "sliding_window", None)
+    if window and getattr(text, "use_sliding_window", True) and \
             max(len(p) + b for p, b in zip(requests, budgets)) > window:
         # The kernels attend to the whole context; the model would drop keys older than the window.
         raise ConfigError(f"a request would outgrow the model's sliding window of {window} tokens",

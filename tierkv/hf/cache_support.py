@@ -12,8 +12,8 @@ of the prefix, which is true of two kinds of attention layer:
   config (see :mod:`tierkv.hf.prefill`), which keeps every key, and the model's sliding mask
   then reads only the window. Tests compare logits with recomputation past the window.
 
-Everything else is refused when the model is loaded (:func:`check_config` on the config,
-:func:`probe_cache` on the loaded model), with :class:`UnsupportedModelError` naming the
+Everything else is refused when the model is loaded (:func:`~tierkv.hf.config.check_config`
+on the config, :func:`probe_cache` on the loaded model), with :class:`UnsupportedModelError` naming the
 reason: recurrent or linear-attention state (Mamba, GDN, RecurrentGemma, conv layers: not
 per-token KV), chunked or indexed/compressed sparse attention (untested mask or cache
 semantics), KV shared across layers (Gemma-3n: fewer cache layers than model layers) and
@@ -28,52 +28,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..layout import PageLayout
-
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-# Config attributes of model families whose cache is not plain per-layer K/V, with the reason.
-_REFUSED_ATTRIBUTES = (
-    ("num_kv_shared_layers", "shares KV between layers (num_kv_shared_layers), so its cache has fewer layers than the model"),
-    ("kv_lora_rank", "uses multi-head latent attention (kv_lora_rank): K and V have different widths"),
-    ("attention_chunk_size", "uses chunked attention (attention_chunk_size), which tierkv does not test"),
-    ("block_types", "has recurrent blocks (block_types), whose state is not per-token KV"),
-)
-
-
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if get is not None else config
-
-
-def attention_kinds(config: Any) -> tuple[str, ...]:
-    """The distinct layer types of a config, in order of first appearance; a config without
-    ``layer_types`` is ``("full_attention",)`` or, with an active ``sliding_window``,
-    ``("sliding_attention",)`` (Mistral)."""
-    cfg = _text_config(config)
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return tuple(dict.fromkeys(str(t) for t in types))
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        return ("sliding_attention",)
-    return ("full_attention",)
-
-
-def check_config(config: Any) -> None:
-    """Raise UnsupportedModelError unless every layer of ``config`` is full or sliding-window
-    attention with plain per-layer K/V (see the module docstring)."""
-    cfg = _text_config(config)
-    name = getattr(cfg, "model_type", None) or type(cfg).__name__
-    others = [t for t in attention_kinds(cfg) if t not in SUPPORTED_LAYER_TYPES]
-    if others:
-        raise UnsupportedModelError(
-            f"model type {name!r} has layers of type {', '.join(others)}; tierkv stores only "
-            f"{' and '.join(SUPPORTED_LAYER_TYPES)} KV"
-        )
-    for attribute, reason in _REFUSED_ATTRIBUTES:
-        value = getattr(cfg, attribute, None)
-        if value not in (None, 0, False, [], ()):
-            raise UnsupportedModelError(f"model type {name!r} {reason}")
-
+from .config import SUPPORTED_LAYER_TYPES, attention_kinds, check_config, model_type  # noqa: F401 (the config half)
 
 @torch.inference_mode()
 def probe_cache(model: Any, layout: PageLayout) -> None:
@@ -84,7 +39,7 @@ def probe_cache(model: Any, layout: PageLayout) -> None:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    name = getattr(_text_config(model.config), "model_type", None) or type(model).__name__
+    name = model_type(model.config)
     cache = DynamicCache()
     ids = torch.zeros((1, 2), dtype=torch.long, device=model.device)
     try:

@@ -39,6 +39,7 @@ import torch
 
 from ..errors import ConfigError
 from ..layout import PageLayout
+from .config import text_config
 
 ATTN_NAME = "tierkv_cascade"
 STATE_KWARG = "tierkv_batch"
@@ -297,7 +298,7 @@ def swapped_attention(model: Any) -> Iterator[None]:
     """Run ``model`` with ``"tierkv_cascade"`` attention inside the block, restoring its own
     after. The switch is on the shared config: do not run the model elsewhere meanwhile."""
     register()
-    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else None
+    text = text_config(model.config)
     configs = {id(c): c for c in (model.config, text) if c is not None}
     saved = {key: c._attn_implementation for key, c in configs.items()}
     try:

@@ -90,7 +90,7 @@ class Conversation:
         # A template writes its own special tokens (BOS included) into the text; the plain
         # format gets the tokenizer's, unless it follows a prefix document that has them.
         special = first and not self.uses_template and not self.prefix_tokens
-        return list(self.lm.tokenizer(text, add_special_tokens=special)["input_ids"]) if text else []
+        return self.lm.check_ids(self.lm.tokenizer(text, add_special_tokens=special)["input_ids"]) if text else []
 
     def prompt_tokens(self, user_text: str) -> tuple[str, list[int]]:
         """The next turn's rendered conversation (ending with ``user_text`` and the start of

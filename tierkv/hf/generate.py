@@ -23,7 +23,7 @@ import torch
 from ..errors import ConfigError
 from ..identity import Scope
 from ..layout import pack_pages
-from .model import context_length
+from .config import context_length
 from .prefill import DEFAULT_CHUNK_TOKENS, cache_layer_kv, cached_prefill
 
 if TYPE_CHECKING:

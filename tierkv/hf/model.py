@@ -6,6 +6,7 @@ and a tokenizer. Nothing is ever downloaded: every load passes ``local_files_onl
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,64 +14,17 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import ConfigError, NotFoundError
+from ..errors import ConfigError, InvalidTokensError
 from ..identity import Scope
-from ..layout import DTYPES, PageLayout, dtype_name
+from ..layout import DTYPES, PageLayout
 from ..model_version import model_version
-from .cache_support import check_config, probe_cache
+from .cache_support import probe_cache
+from .config import (  # noqa: F401 (re-exported: callers import them from here too)
+    DEFAULT_BLOCK_SIZE, DTYPE_CHOICES, check_config, check_model_dir, context_length, layout_from_config,
+    layout_from_model, load_config, resolve_dtype,
+)
 
-DEFAULT_BLOCK_SIZE = 16
-DTYPE_CHOICES = ("auto", *DTYPES)
-
-
-def _text_config(config: Any) -> Any:
-    # Multimodal configs nest the language model's config; plain LMs return themselves.
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if get is not None else config
-
-
-def resolve_dtype(config: Any, dtype: str = "auto") -> str:
-    """The KV dtype name a model will run in: ``dtype`` unless it is ``"auto"``, then the
-    dtype recorded in the config when tierkv supports it, else float32."""
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ConfigError(f"unsupported dtype {dtype!r}", hint=f"use one of {', '.join(DTYPE_CHOICES)}")
-        return dtype
-    recorded = getattr(config, "dtype", None) or getattr(_text_config(config), "dtype", None)
-    if isinstance(recorded, torch.dtype):
-        recorded = str(recorded).removeprefix("torch.")
-    return recorded if recorded in DTYPES else "float32"
-
-
-def layout_from_config(config: Any, dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -> PageLayout:
-    """Page layout of a transformers config: layers, KV heads (GQA aware) and head dim
-    (``config.head_dim`` when set, else ``hidden_size // num_attention_heads``).
-
-    Raises UnsupportedModelError for a model whose cache tierkv cannot store exactly
-    (:mod:`tierkv.hf.cache_support`)."""
-    check_config(config)
-    cfg = _text_config(config)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return PageLayout(
-        num_layers=int(cfg.num_hidden_layers),
-        num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        block_size=block_size,
-        dtype=dtype,
-    )
-
-
-def layout_from_model(model: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> PageLayout:
-    """Page layout of an instantiated model (its config and parameter dtype)."""
-    return layout_from_config(model.config, dtype_name(model.dtype), block_size)
-
-
-def context_length(config: Any) -> int | None:
-    """Longest sequence the model accepts (``max_position_embeddings``), if the config says."""
-    value = getattr(_text_config(config), "max_position_embeddings", None)
-    return int(value) if value else None
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,18 +37,34 @@ class LoadedModel:
     model_version: str
     model_dir: Path
     context_length: int | None
+    embedding_rows: int | None = None  # token ids the model can embed (None: not checked)
 
     def scope(self, namespace: str = "default") -> Scope:
         return Scope(model_version=self.model_version, namespace=namespace)
 
+    def check_ids(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` as a list; InvalidTokensError naming the first token the model cannot
+        embed (a tokenizer with more entries than the embedding, e.g. an added pad token)."""
+        out = [int(i) for i in ids]
+        rows = self.embedding_rows
+        if rows is not None:
+            for i in out:
+                if not 0 <= i < rows:
+                    token = self.tokenizer.convert_ids_to_tokens(i) if self.tokenizer is not None else None
+                    raise InvalidTokensError(
+                        f"token {token!r} (id {i}) is outside the model's embedding of {rows} rows",
+                        hint="remove that token from the input, or resize the model's embedding to the tokenizer",
+                    )
+        return out
+
     def encode_document(self, text: str) -> list[int]:
         """Token ids of a prefix document: special tokens (e.g. BOS) included, as a
         request that starts with this document would be tokenized."""
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        return self.check_ids(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of text that follows a prefix: tokenized on its own, no special tokens."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.check_ids(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
@@ -112,29 +82,6 @@ class LoadedModel:
 
         scope = self.scope(namespace) if store is not None else None
         return generate(self.model, tokens, store=store, scope=scope, **kwargs)
-
-
-def check_model_dir(model_dir: str | os.PathLike[str]) -> Path:
-    """Raise NotFoundError unless ``model_dir`` is a directory with a config.json."""
-    root = Path(model_dir)
-    if not root.exists():
-        raise NotFoundError(f"model directory {root} does not exist", hint="pass --model DIR of a local Hugging Face model")
-    if not root.is_dir() or not (root / "config.json").is_file():
-        raise NotFoundError(
-            f"{root} is not a model directory (no config.json)",
-            hint="pass a directory saved with save_pretrained(): config.json, weights and tokenizer files",
-        )
-    return root
-
-
-def load_config(model_dir: str | os.PathLike[str]) -> Any:
-    from transformers import AutoConfig
-
-    root = check_model_dir(model_dir)
-    try:
-        return AutoConfig.from_pretrained(root, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"cannot read the config in {root}: {exc}", hint="check config.json") from exc
 
 
 def version_of(
@@ -161,10 +108,11 @@ def load_model(
 ) -> LoadedModel:
     """Load model and tokenizer from a local directory, in eval mode.
 
-    Raises NotFoundError for a missing or non-model directory and ConfigError when the
-    weights or tokenizer cannot be loaded or do not fit together (a tokenizer whose
-    vocabulary is larger than the model's embedding would index past it), and
-    UnsupportedModelError (a ConfigError) for a model whose cache tierkv cannot store.
+    Raises NotFoundError for a missing or non-model directory, ConfigError when the weights
+    or tokenizer cannot be loaded, and UnsupportedModelError (a ConfigError) for a model
+    whose cache tierkv cannot store. A tokenizer with more entries than the model's
+    embedding is a logged warning; encoding one of the extra tokens raises
+    InvalidTokensError (:meth:`LoadedModel.check_ids`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -188,10 +136,10 @@ def load_model(
     model.to(device).eval()
     embedding_rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embedding_rows:
-        raise ConfigError(
-            f"the tokenizer in {root} has {len(tokenizer)} tokens but the model embeds only {embedding_rows}",
-            hint="the tokenizer does not belong to this model; save the matching tokenizer into the directory",
-        )
+        # Common after fine-tuning (an added pad token): text that never produces the extra
+        # ids runs fine, so this is a warning; encoding one of them is the error.
+        log.warning("the tokenizer in %s has %d tokens but the model embeds only %d; text containing the "
+                    "extra tokens will be refused", root, len(tokenizer), embedding_rows)
     layout = layout_from_model(model, block_size)
     probe_cache(model, layout)
     return LoadedModel(
@@ -201,4 +149,5 @@ def load_model(
         model_version=model_version(root, layout, memo_path=memo_path),
         model_dir=root,
         context_length=context_length(config),
+        embedding_rows=embedding_rows,
     )

@@ -27,7 +27,7 @@ import torch
 from ..errors import InvalidTokensError, PageFormatError
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout, kv_buffer, pack_pages, split_layers
-from .model import layout_from_model
+from .config import layout_from_model
 
 from ..blocks import Priority
 
