@@ -47,7 +47,7 @@ def wait_for(pred, timeout: float, interval: float = 0.1) -> bool:
 def spawn(work: Path, name: str, master: MasterProcess) -> tuple[subprocess.Popen, Path]:
     sock = work / "run" / f"{name}.sock"
     env = {k: v for k, v in os.environ.items() if k != "MC_TCP_BIND_ADDRESS"}  # the daemon sets it
-    cmd = [sys.executable, "-m", "tierkv.daemon.server", "--home", str(work / name), "--socket", str(sock),
+    cmd = [sys.executable, "-m", "tierkv", "serve", "--home", str(work / name), "--socket", str(sock),
            "--layout", LAYOUT_ARG, "--device", "cpu", "--device-bytes", str(16 * LAYOUT.page_bytes),
            "--host-bytes", str(8 * LAYOUT.slot_bytes), "--disk-bytes", str(64 * LAYOUT.slot_bytes),
            "--staging-bytes", "256KiB", "--shm-dir", str(work / f"shm-{name}"), "--log-level", "INFO",

@@ -91,10 +91,10 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
 
 
 def spawn_daemon(workdir: Path, *extra: str, env: dict | None = None, layout: str | None = LAYOUT_ARG) -> subprocess.Popen:
-    """``python -m tierkv.daemon.server`` in a subprocess; returns once its socket answers.
+    """``python -m tierkv serve`` in a subprocess; returns once its socket answers.
     ``layout=None``: no --layout (clients declare theirs)."""
     sock = workdir / "run" / "d.sock"
-    cmd = [sys.executable, "-m", "tierkv.daemon.server", "--home", str(workdir / "home"), "--socket", str(sock),
+    cmd = [sys.executable, "-m", "tierkv", "serve", "--home", str(workdir / "home"), "--socket", str(sock),
            *(("--layout", layout) if layout else ()), "--device", "cpu", "--device-bytes", "1MiB", "--host-bytes", "2MiB",
            "--disk-bytes", "8MiB", "--staging-bytes", "256KiB", "--log-level", "WARNING", *extra]
     e = dict(os.environ, **(env or {}), TIERKV_SHM_TEST=str(workdir))

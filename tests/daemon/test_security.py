@@ -95,7 +95,7 @@ def test_opening_the_home_beside_the_daemon_names_the_socket(daemon):
     assert isinstance(info.value, StoreLockedError)
     # A second daemon (another process, another socket) on the same home is refused too.
     other = daemon.config.home.parent / "r2" / "x.sock"
-    proc = subprocess.run([sys.executable, "-m", "tierkv.daemon.server", "--home", str(daemon.config.home),
+    proc = subprocess.run([sys.executable, "-m", "tierkv", "serve", "--home", str(daemon.config.home),
                            "--socket", str(other), "--device", "cpu", "--device-bytes", "1MiB",
                            "--shm-dir", str(daemon.config.shm_dir)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0

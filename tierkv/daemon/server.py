@@ -482,13 +482,3 @@ class Daemon:
             assert conn.entry is None or any(conn.entry.store is s for s in served), \
                 f"connection {conn.id} bound to a layout the daemon no longer serves"
 
-
-def main() -> None:
-    """``python -m tierkv.daemon.server ...``: the same as ``tierkv serve ...``."""
-    from ..cli.serve import serve
-
-    serve(prog_name="tierkv-daemon")
-
-
-if __name__ == "__main__":
-    main()
