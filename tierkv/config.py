@@ -12,6 +12,10 @@ from .layout import PageLayout
 
 MiB = 1 << 20
 GiB = 1 << 30
+# The environment variables tierkv reads, all here (only the CLI and `tierkv serve` read them).
+HOME_ENV = "TIERKV_HOME"  # the store home
+SOCKET_ENV = "TIERKV_SOCKET"  # the daemon's socket
+KEYS_ENV = "TIERKV_KEYS"  # the bundle-signing keyring
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 import click
 
-from ..config import default_home
+from ..config import HOME_ENV, SOCKET_ENV, default_home
 from ..errors import LayoutMismatchError, TierKVError
 from ..layout import PageLayout
 
@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     from ..daemon.client import Client
 
 F = TypeVar("F", bound=Callable[..., Any])
-HOME_ENV = "TIERKV_HOME"
-SOCKET_ENV = "TIERKV_SOCKET"
 
 
 class TierKVGroup(click.Group):

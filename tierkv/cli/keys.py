@@ -15,10 +15,10 @@ from typing import Any, Callable, TypeVar
 
 import click
 
+from ..config import KEYS_ENV
 from .common import emit
 
 F = TypeVar("F", bound=Callable[..., Any])
-KEYS_ENV = "TIERKV_KEYS"
 
 
 def default_keys_dir() -> Path:

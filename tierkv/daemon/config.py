@@ -16,13 +16,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import MiB, GiB, default_home
+from ..config import HOME_ENV, SOCKET_ENV, GiB, MiB, default_home
 from ..errors import ConfigError
 from ..layout import PageLayout
 from .quotas import Quotas
 
-SOCKET_ENV = "TIERKV_SOCKET"
-HOME_ENV = "TIERKV_HOME"
 BIND_ENV = "MC_TCP_BIND_ADDRESS"  # the Mooncake transfer engine's bind address
 DEFAULT_BIND = "127.0.0.1"
 DEFAULT_MAX_LAYOUTS = 4
