@@ -96,9 +96,6 @@ class MemoryTier:
         else:
             cpu_copy(dst, page)
 
-    def read(self, slot: int) -> torch.Tensor:
-        return self._pool[slot].clone()
-
     def describe(self) -> dict[str, object]:
         return {
             "kind": "cuda" if self.device.type == "cuda" else ("pinned-shm" if self.pinned else "shm"),
