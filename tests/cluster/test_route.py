@@ -108,7 +108,7 @@ def daemon_socket():
     import tempfile
     import threading
 
-    server = pytest.importorskip("tierkv.daemon.server")
+    from tierkv.daemon import server  # tierkv's own: an import error is a failure, never a skip
     from tierkv.daemon.config import DaemonConfig
 
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvr-"))  # AF_UNIX paths are short
@@ -120,7 +120,7 @@ def daemon_socket():
     t = threading.Thread(target=d.run, daemon=True)
     t.start()
     if not d.ready.wait(30):
-        pytest.skip("the tierkv daemon did not start")
+        pytest.fail("the tierkv daemon did not start within 30 s")  # tierkv's failure, never a skip
     yield config.socket
     d.request_stop()
     t.join(30)
