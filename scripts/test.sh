@@ -15,6 +15,14 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
         || echo "warning: could not install Mooncake's libraries; the real-Mooncake tests will skip" >&2
 fi
 
+# The real-fault tests (tests/store/test_real_faults.py, root only) mount loop ext4 images:
+# mkfs.ext4 (e2fsprogs) and losetup/mount (mount) must exist.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+        && ! { command -v mkfs.ext4 && command -v losetup; } >/dev/null 2>&1; then
+    { apt-get update -qq && apt-get install -y -qq e2fsprogs mount >/dev/null; } \
+        || echo "warning: could not install e2fsprogs/mount; the real-fault tests will skip" >&2
+fi
+
 python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[test,cluster]'

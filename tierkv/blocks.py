@@ -2,15 +2,19 @@
 
 :class:`BlockTable` is the one owner of a block's locations: only :meth:`place` and
 :meth:`unplace` change them (and keep the per-tier LRU lists in step). Leases and in-flight
-I/O are counted on the block; :meth:`victim` never returns a block that is leased, busy,
+I/O are counted on the block and changed only here, through paired methods that check each
+transition (:meth:`lease`/:meth:`unlease`, :meth:`busy`/:meth:`unbusy`, and :meth:`held` for
+a scope); :meth:`victim` never returns a block that is leased, busy,
 pinned, or that still has a child block in the same tier (leaf first: a block without its
 prefix is useless, so prefixes outlive their extensions).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Callable, Iterable, Iterator
 
 from .tiers.base import TierName
 
@@ -139,6 +143,48 @@ class BlockTable:
         block._update_top()
         self._lru[tier][block.priority].pop(block.key, None)
         return slot
+
+    # ---- holds: leases (a reader owns the pages) and busy counts (I/O in flight) ----------
+    # Paired and asserting: a count never goes below zero, and a caller cannot forget the
+    # second half of a pair inside a scope (held). "Unheld" (the return value of unlease and
+    # unbusy) means no lease and no I/O: a dead block may then be freed by its owner.
+    @staticmethod
+    def lease(block: Block) -> None:
+        block.leases += 1
+
+    @staticmethod
+    def unlease(block: Block) -> bool:
+        """Drop one lease of ``block``; returns whether nothing holds it any more."""
+        assert block.leases > 0, f"block {block.key.hex()[:12]} released more often than leased"
+        block.leases -= 1
+        return not block.leases and not block.busy
+
+    @staticmethod
+    def busy(block: Block) -> None:
+        block.busy += 1
+
+    @staticmethod
+    def unbusy(block: Block) -> bool:
+        """End one in-flight I/O on ``block``; returns whether nothing holds it any more."""
+        assert block.busy > 0, f"block {block.key.hex()[:12]}: busy count below zero"
+        block.busy -= 1
+        return not block.leases and not block.busy
+
+    @contextlib.contextmanager
+    def held(self, blocks: Iterable[Block], on_unheld: Callable[[Block], None] | None = None) -> Iterator[list[Block]]:
+        """Keep ``blocks`` busy (never a victim) for the scope; every one is released even
+        when the body raises, and ``on_unheld(b)`` is called for each block nothing holds
+        any more (the store frees dead blocks there)."""
+        blocks = list(blocks)
+        for b in blocks:
+            self.busy(b)
+        try:
+            yield blocks
+        finally:
+            unheld = [b for b in blocks if self.unbusy(b)]  # every count first, then the frees
+            if on_unheld is not None:
+                for b in unheld:
+                    on_unheld(b)
 
     def set_priority(self, block: Block, priority: Priority) -> None:
         for t in block.loc:

@@ -18,6 +18,16 @@ SOCKET_ENV = "TIERKV_SOCKET"  # the daemon's socket
 KEYS_ENV = "TIERKV_KEYS"  # the bundle-signing keyring
 
 
+def check_sizes(config: object, *names: str) -> None:
+    """Raise ValueError unless each attribute ``names`` of ``config`` is a byte count: a
+    non-negative int (a bool is refused). The one capacity check of every configuration
+    (StoreConfig, DaemonConfig, the vLLM connector's)."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Where a store lives and how big each tier is (capacities in bytes).
@@ -51,10 +61,7 @@ class StoreConfig:
         if not isinstance(self.layout, PageLayout):
             raise ValueError("layout must be a PageLayout")
         slot = self.layout.slot_bytes
-        for name in ("device_bytes", "host_bytes", "disk_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        check_sizes(self, "device_bytes", "host_bytes", "disk_bytes", "index_map_bytes")
         if self.device_bytes < self.layout.page_bytes:
             raise ValueError(
                 f"device_bytes={self.device_bytes} is below one page ({self.layout.page_bytes} bytes); "

@@ -59,8 +59,29 @@ class DiskWriteError(TierKVError):
     default_hint = "the disk tier is marked degraded; free space or fix the device, the store keeps serving from memory"
 
 
-class IndexFullError(TierKVError):
+class IndexWriteError(TierKVError):
+    """The index could not record a change (LMDB refused the write: a read-only, failing or
+    full file system). Nothing of the change was committed; what was stored before stays
+    readable and served."""
+
+    default_hint = "check the file system holding HOME/index (read-only? failing?); the store keeps serving what it holds"
+
+
+class IndexFullError(IndexWriteError):
     default_hint = "raise index_map_bytes (--index-map-size) or run `tierkv gc`"
+
+
+class IndexNoSpaceError(IndexWriteError):
+    """The file system holding the index is full (ENOSPC), before LMDB's map size was reached."""
+
+    default_hint = "free space on the file system holding HOME/index, or move the home to a larger one"
+
+
+class IndexReadError(TierKVError):
+    """LMDB failed to read the index (an I/O error, or its reader table stayed full after
+    clearing the slots of dead processes)."""
+
+    default_hint = "check the file system holding HOME/index; `tierkv verify --home HOME` reports what is readable"
 
 
 class IndexDamagedError(TierKVError):

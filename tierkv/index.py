@@ -2,7 +2,13 @@
 
 Usage rules (py-lmdb's): one environment per process, opened after any fork; short
 transactions, always in ``with``; no buffer outlives its transaction (we copy out with
-``bytes()``); ``reader_check()`` at open clears reader slots of killed processes.
+``bytes()``); ``reader_check()`` clears reader slots of killed processes: at open, then
+every ``READER_CHECK_S`` seconds (checked at the start of each transaction, so a store that
+is used keeps its reader table clean, embedded or under the daemon), and at once when a read
+finds the table full (then it retries once).
+Errors: no ``lmdb.Error`` leaves this module. A failed write is an ``IndexWriteError``
+(``IndexFullError`` at the map size, ``IndexNoSpaceError`` when the file system is full);
+nothing of it was committed. A failed read is an ``IndexReadError``.
 Durability: ``sync=True, metasync=True`` (never ``sync=False`` with ``writemap``), so a
 committed transaction survives a crash. The store commits a block only after its page is
 on disk and fsynced, and deletes by committing here first.
@@ -12,16 +18,19 @@ pickle: see docs/format.md.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import lmdb
 
-from .errors import IndexFullError
+from .errors import IndexFullError, IndexNoSpaceError, IndexReadError, IndexWriteError
 from .index_check import check_index, peek_in_child
 
 log = logging.getLogger(__name__)
@@ -29,6 +38,8 @@ T = TypeVar("T")
 RECORD_VERSION = 1
 NO_DISK = -1
 _HEAD = struct.Struct("<B32s32sBQqdHI")
+READER_CHECK_S = 30.0  # how often a used index clears reader slots of dead processes
+MAX_READERS = 256
 
 
 @dataclass(frozen=True)
@@ -88,29 +99,92 @@ def peek_meta(path: Path, name: str) -> str | None:
     return peek_in_child(path, name)
 
 
+def _copy(v: bytes | None) -> bytes | None:
+    """Copy a value out of its transaction (a zero-copy buffer dies with it)."""
+    return None if v is None else bytes(v)
+
+
 class Index:
-    def __init__(self, path: Path, map_size: int) -> None:
+    def __init__(self, path: Path, map_size: int, max_readers: int = MAX_READERS) -> None:
         # Before mapping: a truncated or unreadable file would kill this process (SIGBUS,
         # SIGABRT); the check raises IndexDamagedError instead (index_check.py).
         check_index(path)
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.env = lmdb.open(
-            str(path), map_size=map_size, max_dbs=8, subdir=True, sync=True, metasync=True,
-            lock=True, max_readers=256,
-        )
-        self.stale_readers_cleared = self.env.reader_check()
-        self._blocks = self.env.open_db(b"blocks")
-        self._manifests = self.env.open_db(b"manifests")
-        self._meta = self.env.open_db(b"meta")
-        self._quarantine = self.env.open_db(b"quarantine")
+        try:
+            self.env = lmdb.open(
+                str(path), map_size=map_size, max_dbs=8, subdir=True, sync=True, metasync=True,
+                lock=True, max_readers=max_readers,
+            )
+        except lmdb.Error as e:
+            raise IndexReadError(f"cannot open the index at {path}: {e}") from e
+        try:
+            self.stale_readers_cleared = 0
+            self._last_reader_check = 0.0
+            self.reader_check()
+            self._blocks = self.env.open_db(b"blocks")
+            self._manifests = self.env.open_db(b"manifests")
+            self._meta = self.env.open_db(b"meta")
+            self._quarantine = self.env.open_db(b"quarantine")
+        except lmdb.Error as e:
+            self.env.close()
+            raise IndexWriteError(f"cannot prepare the index at {path}: {e}") from e
         self.resizes = 0
+
+    def reader_check(self) -> int:
+        """Clear reader slots left by dead processes (a killed client's read transaction
+        pins old pages and takes a slot for good); returns how many were cleared."""
+        self._last_reader_check = time.monotonic()
+        try:
+            n = int(self.env.reader_check())
+        except lmdb.Error as e:
+            raise IndexReadError(f"reader check of the index at {self.path} failed: {e}") from e
+        if n:
+            log.warning("index %s: cleared %d reader slot(s) of dead processes", self.path, n)
+            self.stale_readers_cleared += n
+        return n
+
+    def _maybe_reader_check(self) -> None:
+        if time.monotonic() - self._last_reader_check >= READER_CHECK_S:
+            self.reader_check()
+
+    def _read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in a read transaction. A full reader table (slots of killed readers)
+        is cleared with reader_check() and the read retried once."""
+        self._maybe_reader_check()
+        for attempt in (0, 1):
+            try:
+                with self.env.begin() as txn:
+                    return fn(txn)
+            except lmdb.ReadersFullError as e:
+                if attempt or not self.reader_check():
+                    raise IndexReadError(
+                        f"the index at {self.path} has no free reader slot ({e})",
+                        hint="too many concurrent readers of HOME/index; close other openers of this home",
+                    ) from e
+            except lmdb.Error as e:
+                raise IndexReadError(f"reading the index at {self.path} failed: {e}") from e
+        raise AssertionError("unreachable")
+
+    def _write_failed(self, e: lmdb.Error) -> IndexWriteError:
+        """The typed error for a write LMDB refused. LMDB reports ENOSPC during a commit as
+        an I/O error, so a full file system is recognised by its free space."""
+        msg = f"the index at {self.path} could not record a change: {e}"
+        try:
+            st = os.statvfs(self.path)
+            full = st.f_bavail * st.f_frsize < (1 << 20)
+        except OSError:
+            full = False
+        if full or isinstance(e, lmdb.DiskError) and os.strerror(errno.ENOSPC) in str(e):
+            return IndexNoSpaceError(msg)
+        return IndexWriteError(msg)
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in a write transaction. The first MapFullError of this environment's
         life doubles the map and retries; after that the index is full (IndexFullError):
         ``index_map_bytes`` is the configured size limit, and growing without bound would
         turn a runaway writer into a full disk."""
+        self._maybe_reader_check()
         for attempt in (0, 1):
             try:
                 with self.env.begin(write=True) as txn:
@@ -120,15 +194,20 @@ class Index:
                     break
                 new = self.env.info()["map_size"] * 2
                 log.warning("index map full, growing to %d bytes", new)
-                self.env.set_mapsize(new)
+                try:
+                    self.env.set_mapsize(new)
+                except lmdb.Error as e:
+                    raise self._write_failed(e) from e
                 self.resizes += 1
+            except lmdb.Error as e:
+                log.error("index write failed: %s", e)
+                raise self._write_failed(e) from e
         raise IndexFullError(f"the index at {self.path} is full at {self.env.info()['map_size']} bytes")
 
     # ---- meta ------------------------------------------------------------------------
     def get_meta(self, name: str) -> str | None:
-        with self.env.begin() as txn:
-            v = txn.get(name.encode(), db=self._meta)
-            return None if v is None else bytes(v).decode()
+        v = self._read(lambda txn: _copy(txn.get(name.encode(), db=self._meta)))
+        return None if v is None else v.decode()
 
     def put_meta(self, name: str, value: str) -> None:
         self._write(lambda txn: txn.put(name.encode(), value.encode(), db=self._meta))
@@ -153,14 +232,12 @@ class Index:
         self._write(delete)
 
     def get_block(self, key: bytes) -> BlockRecord | None:
-        with self.env.begin() as txn:
-            raw = txn.get(key, db=self._blocks)
-            return None if raw is None else BlockRecord.decode(key, bytes(raw))
+        raw = self._read(lambda txn: _copy(txn.get(key, db=self._blocks)))
+        return None if raw is None else BlockRecord.decode(key, raw)
 
     def iter_blocks(self) -> Iterator[tuple[bytes, BlockRecord | None]]:
         """Every stored block; ``None`` for a record that does not decode (the caller drops it)."""
-        with self.env.begin() as txn:
-            items = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._blocks)]
+        items = self._read(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._blocks)])
         for k, v in items:
             try:
                 yield k, BlockRecord.decode(k, v)
@@ -168,8 +245,7 @@ class Index:
                 yield k, None
 
     def count_blocks(self) -> int:
-        with self.env.begin() as txn:
-            return int(txn.stat(self._blocks)["entries"])
+        return self._read(lambda txn: int(txn.stat(self._blocks)["entries"]))
 
     # ---- quarantine ------------------------------------------------------------------
     def quarantine(self, key: bytes, reason: str, delete: bool = True) -> None:
@@ -183,8 +259,8 @@ class Index:
         self._write(q)
 
     def quarantined(self) -> dict[str, str]:
-        with self.env.begin() as txn:
-            return {bytes(k).hex(): json.loads(bytes(v))["reason"] for k, v in txn.cursor(db=self._quarantine)}
+        items = self._read(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._quarantine)])
+        return {k.hex(): json.loads(v)["reason"] for k, v in items}
 
     # ---- manifests -------------------------------------------------------------------
     def put_manifest(self, name: str, manifest: dict) -> None:
@@ -192,13 +268,12 @@ class Index:
         self._write(lambda txn: txn.put(name.encode(), raw, db=self._manifests))
 
     def get_manifest(self, name: str) -> dict | None:
-        with self.env.begin() as txn:
-            v = txn.get(name.encode(), db=self._manifests)
-            return None if v is None else json.loads(bytes(v))
+        v = self._read(lambda txn: _copy(txn.get(name.encode(), db=self._manifests)))
+        return None if v is None else json.loads(v)
 
     def list_manifests(self) -> dict[str, dict]:
-        with self.env.begin() as txn:
-            return {bytes(k).decode(): json.loads(bytes(v)) for k, v in txn.cursor(db=self._manifests)}
+        items = self._read(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._manifests)])
+        return {k.decode(): json.loads(v) for k, v in items}
 
     def delete_manifest(self, name: str) -> bool:
         return bool(self._write(lambda txn: txn.delete(name.encode(), db=self._manifests)))

@@ -69,7 +69,8 @@ class Ingest(Placement):
                     # A stored block under this key with other token ids (a corrupt record or
                     # a collision): it can never be served, so the new block replaces it.
                     self.stats_counters.token_mismatch += 1
-                    self._quarantine(old, "stored token ids differ from a put's")
+                    if not self._quarantine(old, "stored token ids differ from a put's"):
+                        continue  # the index refused the quarantine: keep the old one, store nothing
                     old = None
                 if keys[i] in self._writing or old is not None:
                     continue
@@ -131,6 +132,20 @@ class Ingest(Placement):
             self.disk.free(loc)
         self._writing.difference_update(b.key for b in new)
 
+    def _unplace_new(self, new: list[Block]) -> None:
+        """Undo the memory part of a put that failed while placing (held: the lock): its
+        blocks that are not durable leave every tier and the table, so the put leaves
+        nothing behind (no block without pages, no slot). Blocks already on disk stay: they
+        are indexed and complete, and undoing them would need an index write, which may be
+        what just failed."""
+        for b in new:
+            if DISK in b.loc or self.table.get(b.key) is not b:
+                continue
+            for t in list(b.loc):
+                self._free(b, t)
+            if self.table.get(b.key) is b:
+                self.table.remove(b)
+
     def _place_new(self, keys: list[bytes], new: list[Block], disk_plan: list[tuple[int, Block]],
                    page_of: dict[bytes, torch.Tensor]) -> None:
         """Enter a put's blocks in the table and copy them into memory (held: the lock).
@@ -145,24 +160,24 @@ class Ingest(Placement):
             if self.table.get(b.key) is None:
                 self.table.add(b)
         chain = [blk for k in keys if (blk := self.table.get(k)) is not None]
-        for blk in chain:
-            blk.busy += 1
         try:
-            tiers = [DEVICE, HOST]
-            for b in new:
-                while tiers:
-                    slot = self._alloc_mem(tiers[0])
-                    if slot is not None:
-                        self._tier(tiers[0]).write(slot, page_of[b.key])
-                        self.table.place(b, tiers[0], slot)
-                        break
-                    tiers.pop(0)
-                if not b.loc and b.priority != Priority.EPHEMERAL:
-                    self._flush_to_disk(b, page_of[b.key])  # write-back: memory is full
-                if not b.loc:
-                    self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
+            with self._held(chain):
+                tiers = [DEVICE, HOST]
+                for b in new:
+                    while tiers:
+                        slot = self._alloc_mem(tiers[0])
+                        if slot is not None:
+                            self._tier(tiers[0]).write(slot, page_of[b.key])
+                            self.table.place(b, tiers[0], slot)
+                            break
+                        tiers.pop(0)
+                    if not b.loc and b.priority != Priority.EPHEMERAL:
+                        self._flush_to_disk(b, page_of[b.key])  # write-back: memory is full
+                    if not b.loc:
+                        self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
+        except BaseException:
+            self._unplace_new(new)
+            raise
         finally:
-            for blk in chain:
-                self._unbusy(blk)
             self._writing.difference_update(b.key for b in new)
         self.table.touch_chain([blk for blk in chain if self.table.get(blk.key) is blk])

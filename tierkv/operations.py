@@ -146,30 +146,43 @@ class StoreOperations(Placement):
         return InvalidateResult(len(victims), size)
 
     def verify(self, repair: bool = False) -> VerifyResult:
-        """Re-read and checksum every disk page; with ``repair`` quarantine the bad ones."""
+        """Re-read and checksum every disk page; with ``repair`` quarantine the bad ones.
+
+        Only a checksum mismatch or a slot its segment provably lacks makes a page corrupt.
+        A page that cannot be read (an I/O error) is reported as unreadable, never
+        quarantined: the error says nothing about the page (docs/operations.md)."""
         self._check_usable()
         with self._lock:
             targets = [(b, b.loc[DISK]) for b in self.table.blocks.values() if DISK in b.loc]
             for b, _ in targets:
-                b.busy += 1
+                self.table.busy(b)
         bad: list[Block] = []
+        unreadable: list[tuple[Block, OSError]] = []
         try:
             for b, loc in targets:
                 try:
                     ok = page_checksum(b.key, self.disk.read_page(loc)) == b.checksum
-                except OSError:
+                except OSError as e:
+                    if not self.disk.page_missing(loc):
+                        unreadable.append((b, e))
+                        continue
                     ok = False
                 if not ok:
                     bad.append(b)
         finally:
             with self._lock:
+                for b, _ in targets:
+                    self._unbusy(b)  # frees blocks invalidated while they were being read
+                for _, e in unreadable:
+                    self.disk.note_read_error(e)
+                if targets and not unreadable:
+                    self.disk.note_read_ok()
                 if repair:
                     for b in bad:
                         if not b.dead:
-                            self._quarantine(b, "page checksum mismatch (verify)")
-                for b, _ in targets:
-                    self._unbusy(b)  # frees blocks invalidated while they were being read
-        return VerifyResult(len(targets), tuple(b.key.hex() for b in bad), repair)
+                            self._quarantine(b, "page checksum mismatch or page missing (verify)")
+        return VerifyResult(len(targets), tuple(b.key.hex() for b in bad), repair,
+                            unreadable=tuple(b.key.hex() for b, _ in unreadable))
 
     def stats(self) -> StoreStats:
         """Per-tier occupancy and counters (``as_dict()`` is the JSON shape)."""

@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from .blocks import Block, BlockTable, Priority
-from .errors import DiskWriteError, IndexFullError, LeaseError
+from .errors import DiskWriteError, IndexWriteError, LeaseError
 from .index import BlockRecord
 from .tiers import TierName
 
@@ -74,9 +74,7 @@ class Placement:
         loc = self.disk.alloc(model_version)
         if loc is not None:
             return loc  # the common case: no eviction, so nothing to protect
-        for k in keep:
-            k.busy += 1
-        try:
+        with self._held(keep):
             while loc is None:
                 victim = self.table.victim(DISK)
                 if victim is None:
@@ -84,9 +82,6 @@ class Placement:
                 self._evict(victim, DISK)
                 loc = self.disk.alloc(model_version)
             return loc
-        finally:
-            for k in keep:
-                self._unbusy(k)
 
     def _ancestors(self, b: Block) -> list[Block]:
         """The cached prefix of ``b``, nearest first."""
@@ -101,8 +96,7 @@ class Placement:
         """Take ``b`` out of tier ``t``: demote it to the host when it leaves the device, and
         write it back to disk when this was its last copy (ephemeral blocks are just dropped)."""
         self.stats_counters.evictions[t.value] += 1
-        b.busy += 1
-        try:
+        with self.table.held([b]):  # the nested evictions a move triggers never pick b
             if (t == DEVICE and HOST not in b.loc and self.host.slots.capacity
                     and (DISK not in b.loc or b.priority != Priority.EPHEMERAL)):
                 self._demote(b, DEVICE, HOST)
@@ -114,8 +108,6 @@ class Placement:
                 # Index first, then the slot: a crash in between leaves an unreferenced slot,
                 # which the next open reclaims.
                 self.index.delete_blocks([b.key])
-        finally:
-            b.busy -= 1
         if self.eviction_listeners and set(b.loc) == {t}:
             # Its last local copy is going: listeners (a cluster node) may keep it elsewhere.
             self.eviction_listeners.notify(b, t.value, lambda: self._page_copy(b, t))
@@ -161,7 +153,7 @@ class Placement:
         try:
             # Making room must not evict b nor its prefix.
             loc = self._alloc_disk(b.model_version, [*keep, b])
-        except (DiskWriteError, IndexFullError) as e:  # write-back is best effort
+        except (DiskWriteError, IndexWriteError) as e:  # write-back is best effort
             log.warning("write-back of block %s found no room: %s", b.key.hex()[:12], e)
             return False
         if loc is None:
@@ -174,7 +166,8 @@ class Placement:
             record = self._record(b, loc)
             self.disk.write_pages([(loc, page.detach().cpu())], [record.slot_body()])
             self.index.put_blocks([record])
-        except (DiskWriteError, IndexFullError) as e:
+        except (DiskWriteError, IndexWriteError) as e:
+            # Nothing points at the slot (the commit failed or never ran): give it back.
             log.warning("write-back of block %s failed: %s", b.key.hex()[:12], e)
             self.disk.free(loc)
             return False
@@ -216,12 +209,16 @@ class Placement:
         b.loc.clear()
         return freed
 
+    def _held(self, blocks: Sequence[Block]):  # type: ignore[no-untyped-def]
+        """``with self._held(blocks):`` keeps them busy for the scope; blocks retired
+        meanwhile are freed at its end if nothing else holds them."""
+        return self.table.held(blocks, self._free_if_unheld)
+
     def _unbusy(self, b: Block) -> None:
         """End an in-flight read of ``b``; a block retired meanwhile is freed now if nothing
         else holds it."""
-        b.busy -= 1
-        assert b.busy >= 0, "busy count below zero"
-        self._free_if_unheld(b)
+        if self.table.unbusy(b):
+            self._free_if_unheld(b)
 
     def _free_if_unheld(self, b: Block) -> None:
         if b.dead and not b.leases and not b.busy and b in self._dead:
@@ -236,8 +233,7 @@ class Placement:
             if b.leases <= 0:
                 raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
         for b in blocks:
-            b.leases -= 1
-            if b.leases or b.busy:
+            if not self.table.unlease(b):
                 continue
             if b.dead:
                 self._free_if_unheld(b)
@@ -250,9 +246,20 @@ class Placement:
         self.index.quarantine(key, reason)
         self.stats_counters.quarantined += 1
 
-    def _quarantine(self, b: Block, reason: str) -> None:
-        self._quarantine_key(b.key, reason)  # records the reason and deletes the entry in one commit
+    def _quarantine(self, b: Block, reason: str) -> bool:
+        """Drop a block proven bad (failed checksum, wrong token ids). Returns False when the
+        index could not record it: the block then stays where it is, and since every read
+        checks it again it is never served; it is quarantined at a later read or open.
+        Dropping it from memory only would free its disk slot while the index still points
+        there, and a new page in that slot would be lost to the stale record at the next open."""
+        try:
+            self._quarantine_key(b.key, reason)  # records the reason and deletes the entry in one commit
+        except IndexWriteError as e:
+            self.stats_counters.quarantine_failed += 1
+            log.error("could not quarantine block %s (%s): %s", b.key.hex()[:16], reason, e)
+            return False
         self._retire(b, index_done=True)
+        return True
 
     def _record(self, b: Block, disk_loc: int) -> BlockRecord:
         return BlockRecord(

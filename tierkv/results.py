@@ -49,8 +49,10 @@ class InvalidateResult:
 @dataclass(frozen=True)
 class VerifyResult:
     checked: int
-    corrupt: tuple[str, ...]  # hex keys whose page failed its checksum or could not be read
+    corrupt: tuple[str, ...]  # hex keys whose page failed its checksum or is provably missing
     repaired: bool
+    # Hex keys whose page could not be read (an I/O error): not corrupt, never quarantined.
+    unreadable: tuple[str, ...] = ()
 
 
 class ChainTokens(NamedTuple):
@@ -117,6 +119,9 @@ class CounterStats:
     promoted_bytes: int = 0
     demoted_bytes: int = 0
     quarantined: int = 0
+    quarantine_failed: int = 0
+    wait_timeouts: int = 0
+    unflushed_at_close: int = 0
     token_mismatch: int = 0
     puts: int = 0
     blocks_stored: int = 0

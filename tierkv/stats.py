@@ -21,6 +21,9 @@ class Counters:
     promoted_bytes: int = 0
     demoted_bytes: int = 0
     quarantined: int = 0
+    quarantine_failed: int = 0  # bad pages the index could not record (they stay, never served)
+    wait_timeouts: int = 0  # blocks an acquire gave up waiting for (another thread was reading them)
+    unflushed_at_close: int = 0  # memory-only blocks close() could not write back
     token_mismatch: int = 0
     puts: int = 0
     blocks_stored: int = 0
@@ -59,6 +62,9 @@ class Counters:
             "promoted_bytes": self.promoted_bytes,
             "demoted_bytes": self.demoted_bytes,
             "quarantined": self.quarantined,
+            "quarantine_failed": self.quarantine_failed,
+            "wait_timeouts": self.wait_timeouts,
+            "unflushed_at_close": self.unflushed_at_close,
             "token_mismatch": self.token_mismatch,
             "puts": self.puts,
             "blocks_stored": self.blocks_stored,

@@ -23,9 +23,8 @@ import torch
 
 from .api import StoreAPI
 from .blocks import Block, BlockTable, Priority
-from .checksum import page_checksum
 from .config import StoreConfig
-from .errors import ForkedStoreError, LayoutMismatchError, LeaseError, NotFoundError
+from .errors import ForkedStoreError, LayoutMismatchError, LeaseError, NotFoundError, TierKVError
 from .eviction import EvictedBlock, EvictionListeners
 from .home import HomeLock
 from .identity import Scope, as_token_array, iter_block_keys
@@ -33,6 +32,7 @@ from .index import NO_DISK, Index
 from .layout import PageLayout
 from .ingest import Ingest
 from .operations import StoreOperations
+from .promotion import PlannedRead, Promotion
 from .results import Lease, LookupResult
 from .stats import Counters
 from .tiers import DiskTier, MemoryTier, TierName
@@ -43,10 +43,11 @@ FORMAT_VERSION = "1"
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
-class Store(StoreOperations, Ingest, StoreAPI):
+class Store(StoreOperations, Ingest, Promotion, StoreAPI):
     """A tierkv store opened in this process. Build with :func:`tierkv.open`.
 
-    The read path (lookup, acquire, release, prefetch) lives here; ``put`` in
+    The read path (lookup, acquire, release, prefetch) lives here, the reads that bring
+    blocks into the device tier in :class:`~tierkv.promotion.Promotion`; ``put`` in
     :class:`~tierkv.ingest.Ingest`; operations (pin,
     invalidate, verify, stats, manifests) in :class:`~tierkv.operations.StoreOperations`;
     the placement machinery (allocation, eviction, demotion, write-back, retirement) in
@@ -195,8 +196,10 @@ class Store(StoreOperations, Ingest, StoreAPI):
         tier can be read a window at a time.
 
         The lease covers fewer blocks than ``lookup`` finds when the device tier cannot hold
-        them all (other leases) or a page fails verification (it is quarantined). Leased
-        blocks are never evicted, moved or overwritten until :meth:`release`.
+        them all (other leases), a page fails verification (it is quarantined) or cannot be
+        read (an I/O error: the block stays stored, the disk tier is marked read-degraded),
+        or another thread's read of a block does not finish within ``PROMOTION_WAIT_S``.
+        Leased blocks are never evicted, moved or overwritten until :meth:`release`.
         """
         self._check_usable()
         arr = as_token_array(tokens)
@@ -207,7 +210,7 @@ class Store(StoreOperations, Ingest, StoreAPI):
             if max_blocks is not None:
                 chain = chain[:max_blocks]
             self.table.touch_chain(chain)
-            plan: list[tuple[int, Block, int, TierName]] = []
+            plan: list[PlannedRead] = []
             waits: list[tuple[int, threading.Event]] = []
             # Lease block by block: blocks further along the chain are not leased yet, so
             # making room may evict them; the lease stops where the device tier is full.
@@ -218,7 +221,7 @@ class Store(StoreOperations, Ingest, StoreAPI):
                         # Making room for an earlier block evicted this one from every tier.
                         chain = chain[:i]
                         break
-                    b.leases += 1
+                    self.table.lease(b)
                     leased = i + 1
                     if DEVICE in b.loc:
                         continue
@@ -230,25 +233,23 @@ class Store(StoreOperations, Ingest, StoreAPI):
                         self._release_blocks([b], ended=False)
                         chain = chain[:i]
                         break
-                    src = HOST if HOST in b.loc else DISK
-                    b.busy += 1
-                    self._promoting[b.key] = threading.Event()
-                    plan.append((i, b, slot, src))
+                    plan.append(self._plan_read(i, b, slot))
             except BaseException:
                 # Making room failed (the index could not record an eviction): undo this
                 # acquire's leases and plans so that nothing stays pinned or waited on.
-                for i, b, slot, _ in plan:
-                    self.device.slots.free(slot)
-                    self._promoting.pop(b.key).set()
-                    self._unbusy(b)
-                self._release_blocks(chain[:leased], ended=False)
+                try:
+                    self._settle(plan)  # nothing was read: every slot freed, every waiter woken
+                finally:
+                    self._release_blocks(chain[:leased], ended=False)
                 raise
             self.stats_counters.record_acquire(tuple(b.top for b in chain))
-        failed = self._promote(plan)
-        for i, ev in waits:
-            ev.wait()
-            if DEVICE not in chain[i].loc or chain[i].dead:
-                failed = min(failed, i) if failed is not None else i
+        try:
+            failed = self._promote(plan)
+            failed = self._await_reads(waits, chain, failed)
+        except BaseException:
+            with self._lock:
+                self._release_blocks(chain, ended=False)  # the lease is never handed out
+            raise
         if failed is not None:
             with self._lock:
                 self._release_blocks(chain[failed:], ended=False)
@@ -258,86 +259,6 @@ class Store(StoreOperations, Ingest, StoreAPI):
             slots=tuple(b.loc[DEVICE] for b in chain), pool=self.device.pool, blocks=chain,
             start_block=start_block,
         )
-
-    def _promote(self, plan: list[tuple[int, Block, int, TierName]]) -> int | None:
-        """Copy planned pages into their device slots, outside the lock (the blocks are
-        leased and busy, so nothing moves them). Returns the chain position of the first
-        block that failed (a bad page is quarantined), or None. Whatever happens, every
-        planned block is settled and its waiters woken, so no other thread hangs."""
-        outcomes: dict[int, str | None] = {}
-        try:
-            direct: list[tuple[int, Block, int, memoryview]] = []
-            for i, b, slot, src in plan:
-                target = self.device.direct_target(slot) if src == DISK else None
-                if target is not None and len(target) == self.layout.slot_bytes:
-                    direct.append((i, b, slot, target))
-                    continue
-                try:
-                    if src == HOST:
-                        self.device.write(slot, self.host.page(b.loc[HOST]))
-                    elif self.disk.reads_to_device and self.device.device.type == "cuda":
-                        # kvikio: one read straight into the CUDA slot (GPUDirect, or kvikio's
-                        # compat bounce); verified through a host copy: integrity first.
-                        dest = self.device.page(slot)
-                        self.disk.read_to_device(b.loc[DISK], dest)
-                        if page_checksum(b.key, dest) != b.checksum:
-                            raise OSError("page checksum mismatch on read")
-                    else:
-                        page = self.disk.read_page(b.loc[DISK])
-                        if page_checksum(b.key, page) != b.checksum:
-                            raise OSError("page checksum mismatch on read")
-                        self.device.write(slot, page)
-                    outcomes[i] = None
-                except OSError as e:
-                    outcomes[i] = f"read failed: {e}"
-            self._read_direct(direct, outcomes)
-        finally:
-            first_bad: int | None = None
-            with self._lock:
-                for i, b, slot, src in plan:
-                    err = outcomes.get(i, "")  # "" = never attempted (interrupted)
-                    if err is None and not b.dead:
-                        self.table.place(b, DEVICE, slot)
-                        self.stats_counters.promoted_bytes += self.layout.page_bytes
-                    else:
-                        self.device.slots.free(slot)
-                        if err and not b.dead:
-                            self._quarantine(b, err)
-                        first_bad = i if first_bad is None else min(first_bad, i)
-                    self._unbusy(b)
-                    self._promoting.pop(b.key).set()
-        return first_bad
-
-    def _read_direct(self, reads: list[tuple[int, Block, int, memoryview]], outcomes: dict[int, str | None]) -> None:
-        """Disk pages straight into their device slots (shared memory), consecutive slots in
-        one request, each then verified in place: a bad page is never visible, since its slot
-        is placed only after the check."""
-        failed: set[int] = set()
-        sums: dict[int, Future[int]] = {}
-
-        def verify_run(positions: list[int]) -> None:
-            for p in positions:  # checksummed by a helper thread while the next run is read
-                _, b, slot, _ = reads[p]
-                sums[p] = self._checksummer.submit(page_checksum, b.key, self.device.page(slot))
-
-        try:
-            self.disk.read_many([(b.loc[DISK], target) for _, b, _, target in reads], verify_run)
-        except OSError:
-            for f in sums.values():
-                f.cancel()
-            sums.clear()
-            # One by one, so that a bad read fails only its own page.
-            for i, b, _, target in reads:
-                try:
-                    self.disk.read_into(b.loc[DISK], target)
-                except OSError as e:
-                    outcomes[i] = f"read failed: {e}"
-                    failed.add(i)
-        for p, (i, b, slot, _) in enumerate(reads):
-            if i not in failed:
-                got = sums[p].result() if p in sums else page_checksum(b.key, self.device.page(slot))
-                ok = got == b.checksum
-                outcomes[i] = None if ok else "read failed: page checksum mismatch on read"
 
     def release(self, lease: Lease) -> None:
         """End a lease; its blocks become evictable again. Releasing twice is an error."""
@@ -364,22 +285,46 @@ class Store(StoreOperations, Ingest, StoreAPI):
         return self._executor.submit(run)
 
     def close(self) -> None:
-        """Write memory-only blocks to disk (write-back), then release everything."""
+        """Write memory-only blocks to disk (write-back), then release everything: the
+        shared memory, the index and the home lock are released even when the final
+        write-back fails (what could not be written is logged and counted, and lost: with
+        ``write_through=False`` it was never acknowledged as durable)."""
         if self._closed or os.getpid() != self._pid:
             return
-        self._executor.shutdown(wait=True)
-        self._checksummer.shutdown(wait=True)
-        with self._lock:
-            if not self.config.write_through:
-                for b in list(self.table.blocks.values()):
-                    if DISK not in b.loc and b.priority != Priority.EPHEMERAL and not b.dead:
-                        self._flush_to_disk(b)
-            self._closed = True
-            self.device.close()
-            self.host.close()
-            self.disk.close()
-            self.index.close()
-            self._home_lock.release()
+        try:
+            self._executor.shutdown(wait=True)
+            self._checksummer.shutdown(wait=True)
+            with self._lock:
+                self._closed = True
+                if not self.config.write_through:
+                    self._flush_all()
+        finally:
+            with self._lock:
+                self._closed = True
+                for part in (self.device, self.host, self.disk, self.index):
+                    try:
+                        part.close()
+                    except Exception:  # noqa: BLE001 - the other parts and the lock still go
+                        log.exception("closing %s failed", type(part).__name__)
+                self._home_lock.release()
+
+    def _flush_all(self) -> int:
+        """Write-back at close (held: the lock); returns how many blocks stayed memory-only."""
+        lost = 0
+        for b in list(self.table.blocks.values()):
+            if DISK in b.loc or b.priority == Priority.EPHEMERAL or b.dead:
+                continue
+            try:
+                ok = self._flush_to_disk(b)
+            except TierKVError as e:
+                log.error("close: writing block %s to disk failed: %s", b.key.hex()[:16], e)
+                ok = False
+            lost += not ok
+        self.stats_counters.unflushed_at_close = lost
+        if lost:
+            log.error("close: %d memory-only block(s) could not be written to disk (disk degraded: %s)",
+                      lost, self.disk.degraded_reason)
+        return lost
 
     def __enter__(self) -> "Store":
         return self

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import HOME_ENV, SOCKET_ENV, GiB, MiB, default_home
+from ..config import HOME_ENV, SOCKET_ENV, GiB, MiB, check_sizes, default_home
 from ..errors import ConfigError
 from ..layout import PageLayout
 from .quotas import Quotas
@@ -87,10 +87,7 @@ class DaemonConfig:
         object.__setattr__(self, "socket", Path(self.socket))
         if len(os.fsencode(self.socket)) >= 108:
             raise ValueError(f"socket path {self.socket} is longer than the 107 bytes AF_UNIX allows")
-        for name in ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "client_staging_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        check_sizes(self, "device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "client_staging_bytes")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if not self.lease_timeout_s > 0:

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..config import check_sizes
 from ..identity import Scope
 from ..layout import PageLayout, dtype_name
 from ..model_version import model_version
@@ -66,10 +67,7 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         if (self.home is None) == (self.socket is None):
             raise ValueError("TierKVConnector needs exactly one of 'home' and 'socket' in kv_connector_extra_config")
-        for name in ("device_bytes", "host_bytes", "disk_bytes", "save_queue_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        check_sizes(self, "device_bytes", "host_bytes", "disk_bytes", "save_queue_bytes")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s!r}")
 

@@ -1,0 +1,214 @@
+"""Promotion: copying leased blocks' pages up into the device tier, and settling each one.
+
+A mixin of :class:`tierkv.store.Store` (as :class:`~tierkv.ingest.Ingest` is). ``acquire``
+plans under the store lock one :class:`PlannedRead` per block to bring up: the block is
+leased and busy (nothing moves or frees it), a device slot is reserved, and an event in
+``_promoting`` lets another acquire of the same block wait for this read instead of doing it
+twice. :meth:`Promotion._promote` then reads and verifies outside the lock, and settles
+every planned block in a ``finally``, one at a time, each in its own ``try``/``finally``:
+the slot is placed or freed, the busy count dropped and the event set, whatever else fails
+(an index that refuses to record a quarantine, an interrupt). Waiters wait at most
+``PROMOTION_WAIT_S``; then that block is a miss for them, counted in ``wait_timeouts``.
+
+What a failed read proves (docs/operations.md, "What we survive"):
+
+- a checksum mismatch, or a segment file that provably lacks the slot (gone, or truncated
+  short of it): the page is bad. Quarantined (index first), a counted miss.
+- any other ``OSError`` (EIO from the device, a file system unmounted underneath): nothing
+  about the page. The read is a miss, the block stays indexed and in the table, and the disk
+  tier is *read-degraded* (stats ``tiers.disk.read_degraded``/``read_errors``, logged) until a
+  read succeeds again. The next acquire of the block is the retry.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+
+from .blocks import Block
+from .checksum import page_checksum
+from .placement import Placement
+from .tiers import TierName
+
+log = logging.getLogger(__name__)
+DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
+# The longest an acquire waits for another thread's read of a block it needs. Reads of a
+# run are a few milliseconds even on a busy NVMe; a minute means the reader is stuck.
+PROMOTION_WAIT_S = 60.0
+
+
+class ReadOutcome(Enum):
+    PENDING = "not read"  # interrupted before its read ran: freed, nothing proven
+    OK = "ok"
+    BAD = "bad page"  # proven: quarantined
+    IO_ERROR = "read error"  # unproven: a miss, the block stays
+
+
+@dataclass(eq=False)
+class PlannedRead:
+    """One block of an acquire to bring into the device tier (``pos`` in the chain)."""
+
+    pos: int
+    block: Block
+    slot: int  # the reserved device slot
+    src: TierName
+    outcome: ReadOutcome = ReadOutcome.PENDING
+    detail: str = ""
+    error: OSError | None = None
+
+
+class Promotion(Placement):
+    _promoting: dict[bytes, threading.Event]  # made by Store
+    _checksummer: ThreadPoolExecutor  # made by Store
+
+    def _plan_read(self, pos: int, b: Block, slot: int) -> PlannedRead:
+        """Reserve ``b``'s promotion into device ``slot`` (held: the lock; ``b`` is leased)."""
+        self.table.busy(b)
+        self._promoting[b.key] = threading.Event()
+        return PlannedRead(pos, b, slot, HOST if HOST in b.loc else DISK)
+
+    def _promote(self, plan: list[PlannedRead]) -> int | None:
+        """Read and verify the planned pages into their device slots, outside the lock.
+        Returns the chain position of the first block that is not promoted, or None. Every
+        planned block is settled and its waiters woken, also when this raises."""
+        try:
+            direct: list[tuple[PlannedRead, memoryview]] = []
+            for r in plan:
+                target = self.device.direct_target(r.slot) if r.src == DISK else None
+                if target is not None and len(target) == self.layout.slot_bytes:
+                    direct.append((r, target))
+                else:
+                    self._read_one(r)
+            if direct:
+                self._read_direct(direct)
+        finally:
+            first_failed = self._settle(plan)
+        return first_failed
+
+    def _read_one(self, r: PlannedRead) -> None:
+        b = r.block
+        try:
+            if r.src == HOST:
+                self.device.write(r.slot, self.host.page(b.loc[HOST]))
+                r.outcome = ReadOutcome.OK
+                return
+            if self.disk.reads_to_device and self.device.device.type == "cuda":
+                # kvikio: one read straight into the CUDA slot (GPUDirect, or kvikio's compat
+                # bounce); verified through a host copy before the slot is placed.
+                dest = self.device.page(r.slot)
+                self.disk.read_to_device(b.loc[DISK], dest)
+                good = page_checksum(b.key, dest) == b.checksum
+            else:
+                page = self.disk.read_page(b.loc[DISK])
+                good = page_checksum(b.key, page) == b.checksum
+                if good:
+                    self.device.write(r.slot, page)
+        except OSError as e:
+            self._read_failed(r, e)
+            return
+        if good:
+            r.outcome = ReadOutcome.OK
+        else:
+            r.outcome, r.detail = ReadOutcome.BAD, "page checksum mismatch on read"
+
+    def _read_failed(self, r: PlannedRead, e: OSError) -> None:
+        """Classify a failed read: proof of a bad page only if the slot is provably gone."""
+        if r.src == DISK and self.disk.page_missing(r.block.loc[DISK]):
+            r.outcome, r.detail = ReadOutcome.BAD, f"page missing (segment gone or truncated): {e}"
+        else:
+            r.outcome, r.detail, r.error = ReadOutcome.IO_ERROR, str(e), e
+
+    def _read_direct(self, reads: list[tuple[PlannedRead, memoryview]]) -> None:
+        """Disk pages straight into their device slots (shared memory), consecutive slots in
+        one request, each then verified in place: a bad page is never visible, since its slot
+        is placed only after the check."""
+        unread: set[int] = set()
+        sums: dict[int, Future[int]] = {}
+
+        def verify_run(positions: list[int]) -> None:
+            for p in positions:  # checksummed by a helper thread while the next run is read
+                r = reads[p][0]
+                sums[p] = self._checksummer.submit(page_checksum, r.block.key, self.device.page(r.slot))
+
+        try:
+            self.disk.read_many([(r.block.loc[DISK], target) for r, target in reads], verify_run)
+        except OSError:
+            for f in sums.values():
+                f.cancel()
+            sums.clear()
+            # One by one, so that a failed read fails only its own page.
+            for p, (r, target) in enumerate(reads):
+                try:
+                    self.disk.read_into(r.block.loc[DISK], target)
+                except OSError as e:
+                    self._read_failed(r, e)
+                    unread.add(p)
+        for p, (r, _) in enumerate(reads):
+            if p in unread:
+                continue
+            got = sums[p].result() if p in sums else page_checksum(r.block.key, self.device.page(r.slot))
+            if got == r.block.checksum:
+                r.outcome = ReadOutcome.OK
+            else:
+                r.outcome, r.detail = ReadOutcome.BAD, "page checksum mismatch on read"
+
+    def _settle(self, plan: list[PlannedRead]) -> int | None:
+        """Place or free each planned slot, drop each busy count, wake each waiter. An error
+        settling one block skips nothing: it is raised after all are settled."""
+        first_failed: int | None = None
+        error: BaseException | None = None
+        with self._lock:
+            for r in plan:
+                ok = False
+                try:
+                    ok = self._settle_one(r)
+                except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest
+                    log.exception("settling the promotion of block %s failed", r.block.key.hex()[:16])
+                    error = error or e
+                finally:
+                    self._unbusy(r.block)
+                    ev = self._promoting.pop(r.block.key, None)
+                    if ev is not None:
+                        ev.set()
+                if not ok:
+                    first_failed = r.pos if first_failed is None else min(first_failed, r.pos)
+        if error is not None:
+            raise error
+        return first_failed
+
+    def _settle_one(self, r: PlannedRead) -> bool:
+        """(held: the lock) Whether ``r.block`` is now in the device tier. The slot is
+        placed or freed first, so nothing after it can leak it."""
+        b = r.block
+        if r.outcome is ReadOutcome.OK and r.src == DISK:
+            self.disk.note_read_ok()
+        if r.outcome is ReadOutcome.OK and not b.dead:
+            self.table.place(b, DEVICE, r.slot)
+            self.stats_counters.promoted_bytes += self.layout.page_bytes
+            return True
+        self.device.slots.free(r.slot)
+        if r.outcome is ReadOutcome.BAD and not b.dead:
+            self._quarantine(b, f"read failed: {r.detail}")
+        elif r.outcome is ReadOutcome.IO_ERROR:
+            self.disk.note_read_error(r.error or OSError(r.detail))
+            log.warning("read of block %s failed (%s): a miss; the block stays stored", b.key.hex()[:16], r.detail)
+        return False
+
+    def _await_reads(self, waits: list[tuple[int, threading.Event]], chain: list[Block],
+                     failed: int | None) -> int | None:
+        """Wait (bounded) for other threads' reads of blocks in ``chain``; returns the first
+        position that is not in the device tier (or ``failed`` if earlier)."""
+        deadline = time.monotonic() + PROMOTION_WAIT_S
+        for i, ev in waits:
+            if not ev.wait(max(0.0, deadline - time.monotonic())):
+                with self._lock:
+                    self.stats_counters.wait_timeouts += 1
+                log.error("gave up waiting %.0f s for another read of block %s: a miss",
+                          PROMOTION_WAIT_S, chain[i].key.hex()[:16])
+            elif DEVICE in chain[i].loc and not chain[i].dead:
+                continue
+            failed = i if failed is None else min(failed, i)
+        return failed
