@@ -1,10 +1,15 @@
 """Benchmark the daemon against the embedded store.
 
-    python scripts/bench_daemon.py --clients 32 --seconds 20 --json
+    python scripts/bench_daemon.py --clients 32 --seconds 10 --runs 3 --json
 
-1. Lookups: N client processes each loop lookup + acquire + release of 4,096-token prompts
-   (all cached) against one daemon; then N threads do the same on an embedded store in one
-   process. Reports lookups/s and lookup latency percentiles (client side, round trip).
+1. Iterations: one iteration = ``acquire`` of a 4,096-token prompt (all cached: the longest
+   cached prefix, leased; a miss would be an empty lease) + ``release``. The daemon's
+   ``acquire`` is one round trip (lookup and lease in one request, the prompt hashed once,
+   token ids compared with the stored ones) and ``release`` is one write with no reply.
+   N client processes loop against one daemon (started with only --home and --socket: the
+   clients declare the layout), then N threads against an embedded store in one process;
+   then 1 client against each. ``--runs`` rounds, interleaved; medians and the paired
+   ratios daemon/embedded are reported. Latency: one whole iteration, client side.
 2. Shared-memory reads: a client leases a 256 MiB prefix (256 pages of 1 MiB) and copies it
    out with ``lease.pages()`` (reading the daemon's device tier in place through shm),
    against a plain memcpy of 256 MiB in the same process (``np.copyto`` into a fresh array,
@@ -37,7 +42,8 @@ BIG = "num_layers=16,num_kv_heads=8,head_dim=128,block_size=16,dtype=float16"  #
 CLIENT = """
 import json, sys, time, numpy as np, tierkv
 from tierkv import Scope
-c = tierkv.connect(sys.argv[1])
+from tierkv.daemon.config import parse_layout
+c = tierkv.connect(sys.argv[1], layout=parse_layout({layout!r}))
 scope = Scope({mv!r}, "bench")
 prompts = [np.random.default_rng(i).integers(0, 30000, {tokens}).astype(np.int32) for i in range({n_prompts})]
 print("ready", flush=True)
@@ -47,11 +53,10 @@ end = time.perf_counter() + seconds
 while time.perf_counter() < end:
     toks = prompts[i % len(prompts)]; i += 1
     t0 = time.perf_counter()
-    r = c.lookup(toks, scope)
+    lease = c.acquire(toks, scope)
+    assert lease.tokens_matched == len(toks)
+    lease.release()
     lat.append(time.perf_counter() - t0)
-    assert r.tokens_matched == len(toks)
-    with c.acquire(toks, scope) as lease:
-        assert lease.tokens_matched == len(toks)
     n += 1
 print(json.dumps({{"n": n, "lat": lat}}), flush=True)
 c.close()
@@ -62,10 +67,10 @@ def prompts(n: int, tokens: int) -> list[np.ndarray]:
     return [np.random.default_rng(i).integers(0, 30000, tokens).astype(np.int32) for i in range(n)]
 
 
-def start_daemon(work: Path, name: str, layout: str, *sizes: str) -> tuple[subprocess.Popen, Path]:
+def start_daemon(work: Path, name: str, *sizes: str) -> tuple[subprocess.Popen, Path]:
     sock = work / f"run-{name}" / "d.sock"
-    cmd = [sys.executable, "-m", "tierkv.daemon.server", "--home", str(work / f"home-{name}"), "--socket", str(sock),
-           "--layout", layout, "--device", "cpu", "--log-level", "WARNING", *sizes]
+    cmd = [sys.executable, "-c", "from tierkv.cli import main; main()", "serve", "--home", str(work / f"home-{name}"),
+           "--socket", str(sock), "--device", "cpu", "--max-layouts", "1", "--log-level", "WARNING", *sizes]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 120
     while not sock.exists():
@@ -90,83 +95,100 @@ def populate(store, layout, n_prompts: int, tokens: int) -> None:
         store.put(toks, pages, scope)
 
 
-def bench_daemon(work: Path, args: argparse.Namespace) -> dict:
-    import tierkv
-
-    proc, sock = start_daemon(work, "lookup", SMALL, "--device-bytes", "96MiB", "--host-bytes", "32MiB",
-                              "--disk-bytes", "256MiB")
-    try:
-        with tierkv.connect(sock) as c:
-            populate(c, c.layout, args.prompts, args.tokens)
-        code = CLIENT.format(mv=MV, tokens=args.tokens, n_prompts=args.prompts)
-        kids = [subprocess.Popen([sys.executable, "-c", code, str(sock), str(i)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True) for i in range(args.clients)]
-        for k in kids:
-            assert k.stdout.readline().strip() == "ready"
-        t0 = time.perf_counter()
-        for k in kids:
-            k.stdin.write(f"{args.seconds}\n")
-            k.stdin.flush()
-        results = [json.loads(k.stdout.readline()) for k in kids]
-        wall = time.perf_counter() - t0
-        for k in kids:
-            k.wait(60)
-    finally:
-        stop_daemon(proc)
-    lat = np.array([x for r in results for x in r["lat"]]) * 1000
-    return {"lookups_per_s": sum(r["n"] for r in results) / wall, "lookup_p50_ms": float(np.percentile(lat, 50)),
-            "lookup_p99_ms": float(np.percentile(lat, 99)), "daemon_iterations": int(sum(r["n"] for r in results))}
+def _summary(prefix: str, n: int, wall: float, lat_s: list[float]) -> dict:
+    lat = np.array(lat_s) * 1000
+    return {f"{prefix}iterations_per_s": n / wall, f"{prefix}p50_ms": float(np.percentile(lat, 50)),
+            f"{prefix}p99_ms": float(np.percentile(lat, 99))}
 
 
-def bench_embedded(work: Path, args: argparse.Namespace) -> dict:
-    import tierkv
+def bench_daemon(sock: Path, args: argparse.Namespace, clients: int) -> dict:
+    code = CLIENT.format(mv=MV, tokens=args.tokens, n_prompts=args.prompts, layout=SMALL)
+    kids = [subprocess.Popen([sys.executable, "-c", code, str(sock), str(i)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True) for i in range(clients)]
+    for k in kids:
+        assert k.stdout.readline().strip() == "ready"
+    t0 = time.perf_counter()
+    for k in kids:
+        k.stdin.write(f"{args.seconds}\n")
+        k.stdin.flush()
+    results = [json.loads(k.stdout.readline()) for k in kids]
+    wall = time.perf_counter() - t0
+    for k in kids:
+        k.wait(60)
+    return _summary("", sum(r["n"] for r in results), wall, [x for r in results for x in r["lat"]])
+
+
+def bench_embedded(store, args: argparse.Namespace, threads: int) -> dict:
     from tierkv import Scope
+
+    scope = Scope(MV, "bench")
+    counts = [0] * threads
+    lats: list[list[float]] = [[] for _ in range(threads)]
+    ps = prompts(args.prompts, args.tokens)
+    end = time.perf_counter() + args.seconds
+
+    def worker(j: int) -> None:
+        i = j
+        while time.perf_counter() < end:
+            toks = ps[i % len(ps)]
+            i += 1
+            t0 = time.perf_counter()
+            lease = store.acquire(toks, scope)
+            assert lease.tokens_matched == len(toks)
+            lease.release()
+            lats[j].append(time.perf_counter() - t0)
+            counts[j] += 1
+
+    t0 = time.perf_counter()
+    pool = [threading.Thread(target=worker, args=(j,)) for j in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return _summary("", sum(counts), time.perf_counter() - t0, [x for ls in lats for x in ls])
+
+
+def bench_iterations(work: Path, args: argparse.Namespace) -> dict:
+    """``--runs`` rounds of: daemon with N clients, embedded with N threads, daemon with 1
+    client, embedded with 1 thread (interleaved, so load from elsewhere hits all four)."""
+    import tierkv
     from tierkv.daemon.config import parse_layout
 
     layout = parse_layout(SMALL)
+    sizes = ("--device-bytes", "96MiB", "--host-bytes", "32MiB", "--disk-bytes", "256MiB")
+    proc, sock = start_daemon(work, "lookup", *sizes)
     store = tierkv.open(work / "home-embedded", layout, device="cpu", device_bytes=96 << 20, host_bytes=32 << 20,
                         disk_bytes=256 << 20)
-    scope = Scope(MV, "bench")
-    counts = [0] * args.clients
-    lats: list[list[float]] = [[] for _ in range(args.clients)]
+    rounds: list[dict] = []
     try:
+        with tierkv.connect(sock, layout=layout) as c:
+            populate(c, layout, args.prompts, args.tokens)
         populate(store, layout, args.prompts, args.tokens)
-        ps = prompts(args.prompts, args.tokens)
-        end = time.perf_counter() + args.seconds
-
-        def worker(j: int) -> None:
-            i = j
-            while time.perf_counter() < end:
-                toks = ps[i % len(ps)]
-                i += 1
-                t0 = time.perf_counter()
-                store.lookup(toks, scope)
-                lats[j].append(time.perf_counter() - t0)
-                with store.acquire(toks, scope):
-                    pass
-                counts[j] += 1
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker, args=(j,)) for j in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        for _ in range(args.runs):
+            r = {}
+            for n, tag in ((args.clients, "n"), (1, "1")):
+                r.update({f"daemon_{tag}_{k}": v for k, v in bench_daemon(sock, args, n).items()})
+                r.update({f"embedded_{tag}_{k}": v for k, v in bench_embedded(store, args, n).items()})
+            r["ratio_n_iterations"] = r["daemon_n_iterations_per_s"] / r["embedded_n_iterations_per_s"]
+            r["ratio_1_latency_p50"] = r["daemon_1_p50_ms"] / r["embedded_1_p50_ms"]
+            rounds.append(r)
     finally:
         store.close()
-    lat = np.array([x for ls in lats for x in ls]) * 1000
-    return {"embedded_lookups_per_s": sum(counts) / wall, "embedded_lookup_p50_ms": float(np.percentile(lat, 50)),
-            "embedded_lookup_p99_ms": float(np.percentile(lat, 99))}
+        stop_daemon(proc)
+    out = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
+    out["rounds"] = rounds
+    return out
 
 
 def bench_shm_read(work: Path, args: argparse.Namespace) -> dict:
     import tierkv
     from tierkv import Scope
 
-    proc, sock = start_daemon(work, "shm", BIG, "--device-bytes", "264MiB", "--host-bytes", "0", "--disk-bytes", "0")
+    from tierkv.daemon.config import parse_layout
+
+    proc, sock = start_daemon(work, "shm", "--device-bytes", "264MiB", "--host-bytes", "0", "--disk-bytes", "0")
     try:
-        with tierkv.connect(sock) as c:
+        with tierkv.connect(sock, layout=parse_layout(BIG)) as c:
             populate(c, c.layout, 1, 4096)
             scope = Scope(MV, "bench")
             with c.acquire(prompts(1, 4096)[0], scope) as lease:
@@ -189,7 +211,9 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--seconds", type=float, default=10.0, help="length of each measurement")
+    p.add_argument("--runs", type=int, default=3, help="rounds (medians reported)")
+    p.add_argument("--no-shm", action="store_true", help="skip the shared-memory read benchmark")
     p.add_argument("--tokens", type=int, default=4096, help="prompt length")
     p.add_argument("--prompts", type=int, default=8, help="distinct cached prompts")
     p.add_argument("--repeats", type=int, default=5, help="repeats of the 256 MiB read (best kept)")
@@ -198,16 +222,17 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvb-"))
     try:
         out = {"clients": args.clients, "seconds": args.seconds, "prompt_tokens": args.tokens, "cpus": os.cpu_count()}
-        out.update(bench_daemon(work, args))
-        out.update(bench_embedded(work, args))
-        out.update(bench_shm_read(work, args))
+        out.update(bench_iterations(work, args))
+        if not args.no_shm:
+            out.update(bench_shm_read(work, args))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(out))
     else:
         for k, v in out.items():
-            print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
+            if k != "rounds":
+                print(f"{k:32s} {v:.3f}" if isinstance(v, float) else f"{k:32s} {v}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .blocks import Priority
 from .config import StoreConfig
@@ -17,6 +17,9 @@ from .identity import Scope, block_keys
 from .layout import PageLayout
 from .results import InvalidateResult, Lease, LookupResult, PutResult, VerifyResult
 from .store import Store
+
+if TYPE_CHECKING:
+    from .daemon.client import Client
 
 __version__ = "0.1.0"
 
@@ -49,7 +52,7 @@ def home_layout(home: str | os.PathLike[str]) -> PageLayout:
     return PageLayout.from_dict(json.loads(raw))
 
 
-def connect(socket_path: str | os.PathLike[str], layout: PageLayout | None = None, **options: Any) -> Any:
+def connect(socket_path: str | os.PathLike[str], layout: PageLayout | None = None, **options: Any) -> Client:
     """A client of a running ``tierkv serve`` daemon, with the same API as :class:`Store`.
 
     ``layout`` declares the page layout of the pages this client stores and reads: the

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from ..api import StoreAPI
 from ..blocks import Priority
 from ..errors import CapacityError, ConfigError, DaemonUnavailableError, ForkedStoreError, LeaseError, ProtocolError, TierKVError
 from ..identity import Scope, as_token_array
@@ -55,8 +56,10 @@ def _error_from(reply: m.ErrorReply) -> Exception:
     return TierKVError(f"daemon error {reply.error}: {reply.message}", hint=reply.hint or None)
 
 
-class Client:
-    """Connected to a daemon; same methods as :class:`tierkv.Store` (data stays in shm)."""
+class Client(StoreAPI):
+    """Connected to a daemon; implements :class:`~tierkv.api.StoreAPI` like the embedded
+    store (data stays in shared memory). ``layout`` is None for a client that declared none
+    on a daemon serving several layouts: it offers operations only."""
 
     def __init__(self, socket_path: Path, timeout: float = 60.0, connect_timeout: float = 5.0,
                  daemon_uid: int | None = None, layout: PageLayout | None = None) -> None:
@@ -194,7 +197,7 @@ class Client:
         for fut in pending.values():
             fut.set_exception(exc)
 
-    def _call_async(self, op: Op, msg: Any) -> Future:
+    def _check_open(self) -> None:
         if os.getpid() != self._pid:
             raise ForkedStoreError(f"this client was connected by pid {self._pid}, used from pid {os.getpid()}",
                                    hint="connect again in the child with tierkv.connect()")
@@ -202,6 +205,21 @@ class Client:
             raise DaemonUnavailableError("the client is closed", hint="connect again with tierkv.connect()")
         if self._failure is not None:
             raise self._failure
+
+    def _send_oneway(self, op: Op, msg: Any) -> None:
+        """Send a request whose reply nobody waits for (the daemon sends none)."""
+        self._check_open()
+        header, payload = msg.encode()
+        frame = encode_frame(op, next(self._ids), header, payload)
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame)
+                self._last_send = time.monotonic()
+        except OSError as e:
+            raise DaemonUnavailableError(f"cannot reach the daemon on {self.socket_path}: {e}") from None
+
+    def _call_async(self, op: Op, msg: Any) -> Future:
+        self._check_open()
         header, payload = msg.encode()
         rid = next(self._ids)
         fut: Future = Future()
@@ -263,16 +281,19 @@ class Client:
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
                 start_block: int = 0) -> RemoteLease:
         self._need_layout()
+        if start_block < 0:
+            raise ValueError("start_block must be >= 0")
         f = self._call_frame(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks, start_block))
         r = m.KeysReply.decode(f.header, f.payload)
         slots = r.values
         n_pool = self.device_pool.shape[0]
-        if len(slots) != len(r.keys) or not all(isinstance(s, int) and 0 <= s < n_pool for s in slots):
+        if len(slots) != len(r.keys) or (slots and not (min(slots) >= 0 and max(slots) < n_pool)):
             raise ProtocolError(f"daemon returned device slots outside the pool of {n_pool}")
         lease = RemoteLease(store=self, layout=self.layout, keys=r.keys, slots=slots, pool=self.device_pool,
                             lease_id=int(r.fields["lease_id"]), timeout_s=self.lease_timeout_s,
                             start_block=start_block)
-        self._leases[lease.lease_id] = lease
+        if lease.lease_id:  # 0: a miss, nothing held
+            self._leases[lease.lease_id] = lease
         return lease
 
     def release(self, lease: Lease) -> None:
@@ -282,7 +303,14 @@ class Client:
             raise LeaseError("lease released twice")
         lease.released = True
         self._leases.pop(lease.lease_id, None)
-        self._call(Op.RELEASE, m.LeaseRef(lease.lease_id))
+        if lease.lease_id == 0:
+            return  # a miss: the daemon holds nothing for it
+        if time.monotonic() - lease.renewed_at > self.lease_timeout_s:
+            raise LeaseError(f"lease {lease.lease_id} expired ({self.lease_timeout_s:g} s without renew); "
+                             "the daemon released it already")
+        # One write, no round trip: the daemon ends the lease before any later request of
+        # this connection reaches the store (handlers.py), so this client reads its writes.
+        self._send_oneway(Op.RELEASE, m.Release((lease.lease_id,), reply=False))
 
     def renew(self, lease: RemoteLease) -> None:
         """Restart the lease's idle timeout."""

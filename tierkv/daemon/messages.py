@@ -173,8 +173,31 @@ class PrefixRequest:
 
 
 @dataclass(frozen=True)
+class Release:
+    """RELEASE of one or more leases. With ``reply=False`` the daemon sends no reply (and
+    logs a failure instead): a release is off the client's critical path, one write, no
+    round trip. The daemon ends the store leases before any later request of the same
+    connection runs its store call, so the client still reads its own writes."""
+
+    lease_ids: tuple[int, ...]
+    reply: bool = True
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"lease_ids": list(self.lease_ids), "reply": self.reply}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Release":
+        if "lease_id" in h:  # a client of the first version: one lease, a reply
+            return cls((_int(h, "lease_id"),))
+        ids = _get(h, "lease_ids", list)
+        if not ids or not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < 2**63 for x in ids):
+            raise ProtocolError("lease_ids must be a non-empty list of lease ids")
+        return cls(tuple(ids), _get(h, "reply", bool, True))
+
+
+@dataclass(frozen=True)
 class LeaseRef:
-    """RELEASE and RENEW."""
+    """RENEW (and, from clients of the first version, RELEASE)."""
 
     lease_id: int
 

@@ -144,7 +144,7 @@ class Daemon:
         local = store = Store(StoreConfig(
             home=home, layout=layout, device=cfg.device, device_bytes=budget.device_bytes,
             host_bytes=budget.host_bytes, disk_bytes=budget.disk_bytes, write_through=cfg.write_through,
-            shm_dir=cfg.shm_dir,
+            shm_dir=cfg.shm_dir, eviction_policy=cfg.eviction_policy,
         ), socket_path=str(cfg.socket))
         if cfg.remote_enabled:
             try:
@@ -295,6 +295,7 @@ class Daemon:
             sweeper.cancel()
             await self._drain()
             await server.wait_closed()
+            await self.handlers.settle_releases()  # one-way releases still queued
             self.handlers.executor.shutdown(wait=True)
             self._stop_remote_keeper()
             self.layouts.close()  # flushes write-back blocks, releases the home
@@ -457,7 +458,10 @@ class Daemon:
             if self._stop is not None and self._stop.is_set() and frame.opcode != Op.RELEASE:
                 raise DaemonUnavailableError("the daemon is shutting down")
             cls, handler = entry
-            header, payload, *fds = await handler(conn, cls.decode(frame.header, frame.payload))
+            out = await handler(conn, cls.decode(frame.header, frame.payload))
+            if out is None:
+                return  # a one-way request (RELEASE with reply=False): the client waits for nothing
+            header, payload, *fds = out
             await conn.send(frame.opcode, frame.request_id, header, payload, fds=fds[0] if fds else ())
         except ConnectionError:
             return  # the peer is gone; the connection's reader notices and cleans up
