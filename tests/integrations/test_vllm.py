@@ -721,3 +721,45 @@ def test_a_daemon_with_only_home_and_socket_serves_vllm(model_dir, reference, tm
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+@pytest.mark.slow
+def test_a_daemon_with_only_home_and_socket_serves_vllm(model_dir, reference, tmp_path):
+    """Issue 10: `tierkv serve --home H --socket S`, no layout typed. The connector declares
+    the layout of vLLM's own KV cache (dtype, block size, layers, KV heads, head dim) when it
+    connects; the daemon opens that layout's store, and a second engine hits."""
+    import subprocess
+    import sys
+    import time
+
+    import tierkv
+    from tierkv.daemon.layouts import layout_id
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    sock = run_dir / "tierkv.sock"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", "from tierkv.cli import main; main()", "serve",
+                             "--home", str(tmp_path / "home"), "--socket", str(sock)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.2)
+        extra = {"socket": str(sock), "timeout_s": 30}
+        results, sched, worker = run_engine(model_dir, extra)
+        assert results[0][0] == reference[0][0] and worker["saved_tokens"] == SHARED
+        with tierkv.connect(sock) as client:
+            assert client.layout is not None and client.layout.block_size == B
+            stats = client.stats()
+            assert list(stats["layouts"]) == [layout_id(client.layout)] and stats["blocks"] == SHARED // B
+        results, sched, worker = run_engine(model_dir, extra)
+        assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED
+        assert results[0][0] == reference[0][0]
+        assert max_diff(results[0][1], reference[0][1]) <= 1e-5
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
