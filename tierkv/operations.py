@@ -184,6 +184,14 @@ class StoreOperations(Placement):
         return VerifyResult(len(targets), tuple(b.key.hex() for b in bad), repair,
                             unreadable=tuple(b.key.hex() for b, _ in unreadable))
 
+    def pinned_blocks(self, namespace_prefix: str = "") -> int:
+        """Pinned blocks whose namespace starts with ``namespace_prefix`` (the daemon's
+        per-tenant pinned quota; pinned blocks never leave the disk tier). O(blocks)."""
+        self._check_usable()
+        with self._lock:
+            return sum(1 for b in self.table.blocks.values()
+                       if b.priority == Priority.PINNED and b.namespace.startswith(namespace_prefix))
+
     def stats(self) -> StoreStats:
         """Per-tier occupancy and counters (``as_dict()`` is the JSON shape)."""
         self._check_usable()

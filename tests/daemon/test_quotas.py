@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tierkv
+from tierkv import Priority
 from tierkv.daemon import messages as m
 from tierkv.daemon.protocol import HEAD, MAGIC, VERSION, Op, encode_frame, read_frame_sync
 from tierkv.daemon.quotas import Quotas
@@ -126,7 +127,8 @@ def test_while_another_uid_is_connected_no_uid_takes_more_than_half(workdir):
     another uid (a real child as nobody) is connected, each uid gets at most half."""
     need_root()
     os.chmod(workdir, 0o711)
-    d = DaemonThread(make_config(workdir, allowed_uids=(NOBODY,), metrics_port=0)).start()
+    q = Quotas(shared_pinned_fraction=0.05)
+    d = DaemonThread(make_config(workdir, allowed_uids=(NOBODY,), metrics_port=0, quotas=q)).start()
     try:
         slots = d.call(lambda: d.daemon.handlers.layouts.only().local.device.slots.capacity)  # 128
         n = slots * 3 // 4
@@ -165,7 +167,17 @@ def test_while_another_uid_is_connected_no_uid_takes_more_than_half(workdir):
                     for o in others:
                         o.close()
                 c._call(Op.UNSTAGE, m.Unstage(tuple(held)))
-                assert refused(d, "leased_blocks") >= 2 and refused(d, "staging") >= 1
+                # Pinned blocks never leave the disk: pinned junk evicted another tenant's
+                # blocks (400 of 400 lost). At most shared_pinned_fraction of the disk tier.
+                disk_slots = d.call(lambda: d.daemon.handlers.layouts.only().local.disk.capacity_slots)
+                limit = int(disk_slots * q.shared_pinned_fraction)
+                junk = prompt(2 * limit * 16, seed=8)
+                with pytest.raises(QuotaExceededError, match="shared_pinned_fraction"):
+                    c.put(junk, pages_for(2 * limit, 8), SCOPE, priority=Priority.PINNED)
+                assert d.call(lambda: d.daemon.handlers.layouts.only().local.pinned_blocks("")) <= limit
+                with pytest.raises(QuotaExceededError):
+                    c.set_priority(toks, SCOPE, Priority.PINNED)
+                assert refused(d, "leased_blocks") >= 2 and refused(d, "staging") >= 1 and refused(d, "pinned") >= 2
             finally:
                 os.write(w_go, b"1")
                 child.join(30)

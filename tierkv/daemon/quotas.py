@@ -18,6 +18,9 @@ The limits (defaults in :class:`Quotas`, documented in docs/operations.md):
   ``shared_tier_fraction`` of the device tier's slots;
 * staging: while another uid is connected no uid may hold more than
   ``shared_staging_fraction`` of the staging region;
+* pinned blocks (they never leave the disk tier, so pinned junk evicts everyone else):
+  while another uid is connected, a tenant (a uid under ``namespace_per_uid``, else a
+  namespace) may pin at most ``shared_pinned_fraction`` of the disk tier's slots;
 * unread replies: a connection whose replies wait unread beyond ``unread_reply_bytes`` is
   not read from until they drain, and one whose peer reads nothing for ``send_timeout_s``
   is closed (its leases are released).
@@ -50,6 +53,7 @@ class Quotas:
     leases_per_connection: int = 4096
     shared_tier_fraction: float = 0.5
     shared_staging_fraction: float = 0.5
+    shared_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("connections_per_uid", "unread_reply_bytes", "leases_per_connection"):
@@ -58,7 +62,7 @@ class Quotas:
         for name in ("idle_timeout_s", "frame_timeout_s", "send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("shared_tier_fraction", "shared_staging_fraction"):
+        for name in ("shared_tier_fraction", "shared_staging_fraction", "shared_pinned_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1]")
 
@@ -114,6 +118,18 @@ class QuotaRules:
                                   f"slots while other users are connected (at most {limit}: "
                                   f"shared_staging_fraction = {self.quotas.shared_staging_fraction:g})",
                                   hint="put fewer blocks at once; commit or unstage what is held")
+
+
+    def check_pinned(self, uid: int, uids: Iterable[int], tenant: str, pinned: int, want: int, disk_slots: int) -> None:
+        """Before pinning up to ``want`` more blocks of ``tenant`` (a namespace prefix),
+        which holds ``pinned`` pinned blocks of a disk tier of ``disk_slots`` slots."""
+        if self.others_connected(uid, uids):
+            limit = max(1, int(disk_slots * self.quotas.shared_pinned_fraction))
+            if pinned + want > limit:
+                raise self.refuse("pinned", f"{tenant!r} would pin {pinned + want} blocks of the disk tier's "
+                                  f"{disk_slots} while other users are connected (at most {limit}: "
+                                  f"shared_pinned_fraction = {self.quotas.shared_pinned_fraction:g})",
+                                  hint="unpin or invalidate prefixes you no longer need (tierkv unpin, invalidate)")
 
 
 def blocks_wanted(n_tokens: int, block_size: int, start_block: int, max_blocks: int | None) -> int:
