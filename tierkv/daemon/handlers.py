@@ -12,9 +12,11 @@ and invalidate, verify and stats cover all stores (stats adds a per-layout break
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -37,6 +39,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Reply = tuple[dict[str, Any], bytes]
+RELEASE_DRAIN_S = 0.002  # queued releases wait at most this for a store call to end them
+
+
+def _acquire(store: Any, *args: Any) -> Any:
+    """``store.acquire``; a miss (no blocks) is released at once, so it holds nothing."""
+    lease = store.acquire(*args)
+    if not lease.keys:
+        store.release(lease)
+    return lease
 
 
 def region_info(tier: Any, fds: list[int]) -> dict[str, Any] | None:
@@ -66,12 +77,16 @@ class Handlers:
         self.tenancy = Tenancy(config.namespace_per_uid)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="tierkv-daemon")
         self.leases = LeaseTable(config.lease_timeout_s)
+        self._unreleased: collections.deque[Any] = collections.deque()  # store leases to end (any thread)
+        self._flush_lock = threading.Lock()
+        self._drain_handle: asyncio.TimerHandle | None = None
+        self._drains: set[asyncio.Future] = set()
         self.quota = QuotaRules(config.quotas)
         self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
         # opcode -> (message class with decode(header, payload), handler)
         self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
             Op.HELLO: (m.Hello, self.hello), Op.LOOKUP: (m.PrefixRequest, self.lookup),
-            Op.ACQUIRE: (m.PrefixRequest, self.acquire), Op.RELEASE: (m.LeaseRef, self.release),
+            Op.ACQUIRE: (m.PrefixRequest, self.acquire), Op.RELEASE: (m.Release, self.release),
             Op.RENEW: (m.LeaseRef, self.renew), Op.STAGE: (m.Stage, self.stage), Op.UNSTAGE: (m.Unstage, self.unstage),
             Op.COMMIT: (m.Commit, self.commit), Op.PREFETCH: (m.PrefixRequest, self.prefetch),
             Op.SET_PRIORITY: (m.SetPriority, self.set_priority), Op.SAVE_MANIFEST: (m.ManifestRequest, self.save_manifest),
@@ -83,8 +98,48 @@ class Handlers:
         }
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)`` in a worker thread, after the releases clients sent without
+        waiting (so a connection's later request sees its own releases done)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kw))
+
+        def job() -> Any:
+            self._flush_releases()
+            return fn(*args, **kw)
+
+        return await loop.run_in_executor(self.executor, job)
+
+    # ---- releases nobody waits for ------------------------------------------------------------
+    # A one-way RELEASE takes the lease out of the table on the loop and queues the store
+    # lease; the next store call in any worker ends it first (no executor hop of its own),
+    # or, when none comes within RELEASE_DRAIN_S, a drain does. The flush holds a lock, so a
+    # store call that starts while another worker is ending queued leases waits for them.
+    def _flush_releases(self) -> None:
+        if not self._unreleased:
+            return
+        with self._flush_lock:
+            while self._unreleased:
+                lease = self._unreleased.popleft()
+                try:
+                    lease.store.release(lease)  # the store that issued it
+                except Exception:  # noqa: BLE001 - one bad lease must not keep the others pinned
+                    log.exception("releasing a lease failed")
+
+    def _release_later(self, leases: list[Any]) -> None:
+        self._unreleased.extend(leases)
+        if self._drain_handle is None:
+            loop = asyncio.get_running_loop()
+            self._drain_handle = loop.call_later(RELEASE_DRAIN_S, self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_handle = None
+        if self._unreleased:
+            task = asyncio.ensure_future(self.run(lambda: None))
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+
+    async def settle_releases(self) -> None:
+        """End every queued lease now (stopping, tests)."""
+        await self.run(lambda: None)
 
     # ---- layout and scope: derived on the trusted side --------------------------------------
     def entry(self, conn: "Connection") -> LayoutEntry:
@@ -159,19 +214,28 @@ class Handlers:
         # checked before an await and concurrent acquires passed it together.
         reservation = self.leases.reserve(conn.id, uid, want)
         try:
-            lease = await self.run(entry.store.acquire, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
+            lease = await self.run(_acquire, entry.store, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
                                    msg.max_blocks, msg.start_block)
-            held = self.leases.add(conn.id, lease, uid)
+            # A miss holds nothing (released in the worker already): lease id 0, no table entry.
+            lease_id = self.leases.add(conn.id, lease, uid).lease_id if lease.keys else 0
         finally:
             self.leases.unreserve(reservation)
-        return m.KeysReply(lease.keys, {"lease_id": held.lease_id}, tuple(lease.slots)).encode()
+        return m.KeysReply(lease.keys, {"lease_id": lease_id}, tuple(lease.slots)).encode()
 
-    async def release(self, conn: "Connection", msg: m.LeaseRef) -> Reply:
-        lease = self.leases.take(conn.id, msg.lease_id)
-        if lease is None:
-            raise LeaseError(f"lease {msg.lease_id} is not held by this connection (released, or expired after "
-                             f"{self.leases.timeout_s:g} s without renew)")
-        await self.run(lease.store.release, lease)  # the store that issued it
+    async def release(self, conn: "Connection", msg: m.Release) -> Reply | None:
+        taken = [(i, self.leases.take(conn.id, i)) for i in msg.lease_ids]
+        leases = [lease for _, lease in taken if lease is not None]
+        unknown = [i for i, lease in taken if lease is None]
+        self._release_later(leases)
+        problem = (f"lease {', '.join(map(str, unknown))} is not held by this connection (released, or expired "
+                   f"after {self.leases.timeout_s:g} s without renew)") if unknown else None
+        if not msg.reply:
+            if problem:
+                log.info("connection %d: %s", conn.id, problem)
+            return None  # the client waits for nothing
+        if problem:
+            raise LeaseError(problem)
+        await self.settle_releases()
         return {}, b""
 
     async def renew(self, conn: "Connection", msg: m.LeaseRef) -> Reply:
@@ -389,11 +453,8 @@ class Handlers:
     # ---- ending leases ------------------------------------------------------------------------
     async def release_all(self, leases: list) -> None:
         """Release store leases taken out of the table (dead connection, timeout)."""
-        for lease in leases:
-            try:
-                await self.run(lease.store.release, lease)
-            except Exception:  # noqa: BLE001 - one bad lease must not keep the others pinned
-                log.exception("releasing a reclaimed lease failed")
+        self._release_later(leases)
+        await self.settle_releases()
 
     async def end_connection(self, conn: "Connection") -> int:
         leases = self.leases.take_connection(conn.id)
