@@ -59,6 +59,13 @@ class DiskWriteError(TierKVError):
     default_hint = "the disk tier is marked degraded; free space or fix the device, the store keeps serving from memory"
 
 
+class DiskReadError(TierKVError):
+    """The disk tier could not be read where a wrong guess would delete data (at open: is
+    this slot there?). Nothing was deleted; the store does not open until it can tell."""
+
+    default_hint = "check the device or file system holding HOME/segments, then open the store again"
+
+
 class IndexWriteError(TierKVError):
     """The index could not record a change (LMDB refused the write: a read-only, failing or
     full file system). Nothing of the change was committed; what was stored before stays

@@ -344,3 +344,31 @@ def test_write_back_survives_a_full_index(make_store):
         r = put_chain(store, toks(443, 2))  # evictions need index deletes: blocks are dropped instead
     assert r.stored == 2
     store.check_integrity()
+
+
+def test_io_error_checking_a_segment_at_open_deletes_nothing(make_store, home, tmp_path):
+    # Supplement to tests/store/test_real_faults.py: an EIO while checking a segment at open
+    # must fail the open (DiskReadError), not quarantine the segment's records.
+    from pathlib import Path
+
+    from tierkv.errors import DiskReadError
+
+    store = make_store()
+    chain = toks(450, 3)
+    put_chain(store, chain)
+    store.close()
+    real_stat = Path.stat
+
+    def failing_stat(self, *a, **kw):
+        if self.name.startswith("seg-"):
+            raise OSError(errno.EIO, "EIO")
+        return real_stat(self, *a, **kw)
+
+    with mock.patch.object(Path, "stat", failing_stat):
+        with pytest.raises(DiskReadError):
+            open_store(home, shm_dir=tmp_path / "shm")
+    store = make_store()  # the lock and the shared memory were released
+    assert store.stats()["quarantined"] == 0
+    with store.acquire(chain, SCOPE) as lease:
+        assert lease.num_blocks == 3
+        assert_lease_exact(lease)

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..errors import DiskWriteError
+from ..errors import DiskReadError, DiskWriteError
 from ..layout import PageLayout
 from .base import TierName
 from .diskio import BounceBuffer, pread_full, probe_kvikio, probe_odirect
@@ -166,8 +166,12 @@ class DiskTier:
             return False
         try:
             size = seg.path.stat().st_size
-        except OSError:
+        except FileNotFoundError:
             return False
+        except OSError as e:
+            # An I/O error says nothing about the slot; answering False would quarantine
+            # (delete) every record of the segment (RELIABILITY.md case 14).
+            raise DiskReadError(f"cannot check segment {seg.path}: {e}") from e
         if size < seg.header.data_offset + (index + 1) * self.layout.slot_bytes:
             return False
         seg.used.add(index)
