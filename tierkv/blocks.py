@@ -11,11 +11,11 @@ prefix is useless, so prefixes outlive their extensions).
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Callable, Iterable, Iterator
 
+from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy, make_policy
 from .tiers.base import TierName
 
 TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
@@ -28,6 +28,9 @@ class Priority(IntEnum):
     EPHEMERAL = 0
     NORMAL = 1
     PINNED = 2
+
+
+PRIORITIES = tuple(Priority)  # iterating the enum itself costs more than a victim choice
 
 
 @dataclass(eq=False)
@@ -47,6 +50,8 @@ class Block:
     # The fastest tier holding the block ("" for none), kept by BlockTable.place/unplace so
     # that a lookup of thousands of blocks need not search each block's locations.
     top: str = ""
+    # Insertion class for the eviction policy (policy.HINT_*): set by put, read at place.
+    hint: int = HINT_FRESH
 
     @property
     def top_tier(self) -> TierName | None:
@@ -61,16 +66,25 @@ class Block:
 
 
 class BlockTable:
-    def __init__(self) -> None:
+    def __init__(self, policy: str = DEFAULT_POLICY, capacities: dict[TierName, int] | None = None) -> None:
+        """``policy`` names the eviction order of every tier (see :mod:`tierkv.policy`);
+        ``capacities`` (slots per tier) bound the policies' ghost lists."""
         self.blocks: dict[bytes, Block] = {}
         # Children whose parent is not in the table, by parent key: an extension can be
         # stored before its prefix (put with start_block > 0) or outlive it in another tier;
         # when the prefix arrives it must learn its children, or leaf-first eviction could
         # take it from under them.
         self._orphans: dict[bytes, set[bytes]] = {}
-        self._lru: dict[TierName, dict[Priority, OrderedDict[bytes, None]]] = {
-            t: {p: OrderedDict() for p in Priority} for t in TIERS
+        # One policy per tier and priority class: victims come from ephemeral first, then
+        # normal, then pinned, each class in its policy's order.
+        caps = capacities or {}
+        self.policy = policy
+        self._order: dict[TierName, dict[Priority, EvictionPolicy]] = {
+            t: {p: make_policy(policy, caps.get(t, 0)) for p in Priority} for t in TIERS
         }
+        # Evictions by tier and reason (the victim's priority class, or for normal blocks
+        # the policy segment it came from: lru / cold / recent / frequent).
+        self.evicted_by: dict[str, dict[str, int]] = {t.value: {} for t in TIERS}
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -127,7 +141,7 @@ class BlockTable:
         allocated until the store frees them: out of the table and every LRU list."""
         block.dead = True
         for t in block.loc:
-            self._lru[t][block.priority].pop(block.key, None)
+            self._order[t][block.priority].remove(block.key)
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
             self._unlink(block)
@@ -136,12 +150,19 @@ class BlockTable:
         assert tier not in block.loc, f"block already in {tier.value}"
         block.loc[tier] = slot
         block._update_top()
-        self._lru[tier][block.priority][block.key] = None
+        self._order[tier][block.priority].add(block.key, block.hint)
 
-    def unplace(self, block: Block, tier: TierName) -> int:
+    def unplace(self, block: Block, tier: TierName, evicted: bool = False) -> int:
+        """Take ``block`` out of ``tier``; ``evicted``: it was chosen as a victim (counted by
+        reason, and the policy may keep a ghost of it)."""
         slot = block.loc.pop(tier)
         block._update_top()
-        self._lru[tier][block.priority].pop(block.key, None)
+        order = self._order[tier][block.priority]
+        if evicted:
+            reason = order.segment(block.key) if block.priority == Priority.NORMAL else block.priority.name.lower()
+            counts = self.evicted_by[tier.value]
+            counts[reason] = counts.get(reason, 0) + 1
+        order.remove(block.key, evicted)
         return slot
 
     # ---- holds: leases (a reader owns the pages) and busy counts (I/O in flight) ----------
@@ -188,18 +209,30 @@ class BlockTable:
 
     def set_priority(self, block: Block, priority: Priority) -> None:
         for t in block.loc:
-            self._lru[t][block.priority].pop(block.key, None)
-            self._lru[t][priority][block.key] = None
+            self._order[t][block.priority].remove(block.key)
+            self._order[t][priority].add(block.key, block.hint)
         block.priority = priority
 
-    def touch_chain(self, chain: list[Block]) -> None:
-        """Mark a prefix used. Leaf first, root last, so that in each LRU list a prefix is
-        always more recent than its extensions and eviction meets leaves first."""
+    def touch_chain(self, chain: list[Block], hit: bool = True) -> None:
+        """Mark a prefix used (``hit``: a read found it; False: the re-ordering after a put).
+        Leaf first, root last, so that in each recency list a prefix is always more recent
+        than its extensions and eviction meets leaves first."""
+        groups: dict[tuple[TierName, Priority], list[bytes]] = {}
         for b in reversed(chain):
             for t in b.loc:
-                lru = self._lru[t][b.priority]
-                if b.key in lru:
-                    lru.move_to_end(b.key)
+                groups.setdefault((t, b.priority), []).append(b.key)
+        for (t, prio), keys in groups.items():
+            self._order[t][prio].touch(keys, hit)
+
+    def policy_stats(self) -> dict[str, object]:
+        """The eviction policy's counters, per tier (merged into ``Store.stats()``)."""
+        return {
+            "eviction_policy": self.policy,
+            "evicted_by": {t: dict(c) for t, c in self.evicted_by.items()},
+            "ghost_hits": {t.value: sum(o.ghost_hits for o in self._order[t].values()) for t in TIERS},
+            "cold_admissions": {t.value: sum(getattr(o, "cold_inserts", 0) for o in self._order[t].values())
+                                for t in TIERS},
+        }
 
     def evictable(self, block: Block, tier: TierName) -> bool:
         if block.leases or block.busy or block.priority == Priority.PINNED and tier == TierName.DISK:
@@ -211,10 +244,10 @@ class BlockTable:
         return True
 
     def victim(self, tier: TierName) -> Block | None:
-        """Least recently used evictable block of ``tier``: ephemeral, then normal, then (in
+        """The policy's first evictable block of ``tier``: ephemeral, then normal, then (in
         memory tiers only) pinned, which stays on disk."""
-        for prio in Priority:
-            for key in self._lru[tier][prio]:
+        for prio in PRIORITIES:
+            for key in self._order[tier][prio].candidates():
                 b = self.blocks[key]
                 if self.evictable(b, tier):
                     return b
@@ -222,11 +255,12 @@ class BlockTable:
 
     def check_integrity(self) -> None:
         for t in TIERS:
-            listed = {k for d in self._lru[t].values() for k in d}
+            listed = {k for d in self._order[t].values() for k in d.keys()}
             placed = {k for k, b in self.blocks.items() if t in b.loc}
-            assert listed == placed, f"{t.value}: LRU lists and locations disagree"
-            for prio, d in self._lru[t].items():
-                assert all(self.blocks[k].priority == prio for k in d), "block listed under the wrong priority"
+            assert listed == placed, f"{t.value}: eviction lists and locations disagree"
+            for prio, d in self._order[t].items():
+                d.check_integrity()
+                assert all(self.blocks[k].priority == prio for k in d.keys()), "block listed under the wrong priority"
         for k, b in self.blocks.items():
             assert b.key == k and b.leases >= 0 and b.busy >= 0
             assert b.top == (b.top_tier.value if b.top_tier is not None else ""), "cached top tier is stale"

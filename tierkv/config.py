@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .layout import PageLayout
+from .policy import DEFAULT_POLICY, POLICIES
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -55,6 +56,7 @@ class StoreConfig:
     odirect: bool = True
     fsync: bool = True
     prefetch_workers: int = 2
+    eviction_policy: str = DEFAULT_POLICY  # tierkv/policy.py: "arc" (adaptive) or "lru"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))
@@ -77,6 +79,8 @@ class StoreConfig:
             raise ValueError("verify_on_open must be 'size' or 'full'")
         if self.index_map_bytes < 1 * MiB:
             raise ValueError("index_map_bytes must be at least 1 MiB")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from .blocks import Block, Priority
-from .checksum import page_checksum
+from .checksum import page_checksums
 from .errors import PageFormatError
 from .identity import Scope, as_token_array, iter_block_keys
 from .placement import Placement
+from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
 from .results import PutResult
 from .tiers import TierName
 
@@ -61,8 +62,12 @@ class Ingest(Placement):
         durable_wanted = priority == Priority.PINNED or (self.config.write_through and priority != Priority.EPHEMERAL)
         new: list[Block] = []
         page_of: dict[bytes, torch.Tensor] = {}
+        row_of: dict[bytes, int] = {}
         disk_plan: list[tuple[int, Block]] = []
         with self._lock:
+            # The eviction policy's insertion class (tierkv/policy.py): did the request find
+            # a cached prefix, and which block is the put's last.
+            cont = HINT_CONTINUATION if start_block > 0 or (keys and keys[0] in self.table.blocks) else HINT_FRESH
             for i in range(start_block, start_block + n):
                 old = self.table.get(keys[i])
                 if old is not None and old.tokens != raw[i * step : (i + 1) * step]:
@@ -76,11 +81,13 @@ class Ingest(Placement):
                     continue
                 self._writing.add(keys[i])
                 page_of[keys[i]] = pages[i - start_block]
+                row_of[keys[i]] = i - start_block
                 # The checksum is filled in below, before the block is indexed or entered in
                 # the table (nothing sees it before then).
                 b = Block(
                     key=keys[i], parent=keys[i - 1] if i else scope.seed, model_version=scope.model_version,
                     namespace=scope.namespace, tokens=raw[i * step : (i + 1) * step], checksum=0, priority=priority,
+                    hint=cont | (HINT_TAIL if i == start_block + n - 1 else 0),
                 )
                 new.append(b)
             # Making room on disk must not evict this request's own blocks; those cached only
@@ -101,26 +108,25 @@ class Ingest(Placement):
                 self._abort_put(new, disk_plan)
                 raise
         try:
-            # Checksums on a helper thread (xxhash releases the GIL) while the pages are written.
-            sums = [(b, self._checksummer.submit(page_checksum, b.key, page_of[b.key])) for b in new]
+            # Checksums first, in one pass over the batch: the slot records written with the
+            # pages carry them, so there is nothing to overlap them with (a thread-pool job
+            # per block cost more than the hashing of small pages).
+            for b, s in zip(new, page_checksums([b.key for b in new], pages, [row_of[b.key] for b in new])):
+                b.checksum = s
             if disk_plan:
                 items = [(loc, page_of[b.key].detach().cpu()) for loc, b in disk_plan]
                 # Order matters: pages and their slot records written and fsynced, then the
                 # index commit, then we ack. A slot record carries the checksum, so it waits.
                 with self._io_lock:
-                    for b, f in sums:
-                        b.checksum = f.result()
                     records = [self._record(b, loc) for loc, b in disk_plan]
                     self.disk.write_pages(items, [r.slot_body() for r in records])
                     self.index.put_blocks(records)
-            for b, f in sums:
-                b.checksum = f.result()
         except BaseException:
             with self._lock:
                 self._abort_put(new, disk_plan)
             raise
         with self._lock:
-            self._place_new(keys, new, disk_plan, page_of)
+            self._place_new(keys, new, disk_plan, page_of, pages, row_of)
             self.stats_counters.puts += 1
             self.stats_counters.blocks_stored += len(new)
             all_durable = all((blk := self.table.get(k)) is not None and DISK in blk.loc for k in keys[start_block:])
@@ -147,7 +153,7 @@ class Ingest(Placement):
                 self.table.remove(b)
 
     def _place_new(self, keys: list[bytes], new: list[Block], disk_plan: list[tuple[int, Block]],
-                   page_of: dict[bytes, torch.Tensor]) -> None:
+                   page_of: dict[bytes, torch.Tensor], pages: torch.Tensor, row_of: dict[bytes, int]) -> None:
         """Enter a put's blocks in the table and copy them into memory (held: the lock).
 
         The request's whole chain is held busy meanwhile, so that making room evicts other
@@ -163,21 +169,36 @@ class Ingest(Placement):
         try:
             with self._held(chain):
                 tiers = [DEVICE, HOST]
+                # Pages are copied in one batch per tier at the end: the slots are placed
+                # first, but every block of this put is held, so nothing moves or reads them
+                # before the copy (and the lock is held throughout).
+                pending: dict[TierName, tuple[list[int], list[int]]] = {DEVICE: ([], []), HOST: ([], [])}
+
+                def copy_pending() -> None:
+                    for t, (slots, rows) in pending.items():
+                        self._tier(t).write_many(slots, pages, rows)
+                        slots.clear()
+                        rows.clear()
+
                 for b in new:
                     while tiers:
                         slot = self._alloc_mem(tiers[0])
                         if slot is not None:
-                            self._tier(tiers[0]).write(slot, page_of[b.key])
+                            pending[tiers[0]][0].append(slot)
+                            pending[tiers[0]][1].append(row_of[b.key])
                             self.table.place(b, tiers[0], slot)
                             break
                         tiers.pop(0)
                     if not b.loc and b.priority != Priority.EPHEMERAL:
+                        copy_pending()  # write-back may read this put's earlier pages from memory
                         self._flush_to_disk(b, page_of[b.key])  # write-back: memory is full
                     if not b.loc:
+                        self.stats_counters.admissions_refused += 1
                         self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
+                copy_pending()
         except BaseException:
             self._unplace_new(new)
             raise
         finally:
             self._writing.difference_update(b.key for b in new)
-        self.table.touch_chain([blk for blk in chain if self.table.get(blk.key) is blk])
+        self.table.touch_chain([blk for blk in chain if self.table.get(blk.key) is blk], hit=False)

@@ -211,7 +211,7 @@ class StoreOperations(Placement):
                 home=str(self.config.home), layout=self.layout.to_dict(), blocks=len(self.table),
                 leased_blocks=sum(1 for b in self.table.blocks.values() if b.leases), tiers=tiers,
                 disk_read_path=self.disk.read_path, model_versions=by_mv, namespaces=by_ns,
-                counters=CounterStats.from_dict(self.stats_counters.as_dict()),
+                counters=CounterStats.from_dict({**self.stats_counters.as_dict(), **self.table.policy_stats()}),
                 index_resizes=self.index.resizes, stale_readers_cleared=self.index.stale_readers_cleared,
             )
 

@@ -96,13 +96,19 @@ class Placement:
         """Take ``b`` out of tier ``t``: demote it to the host when it leaves the device, and
         write it back to disk when this was its last copy (ephemeral blocks are just dropped)."""
         self.stats_counters.evictions[t.value] += 1
-        with self.table.held([b]):  # the nested evictions a move triggers never pick b
+        moves = (t == DISK or (t == DEVICE and HOST not in b.loc and self.host.slots.capacity)
+                 or (DISK not in b.loc and self.disk.capacity_slots and not self.disk.degraded))
+        # (Without a move, as in a store with one memory tier, the hold is skipped: it is
+        # most of the cost of an eviction there.)
+        with self.table.held([b] if moves else ()):  # the nested evictions a move triggers never pick b
             if (t == DEVICE and HOST not in b.loc and self.host.slots.capacity
                     and (DISK not in b.loc or b.priority != Priority.EPHEMERAL)):
                 self._demote(b, DEVICE, HOST)
-            if t != DISK and DISK not in b.loc and b.priority != Priority.EPHEMERAL and set(b.loc) == {t}:
+            if (t != DISK and DISK not in b.loc and b.priority != Priority.EPHEMERAL and set(b.loc) == {t}
+                    and self.disk.capacity_slots and not self.disk.degraded):
                 # Write-back (write_through=False, or a put that could not reach disk):
-                # the last memory copy goes to disk instead of being lost.
+                # the last memory copy goes to disk instead of being lost. Without a usable
+                # disk tier there is nothing to write (and no ancestor walk to pay for).
                 self._flush_to_disk(b)
             if t == DISK:
                 # Index first, then the slot: a crash in between leaves an unreferenced slot,
@@ -111,7 +117,7 @@ class Placement:
         if self.eviction_listeners and set(b.loc) == {t}:
             # Its last local copy is going: listeners (a cluster node) may keep it elsewhere.
             self.eviction_listeners.notify(b, t.value, lambda: self._page_copy(b, t))
-        self._free(b, t)
+        self._free(b, t, evicted=True)
 
     def _page_copy(self, b: Block, t: TierName) -> "torch.Tensor":
         """A CPU copy of ``b``'s page in tier ``t`` (held: the lock)."""
@@ -176,8 +182,8 @@ class Placement:
         return True
 
     # ---- freeing -------------------------------------------------------------------------
-    def _free(self, b: Block, t: TierName) -> None:
-        slot = self.table.unplace(b, t)
+    def _free(self, b: Block, t: TierName, evicted: bool = False) -> None:
+        slot = self.table.unplace(b, t, evicted)
         if t == DISK:
             self.disk.free(slot)
         else:

@@ -127,6 +127,14 @@ class CounterStats:
     blocks_stored: int = 0
     lookups_per_s: float = 0.0
     mean_lookup_ms: float = 0.0
+    # Eviction policy (tierkv/policy.py), per tier: evictions by reason (priority class, or
+    # the policy segment of a normal block), hits in the ghost lists, new blocks the policy
+    # put in its cold segment, and blocks a put could place in no tier at all.
+    eviction_policy: str = ""
+    evicted_by: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    ghost_hits: Mapping[str, int] = field(default_factory=dict)
+    cold_admissions: Mapping[str, int] = field(default_factory=dict)
+    admissions_refused: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {f: (dict(v) if isinstance(v := getattr(self, f), Mapping) else v) for f in _COUNTER_FIELDS}

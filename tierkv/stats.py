@@ -27,6 +27,7 @@ class Counters:
     token_mismatch: int = 0
     puts: int = 0
     blocks_stored: int = 0
+    admissions_refused: int = 0  # blocks of a put that no tier could take (all held)
     lookup_seconds: float = 0.0
     _recent: deque = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -68,6 +69,7 @@ class Counters:
             "token_mismatch": self.token_mismatch,
             "puts": self.puts,
             "blocks_stored": self.blocks_stored,
+            "admissions_refused": self.admissions_refused,
             "lookups_per_s": self.lookups_per_s(),
             "mean_lookup_ms": (1000 * self.lookup_seconds / self.lookups) if self.lookups else 0.0,
         }

@@ -74,7 +74,9 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
                 home / "segments", self.layout, config.disk_bytes, config.segment_pages,
                 odirect=config.odirect, fsync=config.fsync,
             )
-            self.table = BlockTable()
+            self.table = BlockTable(config.eviction_policy, {
+                DEVICE: self.device.slots.capacity, HOST: self.host.slots.capacity, DISK: self.disk.capacity_slots,
+            })
             self.eviction_listeners = EvictionListeners()
             self.stats_counters = Counters()
             self._writing: set[bytes] = set()

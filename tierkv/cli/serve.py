@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from ..errors import TierKVError
+from ..policy import POLICIES
 from ..daemon.config import DaemonConfig, merge, read_config_file
 
 
@@ -37,6 +38,8 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
 @click.option("--device-bytes", default=None, help="Device tier budget, shared by the layouts (e.g. 8GiB).")
 @click.option("--host-bytes", default=None, help="Host (shared-memory) tier budget, shared by the layouts.")
 @click.option("--disk-bytes", default=None, help="Disk tier budget, shared by the layouts.")
+@click.option("--eviction-policy", type=click.Choice(POLICIES), default=None,
+              help="Victim order of every tier: arc (adaptive, default) or lru (see docs/architecture.md).")
 @click.option("--staging-bytes", default=None, help="Shared staging region for pages clients put.")
 @click.option("--lease-timeout", "lease_timeout_s", type=float, default=None,
               help="Seconds a lease may go without renew before the daemon releases it (default 600).")

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from ..config import HOME_ENV, SOCKET_ENV, GiB, MiB, check_sizes, default_home
 from ..errors import ConfigError
 from ..layout import PageLayout
+from ..policy import DEFAULT_POLICY, POLICIES
 from .quotas import Quotas
 
 BIND_ENV = "MC_TCP_BIND_ADDRESS"  # the Mooncake transfer engine's bind address
@@ -46,6 +47,7 @@ class DaemonConfig:
     host_bytes: int = 1 * GiB
     disk_bytes: int = 16 * GiB
     write_through: bool = True
+    eviction_policy: str = DEFAULT_POLICY  # tierkv/policy.py: "arc" or "lru"
     metrics_port: int | None = None  # Prometheus text endpoint on 127.0.0.1; None: off
     pid_file: Path | None = None  # default: next to the socket, "<socket>.pid"
     lease_timeout_s: float = 600.0  # a lease not renewed for this long is released
@@ -90,6 +92,8 @@ class DaemonConfig:
         check_sizes(self, "device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "client_staging_bytes")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
         if not self.lease_timeout_s > 0:
             raise ValueError("lease_timeout_s must be positive")
         for name in ("max_connections", "max_inflight", "workers", "resolved_max_layouts"):

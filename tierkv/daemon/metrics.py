@@ -51,6 +51,7 @@ class StoreCollector(Collector):
         for tier, n in s["evictions"].items():
             ev.add_metric([tier], n)
         yield ev
+        yield from policy_metrics(s)
         for name, key, doc in (("tierkv_promotions", "promoted_bytes", "Pages copied up into the device tier"),
                                ("tierkv_demotions", "demoted_bytes", "Pages copied down a tier")):
             fam = CounterMetricFamily(name, doc)
@@ -89,6 +90,32 @@ class StoreCollector(Collector):
             g = GaugeMetricFamily(f"tierkv_daemon_{key}", doc)
             g.add_metric([], d.get(key, 0))
             yield g
+
+
+def policy_metrics(s: Any) -> Iterator[Any]:
+    """The eviction policy's figures (tierkv/policy.py): evictions by tier and reason, ghost
+    hits, new blocks put in the cold segment, blocks no tier could take; lookup hit rate
+    by tier."""
+    ev = CounterMetricFamily("tierkv_evictions_by_reason", "Blocks evicted, by tier and reason "
+                             "(ephemeral/pinned, or the policy segment: lru, cold, recent, frequent)",
+                             labels=["tier", "reason"])
+    for tier, reasons in (s.get("evicted_by") or {}).items():
+        for reason, n in reasons.items():
+            ev.add_metric([tier, reason], n)
+    yield ev
+    for name, key, doc in (("tierkv_ghost_hits", "ghost_hits", "Blocks stored again while remembered as evicted"),
+                           ("tierkv_cold_admissions", "cold_admissions", "New blocks the policy placed in its cold segment")):
+        fam = CounterMetricFamily(name, doc, labels=["tier"])
+        for tier, n in (s.get(key) or {}).items():
+            fam.add_metric([tier], n)
+        yield fam
+    fam = CounterMetricFamily("tierkv_admissions_refused", "Blocks of a put that no tier could take")
+    fam.add_metric([], s.get("admissions_refused", 0))
+    yield fam
+    g = GaugeMetricFamily("tierkv_hit_rate", "Lookup blocks found, over blocks asked for, by tier found in", labels=["tier"])
+    for tier, rate in (s.get("hit_rate_by_tier") or {}).items():
+        g.add_metric([tier], rate)
+    yield g
 
 
 REMOTE_COUNTERS = (

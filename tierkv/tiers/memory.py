@@ -50,6 +50,7 @@ class MemoryTier:
                 self.region.pin()
             self._pool = self._view_pool(self.region, layout, slots)
         self.slots = SlotAllocator(slots)
+        self._bytes_view: np.ndarray | None = None  # the CPU pool as bytes, made on first write_many
 
     def _view_pool(self, region: SharedRegion, layout: PageLayout, slots: int) -> torch.Tensor:
         """The region's bytes seen as ``[slots, *layout.shape]`` with this tier's slot stride."""
@@ -95,6 +96,19 @@ class MemoryTier:
             dst.copy_(page, non_blocking=self.pinned)
         else:
             cpu_copy(dst, page)
+
+    def write_many(self, slots: list[int], pages: torch.Tensor, rows: list[int]) -> None:
+        """``write(slots[j], pages[rows[j]])`` for every j, as one copy where the pool and
+        the pages are CPU memory (a put of many small pages spent its time in per-page calls)."""
+        if not slots:
+            return
+        if self._pool.is_cuda or pages.is_cuda or pages.dtype != self._pool.dtype or not pages.is_contiguous():
+            for s, r in zip(slots, rows):
+                self.write(s, pages[r])
+            return
+        if self._bytes_view is None:
+            self._bytes_view = self._pool.view(torch.uint8).numpy()
+        self._bytes_view[np.asarray(slots)] = pages.detach().view(torch.uint8).numpy()[np.asarray(rows)]
 
     def describe(self) -> dict[str, object]:
         return {

@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Replay a Mooncake-format prefix trace through the real store and through references.
+
+For each capacity (in blocks) the trace goes through ``tierkv.open`` (an in-memory tier of
+exactly that many pages of a tiny layout: 1 layer, 1 head, head_dim 1, 512-token blocks, so
+30,000 blocks take 60 MB; no host or disk tier unless ``--disk-blocks``), one store per
+eviction policy, and through the references of :mod:`tierkv.traces` (leaf-first LRU, LRU-2,
+the offline optimum). Each request is ``acquire`` (its hits: the longest cached prefix,
+token ids verified), ``release``, then ``put`` of the rest from ``start_block = hits``. Every
+hash id becomes a block of token ids that depend on the id alone (the key chain carries the
+prefix), so the store's keys agree exactly when the trace's prefixes agree.
+
+Prints block hit rate, token hit rate (full 512-token blocks), requests/s (store replays:
+the wall time of acquire+release+put over the trace) and the share of the optimum's block
+hit rate. ``--check-model`` also asserts that each store's per-request hits equal the
+:func:`tierkv.traces.simulate_policy` model of the same policy.
+
+    .venv/bin/python scripts/replay_trace.py ../shared/traces/synthetic_trace.jsonl \\
+        --capacity 1000 --capacity 10000 --capacity 30000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import tierkv
+from tierkv.identity import Scope
+from tierkv.policy import POLICIES
+from tierkv.traces import (REFERENCES, TRACE_BLOCK, Request, SimResult, block_tokens, read_trace, simulate_policy,
+                           simulate_tiers)
+
+LAYOUT = tierkv.PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=TRACE_BLOCK, dtype="float16")
+SCOPE = Scope("ab" * 32, "replay")
+
+
+def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: int = 0) -> tuple[SimResult, float, dict]:
+    """Per-request hits of the real store, its requests/s, and its stats at the end."""
+    token_cache: dict[int, np.ndarray] = {}
+
+    def tokens_of(ids: tuple[int, ...]) -> np.ndarray:
+        parts = []
+        for x in ids:
+            t = token_cache.get(x)
+            if t is None:
+                t = token_cache[x] = block_tokens(x)
+            parts.append(t)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype="<i4")
+
+    longest = max((len(r.hash_ids) for r in trace), default=0)
+    pages = torch.zeros((max(1, longest), *LAYOUT.shape), dtype=LAYOUT.torch_dtype)
+    arrays = [tokens_of(r.hash_ids) for r in trace]  # built before the clock starts
+    hits: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="tierkv-replay-") as home:
+        store = tierkv.open(
+            home, LAYOUT, device="cpu", device_bytes=capacity * LAYOUT.page_bytes, host_bytes=0,
+            disk_bytes=disk_blocks * LAYOUT.slot_bytes, eviction_policy=policy, prefetch_workers=1,
+            shm_dir=Path(home),
+        )
+        try:
+            t0 = time.perf_counter()
+            for r, arr in zip(trace, arrays):
+                lease = store.acquire(arr, SCOPE)
+                n = len(lease.keys)
+                store.release(lease)
+                hits.append(n)
+                if n < len(r.hash_ids):
+                    store.put(arr, pages[: len(r.hash_ids) - n], SCOPE, start_block=n)
+            seconds = time.perf_counter() - t0
+            store.check_integrity()
+            stats = store.stats()
+        finally:
+            store.close()
+    return SimResult(tuple(hits)), len(trace) / seconds if seconds else 0.0, stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--capacity", type=int, action="append", help="tier size in blocks (repeat)")
+    ap.add_argument("--policy", action="append", choices=POLICIES, help="store policies to replay (default: all)")
+    ap.add_argument("--reference", action="append", choices=sorted(REFERENCES), help="default: all")
+    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--full-blocks-only", action="store_true", help="drop each request's trailing partial block")
+    ap.add_argument("--disk-blocks", type=int, default=0, help="add a disk tier of this many blocks")
+    ap.add_argument("--repeat", type=int, default=1, help="store replays per policy (requests/s: median)")
+    ap.add_argument("--no-store", action="store_true", help="references and policy models only")
+    ap.add_argument("--check-model", action="store_true", help="assert the store's hits equal the policy model's")
+    ap.add_argument("--tiers", action="append", metavar="HOST:DISK",
+                    help="admission/promotion experiment on a small host tier over a disk tier, in blocks "
+                         "(policy models, write-through): promote vs read-through, admit on first vs second use")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    trace = read_trace(args.trace, args.limit, args.full_blocks_only)
+    if args.tiers:
+        return tiers_experiment(args, trace)
+    capacities = args.capacity or [1000, 10000, 30000]
+    policies = args.policy or list(POLICIES)
+    references = args.reference or sorted(REFERENCES)
+    rows = []
+    for cap in capacities:
+        results: dict[str, dict] = {}
+        for ref in references:
+            res = REFERENCES[ref](trace, cap)
+            results[ref] = {"kind": "reference", "result": res}
+        for pol in policies:
+            if args.no_store:
+                results[f"{pol} (model)"] = {"kind": "model", "result": simulate_policy(trace, cap, pol)}
+                continue
+            rates = []
+            for _ in range(max(1, args.repeat)):
+                res, rps, stats = replay_store(trace, cap, pol, args.disk_blocks)
+                rates.append(rps)
+            if args.check_model:
+                model = simulate_policy(trace, cap, pol)
+                bad = [i for i, (a, b) in enumerate(zip(res.hits, model.hits)) if a != b]
+                if bad:
+                    print(f"store ({pol}) and model disagree at capacity {cap}, first at request {bad[0]}",
+                          file=sys.stderr)
+                    return 1
+            results[f"tierkv {pol}"] = {"kind": "store", "result": res, "requests_per_s": statistics.median(rates),
+                                        "requests_per_s_runs": rates, "stats": stats}
+        best = results["belady"]["result"].block_hit_rate(trace) if "belady" in results else None
+        for name, r in results.items():
+            rate = r["result"].block_hit_rate(trace)
+            rows.append({
+                "capacity": cap, "policy": name, "kind": r["kind"], "block_hit_rate": round(rate, 4),
+                "token_hit_rate": round(r["result"].token_hit_rate(trace), 4),
+                "share_of_optimum": round(rate / best, 4) if best else None,
+                "requests_per_s": round(r["requests_per_s"]) if "requests_per_s" in r else None,
+                "requests_per_s_runs": [round(x) for x in r.get("requests_per_s_runs", [])] or None,
+                "ghost_hits": dict(r["stats"]["ghost_hits"]) if "stats" in r else None,
+                "evicted_by": {t: dict(v) for t, v in r["stats"]["evicted_by"].items()} if "stats" in r else None,
+            })
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), "requests": len(trace), "rows": rows}, indent=1))
+        return 0
+    print(f"{args.trace}: {len(trace)} requests, {sum(len(r.hash_ids) for r in trace)} blocks")
+    print(f"{'capacity':>9} {'policy':<16} {'block hit':>9} {'token hit':>9} {'of opt':>7} {'req/s':>8}")
+    for row in rows:
+        share = f"{row['share_of_optimum']:.3f}" if row["share_of_optimum"] is not None else "-"
+        rps = str(row["requests_per_s"]) if row["requests_per_s"] is not None else "-"
+        print(f"{row['capacity']:>9} {row['policy']:<16} {row['block_hit_rate']:>9.4f} "
+              f"{row['token_hit_rate']:>9.4f} {share:>7} {rps:>8}")
+    return 0
+
+
+def tiers_experiment(args: argparse.Namespace, trace: list[Request]) -> int:
+    rows = []
+    for spec in args.tiers:
+        host, disk = (int(x) for x in spec.split(":"))
+        for pol in args.policy or list(POLICIES):
+            for label, promote, second in (("promote, admit first use", True, False),
+                                           ("read through, admit first use", False, False),
+                                           ("promote, admit second use", True, True)):
+                r = simulate_tiers(trace, host, disk, pol, promote, second)
+                rows.append({"host": host, "disk": disk, "policy": pol, "variant": label,
+                             "hit_rate": round(r.hit_rate, 4), "host_hit_rate": round(r.host_hit_rate, 4)})
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), "requests": len(trace), "tiers": rows}, indent=1))
+        return 0
+    print(f"{'host':>6} {'disk':>6} {'policy':<6} {'variant':<30} {'hit':>7} {'host hit':>8}")
+    for r in rows:
+        print(f"{r['host']:>6} {r['disk']:>6} {r['policy']:<6} {r['variant']:<30} {r['hit_rate']:>7.4f} "
+              f"{r['host_hit_rate']:>8.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Eviction policies (tierkv/policy.py) and the trace references (tierkv/traces.py):
+invariants every policy keeps in a real store, the references on hand-made traces with
+known answers, the adaptive policy beating LRU where it must, and the replay tool."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tierkv import Priority, StoreConfig
+from tierkv.policy import POLICIES, ARCPolicy, LRUPolicy
+from tierkv.traces import (Request, block_tokens, read_trace, simulate_belady, simulate_lru, simulate_lru2,
+                           simulate_policy, simulate_tiers)
+from .kit import LAYOUT, SCOPE, assert_lease_exact, keys_of, put_chain, tier_keys, toks
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+
+
+def _trace(*reqs: tuple[int, ...]) -> list[Request]:
+    return [Request(tuple(r), len(r) * 512) for r in reqs]
+
+
+def _hot_and_scans(scan: int = 4, n: int = 40) -> list[Request]:
+    """A 4-block prefix used every third request between one-off requests of ``scan`` blocks."""
+    out, u = [], 100
+    for i in range(n):
+        if i % 3 == 0:
+            out.append(Request(tuple(range(4)), 4 * 512))
+        else:
+            out.append(Request(tuple(range(u, u + scan)), scan * 512))
+            u += 10
+    return out
+
+
+# ---- invariants of every policy, in a real store ------------------------------------------
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policy_keeps_leaf_first_pinned_and_leased(make_store, policy):
+    store = make_store(eviction_policy=policy, disk_bytes=12 * 4096, segment_pages=4)
+    rng = random.Random(7)
+    pinned = toks(500, 2)
+    put_chain(store, pinned, priority=Priority.PINNED)
+    held = toks(501, 2)
+    put_chain(store, held)
+    lease = store.acquire(held, SCOPE)
+    assert lease.num_blocks == 2
+    held_keys = set(keys_of(held))
+    evicted: list[str] = []
+    unplace = store.table.unplace
+
+    def checked_unplace(block, tier, evicted_=False):
+        # The policy's rules, checked at the moment of every eviction: never a leased or
+        # busy block (the one being evicted holds itself busy while it moves, hence <= 1),
+        # never pinned on disk, never a block with an extension in the same tier.
+        if evicted_:
+            assert not block.leases and block.busy <= 1, "evicted a leased or busy block"
+            assert not (block.priority == Priority.PINNED and tier.value == "disk"), "evicted a pinned block from disk"
+            kids = [store.table.get(c) for c in block.children]
+            assert not any(k is not None and tier in k.loc for k in kids), "evicted a block before its extension"
+            evicted.append(tier.value)
+        return unplace(block, tier, evicted_)
+
+    store.table.unplace = checked_unplace
+    convs = [toks(600 + c, 1) for c in range(5)]
+    for step in range(60):
+        c = rng.randrange(len(convs))
+        if rng.random() < 0.5:  # the conversation grows by a turn
+            convs[c] = convs[c] + toks(1000 + step, 1)
+        tokens = convs[c] if rng.random() < 0.7 else toks(2000 + step, rng.randint(1, 3))
+        with store.acquire(tokens, SCOPE) as lease2:
+            assert_lease_exact(lease2)
+        put_chain(store, tokens, priority=Priority.EPHEMERAL if rng.random() < 0.1 else Priority.NORMAL)
+        where = tier_keys(store)
+        assert held_keys <= where["device"], "a leased block left the device tier"
+        assert set(keys_of(pinned)) <= where["disk"], "a pinned block left the disk tier"
+        store.check_integrity()
+    assert_lease_exact(lease)
+    store.release(lease)
+    s = store.stats()
+    assert s["eviction_policy"] == policy
+    for tier in ("device", "host", "disk"):
+        assert sum(s["evicted_by"][tier].values()) == s["evictions"][tier]
+    assert s["evictions"]["device"] > 0 and len(evicted) == sum(s["evictions"].values())
+
+
+def test_config_rejects_unknown_policy(tmp_path):
+    with pytest.raises(ValueError, match="eviction_policy"):
+        StoreConfig(home=tmp_path, layout=LAYOUT, eviction_policy="lfu")
+
+
+def test_arc_ghosts_are_bounded_metadata():
+    p = ARCPolicy(capacity=4)
+    for i in range(50):
+        key = bytes([i])
+        p.add(key)
+        p.remove(key, evicted=True)
+        p.check_integrity()
+    assert len(p) == 0 and len(p._ghost_recent) + len(p._ghost_frequent) <= p.ghost_limit == 6
+    p.add(bytes([49]))  # still remembered: enters as frequent
+    assert p.ghost_hits == 1 and p.segment(bytes([49])) == "frequent"
+
+
+def test_lru_policy_orders_by_last_touch():
+    p = LRUPolicy()
+    for k in (b"a", b"b", b"c"):
+        p.add(k)
+    p.touch([b"a"], hit=True)
+    assert list(p.candidates()) == [b"b", b"c", b"a"]
+
+
+# ---- the references on hand-made traces ----------------------------------------------------
+def test_lru_reference_known_answer():
+    # cap 2: r2 needs room; the least recently used is 1, so 1 misses again at r3.
+    trace = _trace((1,), (2,), (3,), (1,))
+    assert simulate_lru(trace, 2).hits == (0, 0, 0, 0)
+    # Leaf first: 2 goes before its prefix 1, so r2 still hits 1.
+    trace = _trace((1, 2), (3,), (1, 2))
+    assert simulate_lru(trace, 2).hits == (0, 0, 1)
+
+
+def test_belady_reference_known_answer():
+    trace = _trace((1,), (2,), (3,), (1,))
+    assert simulate_belady(trace, 2).hits == (0, 0, 0, 1)  # 2 is never used again: it goes
+    # Prefix constraint: only the leaf 3 may go although 1 and 2 are used as late.
+    trace = _trace((1, 2, 3), (4,), (1, 2, 3))
+    assert simulate_belady(trace, 3).hits == (0, 0, 2)
+
+
+def test_lru2_reference_known_answer():
+    # 1 is used twice, 2 once: LRU-2 keeps 1 where LRU would keep the more recent 2.
+    trace = _trace((1,), (1,), (2,), (3,), (1,))
+    assert simulate_lru2(trace, 2).hits == (0, 1, 0, 0, 1)
+    assert simulate_lru(trace, 2).hits == (0, 1, 0, 0, 0)
+
+
+def test_belady_bounds_every_policy_on_random_trees():
+    rng = random.Random(3)
+    for _ in range(30):
+        convs: dict[int, list[int]] = {}
+        trace, nxt = [], 1000
+        for _ in range(50):
+            c = rng.randrange(6)
+            h = convs.get(c, [c])
+            if rng.random() < 0.5 and len(h) < 12:
+                h = h + list(range(nxt, nxt + rng.randint(1, 3)))
+                nxt += 5
+            convs[c] = h
+            ids = h[: rng.randint(1, len(h))] if rng.random() < 0.3 else h
+            trace.append(Request(tuple(ids), len(ids) * 512))
+        for cap in (3, 6, 10):
+            best = sum(simulate_belady(trace, cap).hits)
+            for f in (simulate_lru, simulate_lru2, lambda t, c: simulate_policy(t, c, "arc")):
+                assert sum(f(trace, cap).hits) <= best
+
+
+def test_policy_model_lru_equals_reference():
+    trace = _hot_and_scans(3)
+    for cap in (5, 7, 9):
+        assert simulate_policy(trace, cap, "lru").hits == simulate_lru(trace, cap).hits
+
+
+def test_arc_beats_lru_on_hot_prefix_between_scans():
+    trace = _hot_and_scans(4)
+    assert sum(simulate_lru(trace, 8).hits) == 0  # every scan pushes the hot prefix out
+    arc = sum(simulate_policy(trace, 8, "arc").hits)
+    assert arc > 0.8 * sum(simulate_belady(trace, 8).hits)
+
+
+def test_block_tokens_depend_on_the_id_only():
+    assert (block_tokens(5) == block_tokens(5)).all()
+    assert not (block_tokens(5) == block_tokens(6)).all()
+    big = block_tokens(1 << 40)
+    assert big.min() >= 0 and len(big) == 512
+
+
+# ---- the replay tool -----------------------------------------------------------------------
+def _replay_module():
+    spec = importlib.util.spec_from_file_location("replay_trace", ROOT / "scripts" / "replay_trace.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _small_trace(tmp_path: Path) -> Path:
+    if TRACE.exists():
+        return TRACE
+    path = tmp_path / "trace.jsonl"  # a stand-in with the same shape
+    with open(path, "w") as f:
+        for r in _hot_and_scans(4, 80):
+            f.write(json.dumps({"timestamp": 0, "input_length": r.input_length - 100, "output_length": 1,
+                                "hash_ids": list(r.hash_ids)}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_store_replay_equals_policy_model(tmp_path, policy):
+    mod = _replay_module()
+    trace = read_trace(_small_trace(tmp_path), limit=80)
+    res, rps, stats = mod.replay_store(trace, 150, policy)
+    assert res.hits == simulate_policy(trace, 150, policy).hits
+    if policy == "lru":  # the store's LRU is exactly the original rule
+        assert res.hits == simulate_lru(trace, 150).hits
+    assert rps > 0 and stats["eviction_policy"] == policy
+
+
+def test_replay_script_json(tmp_path, capsys):
+    mod = _replay_module()
+    rc = mod.main([str(_small_trace(tmp_path)), "--limit", "120", "--capacity", "300", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["policy"]: r for r in out["rows"]}
+    assert set(rows) >= {"belady", "lru", "lru2", "tierkv lru", "tierkv arc"}
+    assert rows["tierkv lru"]["block_hit_rate"] == rows["lru"]["block_hit_rate"]
+    assert rows["belady"]["share_of_optimum"] == 1.0
+    for r in rows.values():
+        assert r["block_hit_rate"] <= rows["belady"]["block_hit_rate"]
+        assert 0 <= r["token_hit_rate"] <= 1
+
+
+def test_tiered_model_promotion_known_answer():
+    trace = _trace((1,), (2,), (1,), (1,))
+    promoted = simulate_tiers(trace, 1, 10, "lru", promote=True)
+    assert (promoted.host_hits, promoted.disk_hits) == (1, 1)  # r2 from disk, promoted; r3 from host
+    through = simulate_tiers(trace, 1, 10, "lru", promote=False)
+    assert (through.host_hits, through.disk_hits) == (0, 2)

@@ -1,0 +1,253 @@
+"""Eviction policies: the order in which one tier's blocks of one priority class are offered
+as victims.
+
+A policy only orders keys; :class:`tierkv.blocks.BlockTable` owns locations and decides
+what may go (leased, busy, pinned-on-disk and non-leaf blocks are skipped), so every policy
+keeps the same invariants. The table calls, with the store lock held:
+
+- ``add(key, hint)`` when a block is placed in the tier (``hint``: see :data:`HINT_CONTINUATION`);
+- ``remove(key, evicted)`` when it leaves (``evicted=True`` only when chosen as a victim:
+  only those leave a ghost);
+- ``touch(keys, hit)`` when a chain is used, keys leaf first (``hit=True`` for a read that
+  found the blocks, ``False`` for the re-ordering after a put);
+- ``candidates()``: resident keys, best victim first (the caller stops at the first it can
+  evict; nothing is mutated while it iterates);
+- ``segment(key)``: which part of the policy holds the key (for eviction reasons in stats).
+
+Two policies:
+
+``lru``: the original rule. One recency list; a touched chain moves leaf first, root last,
+so a prefix is always more recent than its extensions and the head is normally a leaf.
+
+``arc`` (default): ARC (Megiddo & Modha, FAST '03) on the prefix tree. ``recent`` holds
+blocks seen in one request since they entered, ``frequent`` those seen in two or more;
+ghost lists remember recently evicted keys of each (metadata only, bounded by
+``ghost_factor`` x capacity). A ghost hit in the recent ghost grows the recent target ``p``
+(recency was evicted too early), one in the frequent ghost shrinks it; the victim comes
+from ``recent`` while it holds more than ``p`` blocks. So the policy slides between LRU
+(large capacities, recency traces) and frequency (small capacities, hot shared prefixes)
+from what the trace does, not from a tuning knob. Two adaptations to a prefix tree:
+
+* leaf first: a parent has been used in every request its child was, so a frequent child
+  has a frequent parent, and in each list a chain is ordered leaf first as in LRU. When a
+  list's head is not evictable (an extension in the tier, or held) the heads of the other
+  lists are tried before anything deeper.
+* insertion class: a new block is classed by two bits, whether its request found a cached
+  prefix (continuation) and whether it is the last block of its put (tail). On the
+  synthetic Mooncake trace 88% of continuation suffixes are never seen again (a question
+  after a shared document) against 57% of fresh blocks, and a request's last block (in
+  Mooncake's convention its partial block) is rarely reused; on chat traces, continuations
+  are exactly what the next turn reuses. So nothing is assumed: the policy *measures* each
+  class's reuse (a block of the class seen again while resident, or in the recent ghost)
+  and inserts a class whose reuse rate is below half the overall rate into a ``cold``
+  segment evicted before ``recent``. The counters decay (halved every ``capacity``
+  insertions), so the decision follows the trace.
+
+Rejected: S3-FIFO and LFU with aging (LRFU). Replayed on the synthetic trace (see
+docs/performance.md) S3-FIFO's small queue evicts the next turn of a conversation (median
+reuse distance: 233 requests) and fell far below LRU at 1,000 and 10,000 blocks; LRFU only
+matched LRU at large capacities and needs keys recomputed when its decay adapts.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator, Protocol
+
+HINT_FRESH = 0
+HINT_CONTINUATION = 1  # bit: the block is part of a put whose request found a cached prefix
+HINT_TAIL = 2  # bit: the block is the last one of its put (the deepest of the request)
+POLICIES = ("lru", "arc")
+DEFAULT_POLICY = "arc"
+
+
+class EvictionPolicy(Protocol):
+    name: str
+    ghost_hits: int
+
+    def __len__(self) -> int: ...
+    def __contains__(self, key: object) -> bool: ...
+    def add(self, key: bytes, hint: int = HINT_FRESH) -> None: ...
+    def remove(self, key: bytes, evicted: bool = False) -> None: ...
+    def touch(self, keys: list[bytes], hit: bool) -> None: ...
+    def candidates(self) -> Iterator[bytes]: ...
+    def segment(self, key: bytes) -> str: ...
+    def keys(self) -> set[bytes]: ...
+    def check_integrity(self) -> None: ...
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """A fresh policy for one tier of ``capacity`` slots (the ghost bound scales with it)."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "arc":
+        return ARCPolicy(capacity)
+    raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")
+
+
+class LRUPolicy:
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._d: OrderedDict[bytes, None] = OrderedDict()
+        self.ghost_hits = 0  # LRU keeps no ghosts
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._d
+
+    def add(self, key: bytes, hint: int = HINT_FRESH) -> None:
+        self._d[key] = None
+
+    def remove(self, key: bytes, evicted: bool = False) -> None:
+        self._d.pop(key, None)
+
+    def touch(self, keys: list[bytes], hit: bool) -> None:
+        d = self._d
+        for k in keys:
+            if k in d:
+                d.move_to_end(k)
+
+    def candidates(self) -> Iterator[bytes]:
+        return iter(self._d)
+
+    def segment(self, key: bytes) -> str:
+        return "lru"
+
+    def keys(self) -> set[bytes]:
+        return set(self._d)
+
+    def check_integrity(self) -> None:
+        pass
+
+
+class ARCPolicy:
+    """ARC on a prefix tree with measured insertion classes (see the module docstring)."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int, ghost_factor: float = 1.5, cold_ratio: float = 0.5) -> None:
+        self.capacity = max(1, capacity)
+        self.ghost_limit = int(self.capacity * ghost_factor)
+        self.cold_ratio = cold_ratio
+        self.p = 0.0  # target size of cold + recent
+        self._cold: OrderedDict[bytes, None] = OrderedDict()
+        self._recent: OrderedDict[bytes, None] = OrderedDict()
+        self._frequent: OrderedDict[bytes, None] = OrderedDict()
+        self._ghost_recent: OrderedDict[bytes, int] = OrderedDict()  # key -> insertion class
+        self._ghost_frequent: OrderedDict[bytes, None] = OrderedDict()
+        self._hint: dict[bytes, int] = {}  # insertion class of blocks in cold/recent
+        self._inserted = [0.0] * 4  # per insertion class (HINT_* bits), decayed
+        self._reused = [0.0] * 4
+        self._since_decay = 0
+        self.ghost_hits = 0
+        self.cold_inserts = 0
+
+    def __len__(self) -> int:
+        return len(self._cold) + len(self._recent) + len(self._frequent)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._recent or key in self._frequent or key in self._cold
+
+    # ---- the measured reuse of each insertion class ----
+    def _rate(self, hint: int) -> float:
+        return (self._reused[hint] + 1) / (self._inserted[hint] + 2)
+
+    def _is_cold(self, hint: int) -> bool:
+        overall = (sum(self._reused) + 1) / (sum(self._inserted) + 2)
+        return self._rate(hint) < self.cold_ratio * overall
+
+    def _count_insert(self, hint: int) -> None:
+        self._inserted[hint] += 1
+        self._since_decay += 1
+        if self._since_decay >= self.capacity:
+            self._since_decay = 0
+            self._inserted = [x / 2 for x in self._inserted]
+            self._reused = [x / 2 for x in self._reused]
+
+    def add(self, key: bytes, hint: int = HINT_FRESH) -> None:
+        hint &= 3
+        if key in self._ghost_recent:
+            self.ghost_hits += 1
+            self._reused[self._ghost_recent.pop(key)] += 1
+            ratio = len(self._ghost_frequent) / max(1, len(self._ghost_recent))
+            self.p = min(float(self.capacity), self.p + max(ratio, 1.0))
+            self._frequent[key] = None
+        elif key in self._ghost_frequent:
+            self.ghost_hits += 1
+            del self._ghost_frequent[key]
+            ratio = len(self._ghost_recent) / max(1, len(self._ghost_frequent))
+            self.p = max(0.0, self.p - max(ratio, 1.0))
+            self._frequent[key] = None
+        else:
+            self._count_insert(hint)
+            self._hint[key] = hint
+            if self._is_cold(hint):
+                self.cold_inserts += 1
+                self._cold[key] = None
+            else:
+                self._recent[key] = None
+
+    def remove(self, key: bytes, evicted: bool = False) -> None:
+        if key in self._frequent:
+            del self._frequent[key]
+            if evicted:
+                self._ghost_frequent[key] = None
+        else:
+            self._cold.pop(key, None)
+            self._recent.pop(key, None)
+            hint = self._hint.pop(key, HINT_FRESH)
+            if evicted:
+                self._ghost_recent[key] = hint
+        while len(self._ghost_recent) + len(self._ghost_frequent) > self.ghost_limit:
+            if self._ghost_recent and (len(self._ghost_recent) > len(self._ghost_frequent) or not self._ghost_frequent):
+                self._ghost_recent.popitem(last=False)
+            else:
+                self._ghost_frequent.popitem(last=False)
+
+    def touch(self, keys: list[bytes], hit: bool) -> None:
+        cold, recent, frequent = self._cold, self._recent, self._frequent
+        for k in keys:
+            if k in frequent:
+                frequent.move_to_end(k)
+            elif k in recent or k in cold:
+                if hit:  # seen in a second request: frequent from now on
+                    (recent if k in recent else cold).pop(k)
+                    self._reused[self._hint.pop(k)] += 1
+                    frequent[k] = None
+                else:
+                    (recent if k in recent else cold).move_to_end(k)
+
+    def _lists(self) -> tuple[OrderedDict[bytes, None], ...]:
+        if (self._cold or self._recent) and (len(self._cold) + len(self._recent) > self.p or not self._frequent):
+            return (self._cold, self._recent, self._frequent)
+        return (self._frequent, self._cold, self._recent)
+
+    def candidates(self) -> Iterator[bytes]:
+        lists = self._lists()
+        for d in lists:  # each head first: a non-leaf head must not stall the others
+            if d:
+                yield next(iter(d))
+        for d in lists:
+            it = iter(d)
+            next(it, None)
+            yield from it
+
+    def segment(self, key: bytes) -> str:
+        if key in self._frequent:
+            return "frequent"
+        return "cold" if key in self._cold else "recent"
+
+    def keys(self) -> set[bytes]:
+        return set(self._cold) | set(self._recent) | set(self._frequent)
+
+    def check_integrity(self) -> None:
+        resident = [self._cold, self._recent, self._frequent]
+        total = sum(len(d) for d in resident)
+        assert len(self.keys()) == total, "a key sits in two ARC lists"
+        assert set(self._hint) == set(self._cold) | set(self._recent), "insertion classes out of step"
+        ghosts = set(self._ghost_recent) | set(self._ghost_frequent)
+        assert len(ghosts) == len(self._ghost_recent) + len(self._ghost_frequent), "a key in both ghosts"
+        assert len(ghosts) <= self.ghost_limit, "ghost lists over their bound"
+        assert 0.0 <= self.p <= self.capacity, "ARC target out of range"
