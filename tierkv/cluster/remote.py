@@ -29,6 +29,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from ..backoff import Backoff
 from ..layout import PageLayout
 from .remote_object import (  # noqa: F401  (re-exported: the object format lives there)
     BadObject, RemoteMeta, RemotePage, RemotePutResult, decode_object, encode_object, layout_info,
@@ -146,8 +147,7 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._client: RemoteBackend | None = None
         self._stale: list[RemoteBackend] = []  # clients whose call hung: closed at close()
-        self._retry_at = 0.0
-        self._backoff = config.backoff_initial_s
+        self._backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, clock)
         self.up = False
         self.last_fault = ""
         self.faults: Counter[str] = Counter()
@@ -161,7 +161,7 @@ class RemoteTier:
     @property
     def available(self) -> bool:
         """Up, or due for a reconnect attempt (so a caller may try)."""
-        return self.up or self._clock() >= self._retry_at
+        return self.up or self._backoff.ready()
 
     def _run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         fut = self._pool.submit(fn, *args)
@@ -171,11 +171,10 @@ class RemoteTier:
         with self._lock:
             self.faults[reason] += 1
             self.last_fault = f"{reason}: {detail}"
+            wait = self._backoff.failed()
             if self.up or client is self._client:
-                log.warning("remote tier down (%s: %s); retry in %.1f s", reason, detail, self._backoff)
+                log.warning("remote tier down (%s: %s); retry in %.1f s", reason, detail, wait)
             self.up = False
-            self._retry_at = self._clock() + self._backoff
-            self._backoff = min(self._backoff * 2, self.config.backoff_max_s)
             if hung and client is not None and client is self._client:
                 self._stale.append(client)
                 self._client = None
@@ -191,10 +190,10 @@ class RemoteTier:
         passed (setup or probe); raises _Down when there is nothing to use."""
         with self._lock:
             client, up = self._client, self.up
-            if not up and self._clock() < self._retry_at:
+            if not up and not self._backoff.ready():
                 raise _Down()
             if not up:
-                self._retry_at = self._clock() + self._backoff  # one attempt at a time
+                self._backoff.attempt()  # one attempt at a time
         if up and client is not None:
             return client
         if client is None:
@@ -215,7 +214,7 @@ class RemoteTier:
             if self._client is not None and self._client is not client:
                 self._stale.append(self._client)
             self._client, self.up = client, True
-            self._backoff = self.config.backoff_initial_s
+            self._backoff.succeeded()
             self.counters["reconnects" if self.counters["connects"] else "connects"] += 1  # held: self._lock
             log.info("remote tier up (master %s)", self.config.master_address)
         return client
@@ -352,7 +351,7 @@ class RemoteTier:
         with self._lock:
             assert not (self.up and self._client is None), "remote tier up without a client"
             assert all(v >= 0 for v in (*self.faults.values(), *self.counters.values())), "negative counter"
-            assert self.config.backoff_initial_s <= self._backoff <= self.config.backoff_max_s
+            self._backoff.check_integrity()
 
     def close(self) -> None:
         with self._lock:
