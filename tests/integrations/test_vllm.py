@@ -341,7 +341,7 @@ def test_a_failing_daemon_is_left_alone_for_a_while(tmp_path):
         client.lookup.side_effect = None
         client.lookup.return_value = LookupResult(B, (b"k" * 32,), ("host",))
         assert handle.lookup([1] * B, Scope(MV)).tokens_matched == B
-        assert handle._retry_s == vllm_store.RETRY_MIN_S
+        assert handle._backoff.delay_s == vllm_store.RETRY_MIN_S
 
 
 def test_store_errors_are_misses(tmp_path):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..backoff import Backoff
 from ..identity import Scope
 from ..layout import PageLayout
 from ..results import Lease, LookupResult
@@ -80,8 +81,8 @@ class StoreHandle:
         self.layout = layout
         self.errors = 0
         self._store: Any = None
-        self._retry_at = float("-inf")
-        self._retry_s = RETRY_MIN_S
+        # The clock is looked up at each call (tests patch time.monotonic).
+        self._backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S, clock=lambda: time.monotonic())
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._prefetch_pool: ThreadPoolExecutor | None = None
@@ -91,7 +92,7 @@ class StoreHandle:
         with self._lock:
             if self._store is not None:
                 return self._store
-            if time.monotonic() < self._retry_at:
+            if not self._backoff.ready():
                 return None
             try:
                 self._store = self._open()
@@ -102,11 +103,10 @@ class StoreHandle:
 
     def _back_off(self) -> None:
         # Held: self._lock.
-        self._retry_at = time.monotonic() + self._retry_s
-        self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
+        self._backoff.failed()
 
     def _succeeded(self) -> None:
-        self._retry_s = RETRY_MIN_S
+        self._backoff.succeeded()
 
     def _open(self) -> Any:
         if self.config.home is not None:
