@@ -304,10 +304,9 @@ class ManifestRequest:
 
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "ManifestRequest":
-        name = _get(h, "name", str)
-        if len(name) > MAX_NAME:
-            raise ProtocolError(f"manifest name longer than {MAX_NAME} characters")
-        return cls(name, _get(h, "manifest", (dict, type(None)), None))
+        # The name's rules (length, '/', valid UTF-8) are the handlers' (tenancy.check_name):
+        # a bad name is InvalidNameError, a ValueError like the embedded store's.
+        return cls(_get(h, "name", str), _get(h, "manifest", (dict, type(None)), None))
 
 
 @dataclass(frozen=True)
