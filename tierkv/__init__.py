@@ -41,15 +41,13 @@ def open(home: str | os.PathLike[str], layout: PageLayout | None = None, **optio
 def home_layout(home: str | os.PathLike[str]) -> PageLayout:
     """The page layout an existing home was created with (read without opening the store).
     Raises NotFoundError when ``home`` holds no store."""
-    import json
-
     from .errors import NotFoundError
-    from .index import peek_meta
+    from .home import peek_layout
 
-    raw = peek_meta(Path(home) / "index", "layout")
-    if raw is None:
+    layout = peek_layout(Path(home))
+    if layout is None:
         raise NotFoundError(f"{home} holds no tierkv store", hint="materialise a prefix first, or check --home")
-    return PageLayout.from_dict(json.loads(raw))
+    return layout
 
 
 def connect(socket_path: str | os.PathLike[str], layout: PageLayout | None = None, **options: Any) -> Client:

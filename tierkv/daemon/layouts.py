@@ -19,7 +19,6 @@ share is simple, can never overcommit, and its figures are what ``stats`` report
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -29,8 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CapacityError, ConfigError
-from ..home import HomeLock
-from ..index import peek_meta
+from ..home import HomeLock, peek_layout
 from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import SharedRegion
@@ -45,12 +43,6 @@ def layout_id(layout: PageLayout) -> str:
     """A stable, readable name for a layout: ``bfloat16-l8-h4-d64-b128``."""
     return (f"{layout.dtype}-l{layout.num_layers}-h{layout.num_kv_heads}-d{layout.head_dim}"
             f"-b{layout.block_size}")
-
-
-def peek_layout(home: Path) -> PageLayout | None:
-    """The layout recorded in the index under ``home``, or None when there is none."""
-    raw = peek_meta(home / "index", "layout")
-    return None if raw is None else PageLayout.from_dict(json.loads(raw))
 
 
 def find_layouts(home: Path) -> list[tuple[Path, PageLayout]]:
