@@ -1,23 +1,38 @@
-"""Time to first token in vLLM: recompute vs vLLM's own prefix cache vs tierkv's connector.
+"""vLLM with and without tierkv, the way a user would choose between them.
 
 Runs in the vLLM venv (``bash scripts/ci_vllm.sh`` builds one; vLLM 0.32.0, CPU build). One
-random-init Llama (default 8 layers, hidden 512, 8 heads, 2 KV heads: head_dim 64) saved with
-a locally trained tokenizer, a ``--prompt-tokens`` prompt, single-process CPU engines:
+random-init Llama (default 8 layers, hidden 512, 8 heads, 2 KV heads: head_dim 64, bf16)
+saved with a locally trained tokenizer; single-process engines (``uni`` executor, in this
+process). The configurations, each a fresh engine on the same prompts:
 
-1. recompute: vLLM alone, prefix caching off; the prompt is prefilled from nothing;
-2. vllm_apc_hit: vLLM alone with automatic prefix caching, the prompt seen before (its
-   blocks are in vLLM's own KV cache);
-3. tierkv_host: the TierKVConnector (embedded home), prefix caching off, the prompt stored
-   by an earlier request of the same engine (pages in tierkv's memory tiers);
-4. tierkv_disk: a fresh engine on the same home after a restart (memory tiers empty,
-   segments dropped from the page cache): pages are read from disk and checksummed.
+* ``vllm``: vLLM alone, prefix caching off; ``vllm_apc``: vLLM alone, prefix caching on;
+* ``tierkv_embedded``: the TierKVConnector with its own home (prefix caching on: tierkv adds
+  to vLLM's cache, it does not replace it); ``tierkv_daemon``: the connector talking to a
+  ``tierkv serve`` started by this script;
+* ``offloading`` / ``simple_cpu_offload``: vLLM's own ``OffloadingConnector`` and
+  ``SimpleCPUOffloadConnector``, wherever they start (on a CPU-only machine they refuse: the
+  refusal text is recorded).
 
-TTFT is the wall time of ``generate(max_tokens=1)`` for one request, median over ``--runs``
-(tierkv_disk: one sample per restart). ``logprob_max_abs_diff`` compares the first token's
-top-5 logprobs of every tierkv run with recompute.
+Scenarios, interleaved round by round (every configuration once per round, so load from
+other processes on a shared machine spreads over all of them):
+
+1. no reuse: ``--throughput-prompts`` distinct ``--throughput-tokens``-token prompts in one
+   ``generate`` (greedy, 4 new tokens); prompts/s;
+2. hit in the same engine: a ``--prompt-tokens`` prompt seen once, then timed (TTFT =
+   wall time of ``generate(max_tokens=1)``);
+3. hit after an engine restart: a fresh engine on the same store (embedded: its segments
+   dropped from the page cache, so the pages come from disk; daemon: kept running, so they
+   come from its memory tiers);
+4. hit after a daemon restart too: the daemon restarted, its segments dropped from the page
+   cache.
+
+Every timed request's greedy first token and top-5 logprobs, and the no-reuse workload's
+generated tokens, are compared with vLLM alone (prefix caching off). Reported: medians per
+scenario and medians of the per-round ratios (paired in the same round).
 
     /path/to/vllm-venv/bin/python scripts/bench_vllm.py --json
-    /path/to/vllm-venv/bin/python scripts/bench_vllm.py --small --json
+    /path/to/vllm-venv/bin/python scripts/bench_vllm.py --block-size 32 --json
+    /path/to/vllm-venv/bin/python scripts/bench_vllm.py --small --json     # a quick check
 
 The last line printed with ``--json`` is one JSON object.
 """
@@ -29,15 +44,16 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-BLOCK = 32  # the CPU attention backend needs a multiple of 32
 
-
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def build_model(out: Path, args: argparse.Namespace) -> Path:
@@ -53,28 +69,38 @@ def build_model(out: Path, args: argparse.Namespace) -> Path:
 class Engine:
     """One vLLM engine in this process, closed with ``close()`` (connector shutdown included)."""
 
-    def __init__(self, model: Path, *, apc: bool, home: Path | None, max_len: int) -> None:
+    def __init__(self, model: Path, args: argparse.Namespace, *, apc: bool, connector: dict | None = None) -> None:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
         kw: dict[str, Any] = {}
-        if home is not None:
-            kw["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
-                kv_role="kv_both", kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"home": str(home), "device_bytes": 256 << 20, "host_bytes": 256 << 20,
-                                           "disk_bytes": 1 << 30})
-        self.llm = LLM(model=str(model), enforce_eager=True, distributed_executor_backend="uni", block_size=BLOCK,
-                       dtype="float32", max_model_len=max_len, seed=0, enable_prefix_caching=apc, **kw)
+        if connector is not None:
+            kw["kv_transfer_config"] = KVTransferConfig(kv_role="kv_both", **connector)
+        t0 = time.perf_counter()
+        self.llm = LLM(model=str(model), enforce_eager=True, distributed_executor_backend="uni",
+                       block_size=args.block_size, dtype=args.dtype, max_model_len=args.max_len, seed=0,
+                       enable_prefix_caching=apc, max_num_batched_tokens=args.max_len, **kw)
+        self.start_s = time.perf_counter() - t0
 
-    def first_token(self, prompt: list[int]) -> tuple[float, dict[int, float]]:
+    def first_token(self, prompt: list[int]) -> tuple[float, int, dict[int, float]]:
+        """(TTFT, greedy first token, its top-5 logprobs)."""
         from vllm import SamplingParams
 
         t0 = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0, logprobs=5),
                                 use_tqdm=False)
         ttft = time.perf_counter() - t0
-        return ttft, {k: v.logprob for k, v in out[0].outputs[0].logprobs[0].items()}
+        o = out[0].outputs[0]
+        return ttft, o.token_ids[0], {k: v.logprob for k, v in o.logprobs[0].items()}
+
+    def batch(self, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+        """(seconds, greedy tokens per prompt) for one generate() of all prompts."""
+        from vllm import SamplingParams
+
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, temperature=0),
+                                 use_tqdm=False)
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
     def connector_stats(self) -> dict[str, Any]:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -90,10 +116,72 @@ class Engine:
         cleanup_dist_env_and_memory()
 
 
+class Daemon:
+    """``tierkv serve`` in a child process, on a home and socket of its own."""
+
+    def __init__(self, work: Path, args: argparse.Namespace, layout: str) -> None:
+        self.home, self.run = work / "daemon-home", work / "daemon-run"
+        self.run.mkdir(mode=0o700, exist_ok=True)
+        self.sock = self.run / "tierkv.sock"
+        self.args, self.layout = args, layout
+        self.proc: subprocess.Popen | None = None
+        self.log = work / "daemon.log"
+
+    def start(self) -> None:
+        self.sock.unlink(missing_ok=True)
+        with open(self.log, "a") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from tierkv.cli import main; main()", "serve", "--home", str(self.home),
+                 "--socket", str(self.sock), "--layout", self.layout, "--device", "cpu",
+                 "--device-bytes", str(self.args.device_bytes), "--host-bytes", str(self.args.host_bytes),
+                 "--disk-bytes", str(self.args.disk_bytes)],
+                stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not self.sock.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tierkv serve did not start: {self.log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+            self.proc = None
+
+    def segments(self) -> list[Path]:
+        return [p for p in self.home.rglob("*") if p.is_file() and "segments" in p.parts]
+
+
 def max_diff(a: dict[int, float], b: dict[int, float]) -> float:
     if set(a) != set(b):
         return float("inf")
     return max(abs(a[k] - b[k]) for k in a)
+
+
+def refusal(model: Path, args: argparse.Namespace, name: str) -> str | None:
+    """None when vLLM's own connector ``name`` starts here, else why it refused."""
+    try:
+        eng = Engine(model, args, apc=True, connector={"kv_connector": name,
+                                                       "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}})
+    except Exception as e:  # the refusal is the result
+        # A half-built engine leaves its connector and process group behind: clear them, or
+        # the next engine of this process registers its KV caches with that connector.
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        try:
+            kv_transfer_state.ensure_kv_transfer_shutdown()
+        except Exception:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        return f"{type(e).__name__}: {str(e).strip()[:400]}"
+    eng.close()
+    return None
+
+
+def median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4) if xs else float("nan")
 
 
 def main() -> int:
@@ -102,97 +190,170 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--prompt-tokens", type=int, default=2048)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--small", action="store_true", help="a quick run (4 layers, 512 tokens, 2 runs)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM's (and tierkv's) block size; CPU: a multiple of 32")
+    ap.add_argument("--prompt-tokens", type=int, default=4096, help="the reused prompt (one token is added: vLLM "
+                    "computes the last token itself, so every block of the prefix can come from a cache)")
+    ap.add_argument("--throughput-prompts", type=int, default=16)
+    ap.add_argument("--throughput-tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip", default="", help="comma-separated configurations to leave out "
+                    "(vllm_apc,tierkv_embedded,tierkv_daemon,native,throughput)")
+    ap.add_argument("--small", action="store_true", help="4 layers, 1,024-token prompt, 4 x 512 no-reuse, 1 round")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.small:
-        args.layers, args.prompt_tokens, args.runs = 4, 512, 2
+        args.layers, args.prompt_tokens, args.rounds = 4, 1024, 1
+        args.throughput_prompts, args.throughput_tokens = 4, 512
+    skip = set(filter(None, args.skip.split(",")))
+    args.device_bytes, args.host_bytes, args.disk_bytes = 256 << 20, 512 << 20, 4 << 30
+    args.max_len = max(args.prompt_tokens + 1, args.throughput_tokens) + 64
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tierkv-bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
     os.chdir(work)  # vLLM's `python -m` helper subprocess must not see a tierkv checkout's kernels/
+    from tierkv.tiers.diskio import drop_page_cache
+
     model = build_model(work / "model", args)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     rng = random.Random(0)
-    # The prompt ends one token past a block boundary so every block of the prefix can come
-    # from a cache (vLLM always computes the last token).
-    n = args.prompt_tokens // BLOCK * BLOCK + 1
-    prompt = [rng.randrange(3, vocab) for _ in range(n)]
+    prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens + 1)]
     warm = [rng.randrange(3, vocab) for _ in range(64)]
-    max_len = n + 64
-    home = work / "home"
-    ttft: dict[str, float] = {}
-    diffs: list[float] = []
+    head_dim = args.hidden // args.heads
+    layout = (f"num_layers={args.layers},num_kv_heads={args.kv_heads},head_dim={head_dim},"
+              f"block_size={args.block_size},dtype={args.dtype}")
+    embedded = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.integrations.vllm",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"home": str(work / "home"), "device_bytes": args.device_bytes,
+                                              "host_bytes": args.host_bytes, "disk_bytes": args.disk_bytes}}
+    daemon = Daemon(work, args, layout)
+    via_daemon = {**embedded, "kv_connector_extra_config": {"socket": str(daemon.sock), "timeout_s": 30}}
 
-    eng = Engine(model, apc=False, home=None, max_len=max_len)
-    eng.first_token(warm)
-    samples, ref = [], None
-    for _ in range(args.runs):
-        t, lp = eng.first_token(prompt)
-        samples.append(t)
-        ref = ref or lp
-    ttft["recompute"] = statistics.median(samples)
-    eng.close()
-    assert ref is not None
+    native: dict[str, str | None] = {}
+    if "native" not in skip:
+        for key, name in (("offloading", "OffloadingConnector"), ("simple_cpu_offload", "SimpleCPUOffloadConnector")):
+            native[key] = refusal(model, args, name)
+            log(f"{name}: {'starts' if native[key] is None else 'refused: ' + str(native[key])[:200]}")
 
-    eng = Engine(model, apc=True, home=None, max_len=max_len)
-    eng.first_token(warm)
-    eng.first_token(prompt)
-    ttft["vllm_apc_hit"] = statistics.median(eng.first_token(prompt)[0] for _ in range(args.runs))
-    eng.close()
+    ttft: dict[str, list[float]] = {}
+    tput: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    diffs: dict[str, float] = {}
+    mismatches: list[str] = []
+    saves: dict[str, Any] = {}
+    ref: dict[str, Any] = {}
 
-    eng = Engine(model, apc=False, home=home, max_len=max_len)
-    eng.first_token(warm)
-    eng.first_token(prompt)  # stores the prefix
-    samples = []
-    for _ in range(args.runs):
-        t, lp = eng.first_token(prompt)
-        samples.append(t)
-        diffs.append(max_diff(lp, ref))
-    ttft["tierkv_host"] = statistics.median(samples)
-    eng.close()
+    def add(d: dict[str, list[float]], key: str, value: float) -> None:
+        d.setdefault(key, []).append(value)
 
-    from tierkv.tiers.diskio import drop_page_cache
+    def check(name: str, token: int, lp: dict[int, float]) -> None:
+        if token != ref["token"]:
+            mismatches.append(f"{name}: first token {token} != {ref['token']}")
+        diffs[name] = max(diffs.get(name, 0.0), max_diff(lp, ref["logprobs"]))
 
-    samples, load_ms = [], []
-    loaded = 0
-    for _ in range(args.runs):
-        drop_page_cache([p for p in (home / "segments").rglob("*") if p.is_file()])
-        eng = Engine(model, apc=False, home=home, max_len=max_len)
-        eng.first_token(warm)
-        before = eng.connector_stats()
-        t, lp = eng.first_token(prompt)
-        after = eng.connector_stats()
-        samples.append(t)
-        diffs.append(max_diff(lp, ref))
-        loaded = int(after["loaded_tokens"] - before["loaded_tokens"])
-        load_ms.append(1000 * (after["load_seconds"] - before["load_seconds"]))
-        eng.close()
-    ttft["tierkv_disk"] = statistics.median(samples)
+    def timed(name: str, eng: Engine, p: list[int]) -> float:
+        t, token, lp = eng.first_token(p)
+        check(name, token, lp)
+        add(ttft, name, t)
+        return t
+
+    def no_reuse(name: str, eng: Engine, prompts: list[list[int]]) -> None:
+        if "throughput" in skip:
+            return
+        secs, outs = eng.batch(prompts)
+        add(tput, name, len(prompts) / secs)
+        if name == "vllm":
+            ref["batch"] = outs
+        elif outs != ref.get("batch"):
+            mismatches.append(f"{name}: no-reuse outputs differ from vLLM alone")
+
+    if "tierkv_daemon" not in skip:
+        daemon.start()
+    try:
+        for rnd in range(args.rounds):
+            log(f"round {rnd + 1}/{args.rounds} ...")
+            prompts = [[rng.randrange(3, vocab) for _ in range(args.throughput_tokens)]
+                       for _ in range(args.throughput_prompts)]
+            eng = Engine(model, args, apc=False)
+            eng.first_token(warm)
+            no_reuse("vllm", eng, prompts)
+            t, token, lp = eng.first_token(prompt)
+            ref.setdefault("token", token)
+            ref.setdefault("logprobs", lp)
+            check("recompute", token, lp)
+            add(ttft, "recompute", t)
+            eng.close()
+            if "vllm_apc" not in skip:
+                eng = Engine(model, args, apc=True)
+                eng.first_token(warm)
+                no_reuse("vllm_apc", eng, prompts)
+                eng.first_token(prompt)
+                apc = timed("vllm_apc_hit", eng, prompt)
+                eng.close()
+            for name, connector in (("tierkv_embedded", embedded), ("tierkv_daemon", via_daemon)):
+                if name in skip:
+                    continue
+                eng = Engine(model, args, apc=True, connector=connector)
+                eng.first_token(warm)
+                no_reuse(name, eng, prompts)
+                eng.first_token(prompt)  # stores it (or finds it stored by an earlier round)
+                t_same = timed(f"{name}_same_engine_hit", eng, prompt)
+                s = eng.connector_stats()
+                saves[name] = {k: s.get(k) for k in ("saved_tokens", "save_failures", "save_dropped_blocks")}
+                eng.close()
+                if name == "tierkv_embedded":
+                    drop_page_cache([p for p in (work / "home").rglob("*") if p.is_file() and "segments" in p.parts])
+                eng = Engine(model, args, apc=True, connector=connector)
+                eng.first_token(warm)
+                t_restart = timed(f"{name}_engine_restart_hit", eng, prompt)
+                eng.close()
+                if "vllm_apc" not in skip:
+                    add(ratios, f"{name}_same_engine_hit_vs_vllm_apc_hit", t_same / apc)
+                    add(ratios, f"{name}_engine_restart_hit_vs_vllm_apc_hit", t_restart / apc)
+                add(ratios, f"{name}_engine_restart_hit_vs_recompute", t_restart / ttft["recompute"][-1])
+                if name == "tierkv_daemon":
+                    daemon.stop()
+                    drop_page_cache(daemon.segments())
+                    daemon.start()
+                    eng = Engine(model, args, apc=True, connector=connector)
+                    eng.first_token(warm)
+                    t_d = timed("tierkv_daemon_restart_hit", eng, prompt)
+                    eng.close()
+                    if "vllm_apc" not in skip:
+                        add(ratios, "tierkv_daemon_restart_hit_vs_vllm_apc_hit", t_d / apc)
+            for name in ("tierkv_embedded", "tierkv_daemon", "vllm_apc"):
+                if name in tput and "vllm" in tput:
+                    add(ratios, f"{name}_no_reuse_throughput_vs_vllm", tput[name][-1] / tput["vllm"][-1])
+                if name != "vllm_apc" and name in tput and "vllm_apc" in tput:  # same prefix-caching setting
+                    add(ratios, f"{name}_no_reuse_throughput_vs_vllm_apc", tput[name][-1] / tput["vllm_apc"][-1])
+    finally:
+        daemon.stop()
 
     result = {
-        "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads},
-        "prompt_tokens": n, "block_size": BLOCK, "runs": args.runs,
-        "ttft_s": {k: round(v, 4) for k, v in ttft.items()},
-        "tierkv_disk_loaded_tokens": loaded,
-        "tierkv_disk_load_ms": round(statistics.median(load_ms), 2),
-        "ttft_ratio_tierkv_disk_vs_recompute": round(ttft["tierkv_disk"] / ttft["recompute"], 4),
-        "ttft_ratio_tierkv_disk_vs_vllm_apc_hit": round(ttft["tierkv_disk"] / ttft["vllm_apc_hit"], 4),
-        "ttft_ratio_tierkv_host_vs_recompute": round(ttft["tierkv_host"] / ttft["recompute"], 4),
-        "logprob_max_abs_diff": max(diffs),
+        "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+                  "dtype": args.dtype},
+        "block_size": args.block_size, "prompt_tokens": len(prompt), "rounds": args.rounds,
+        "no_reuse": {"prompts": args.throughput_prompts, "tokens": args.throughput_tokens},
+        "ttft_s": {k: median(v) for k, v in ttft.items()},
+        "no_reuse_prompts_per_s": {k: median(v) for k, v in tput.items()},
+        "paired_ratio_medians": {k: median(v) for k, v in ratios.items()},
+        "paired_ratios": {k: [round(x, 4) for x in v] for k, v in ratios.items()},
+        "native_connectors": {k: ("started" if v is None else f"refused: {v}") for k, v in native.items()},
+        "saves_last_round": saves,
+        "logprob_max_abs_diff": {k: round(v, 6) for k, v in diffs.items()},
+        "output_mismatches": mismatches,
     }
-    print(f"{'scenario':<14} {'ttft ms':>10}")
-    for k, v in ttft.items():
-        print(f"{k:<14} {1000 * v:>10.1f}")
-    print(f"tierkv disk / recompute: {result['ttft_ratio_tierkv_disk_vs_recompute']:.3f}   "
-          f"tierkv disk / vLLM APC hit: {result['ttft_ratio_tierkv_disk_vs_vllm_apc_hit']:.3f}   "
-          f"logprob max |diff|: {result['logprob_max_abs_diff']:.2e}   "
-          f"disk load: {loaded} tokens in {result['tierkv_disk_load_ms']:.1f} ms")
+    for k, v in result["ttft_s"].items():
+        print(f"{k:<42} {1000 * v:>10.1f} ms")
+    for k, v in result["no_reuse_prompts_per_s"].items():
+        print(f"{k + ' no reuse':<42} {v:>10.3f} prompts/s")
+    for k, v in result["paired_ratio_medians"].items():
+        print(f"{k:<58} {v:.3f}")
+    print(f"output mismatches: {mismatches or 'none'}")
     if args.json:
         print(json.dumps(result))
     return 0

@@ -232,6 +232,14 @@ def test_a_hit_is_never_saved_again():
     side.allocated(req, blocks, 3 * B)
     meta = side.build(scheduler_output(new=[("a", 3 * B, B)]))
     assert len(meta.loads) == 1 and meta.saves == []
+    # vLLM's own prefix cache holds every block it may take: nothing to load, and the blocks
+    # tierkv holds are still not saved again.
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (blocks,))
+    req = request("b", list(range(4 * B)))
+    assert side.matched(req, 3 * B) == 0
+    side.allocated(req, blocks, 0)
+    meta = side.build(scheduler_output(new=[("b", 3 * B, B)]))
+    assert meta.loads == [] and meta.saves == []
     side.check_integrity()
 
 

@@ -103,8 +103,10 @@ class SchedulerSide:
         prompt = request.prompt_token_ids
         B = self.block_size
         limit = (len(prompt) - 1) // B * B
-        if limit <= local_tokens:
-            return 0  # vLLM already has every block tierkv could give
+        if len(prompt) < B:
+            return 0
+        # Looked up even when vLLM's own cache covers every block tierkv could give: the
+        # answer says which blocks tierkv holds, so they are not saved again.
         scope = scope_of(request, self.model_version)
         t0 = time.perf_counter()
         # Every full block, not just those vLLM may take: a prompt of whole blocks has its
