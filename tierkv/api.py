@@ -48,9 +48,12 @@ def _missing(name: str) -> NotImplementedError:
 @runtime_checkable
 class StoreAPI(Protocol):
     """A tierkv store, wherever it runs. ``layout`` is the page layout of the pages it
-    holds (every ``pages`` argument and every leased page has this shape and dtype)."""
+    holds (every ``pages`` argument and every leased page has this shape and dtype). It is
+    None only for a daemon client connected without a layout to a daemon serving several:
+    such a client does operations (manifests, chains, invalidate, verify, stats) and raises
+    for the data path."""
 
-    layout: "PageLayout"
+    layout: "PageLayout | None"
 
     # ---- read path -------------------------------------------------------------------------
     def lookup(self, tokens: "Sequence[int] | np.ndarray | torch.Tensor", scope: "Scope",

@@ -19,9 +19,12 @@ namespace: one prefix would then keep every tenant's cache of that model alive f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from .errors import NotFoundError
+
+if TYPE_CHECKING:
+    from .api import StoreAPI
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class GcResult:
         return sum(r.freed_bytes for r in self.removed)
 
 
-def manifest_scope(store: Any, manifest: dict) -> tuple[str, str] | None:
+def manifest_scope(store: "StoreAPI", manifest: dict) -> tuple[str, str] | None:
     """(model version, namespace) of a manifest: its recorded fields, else the stored chain's,
     else the namespace materialise uses ("default"). None for a manifest with no model version."""
     mv = manifest.get("model_version")
@@ -63,7 +66,7 @@ def manifest_scope(store: Any, manifest: dict) -> tuple[str, str] | None:
     return str(mv), str(ns or "default")
 
 
-def collect(store: Any, keep_model_versions: Iterable[str] = (), keep_namespaces: Iterable[str] = (),
+def collect(store: "StoreAPI", keep_model_versions: Iterable[str] = (), keep_namespaces: Iterable[str] = (),
             dry_run: bool = False) -> GcResult:
     """Remove blocks that are not in use (see the module docstring) from ``store`` (a Store
     or a Client) and delete manifests whose blocks are all gone. ``dry_run`` changes

@@ -27,7 +27,7 @@ from .hf.prefill import DEFAULT_CHUNK_TOKENS, Progress, cached_prefill
 from .identity import as_token_array, block_keys
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .api import StoreAPI
 
 MANIFEST_KIND = "prefix"
 MANIFEST_FORMAT = 1
@@ -120,7 +120,7 @@ def build_manifest(lm: LoadedModel, prefix: PrefixTokens, roots: Sequence[str | 
 
 
 def materialize(
-    store: "Store",
+    store: "StoreAPI",
     lm: LoadedModel,
     paths: Sequence[str | os.PathLike[str]],
     options: DocumentOptions = DocumentOptions(),
@@ -176,7 +176,7 @@ class LoadedPrefix:
 
 
 def load_prefix(
-    store: "Store", lm: LoadedModel, name: str, *, on_warning: Callable[[str], None] | None = None
+    store: "StoreAPI", lm: LoadedModel, name: str, *, on_warning: Callable[[str], None] | None = None
 ) -> LoadedPrefix:
     """The prefix materialised as ``name``: token ids re-derived from its sources, and the
     namespace its blocks were stored under.

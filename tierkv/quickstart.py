@@ -25,7 +25,7 @@ from .hf.prefill import Progress
 from .materialize import load_prefix, materialize
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .api import StoreAPI
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE_OPTIONS = DocumentOptions(include=("*.py", "*.md"))
@@ -142,7 +142,7 @@ class QuickstartResult:
 
 
 def run_quickstart(
-    store: "Store",
+    store: "StoreAPI",
     lm: LoadedModel,
     *,
     source_dir: Path = PACKAGE_DIR,

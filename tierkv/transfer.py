@@ -19,7 +19,7 @@ import datetime
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from .bundle import BundleError, BundleHeader, BundleReader, Signer, VerifiedBun
 from .errors import CapacityError, LayoutMismatchError, ModelVersionMismatchError, NotFoundError
 from .identity import Scope, block_keys
 from .layout import PageLayout
+
+if TYPE_CHECKING:
+    from .api import StoreAPI
 
 
 class UntrustedBundleError(BundleError):
@@ -80,7 +83,7 @@ class ImportResult:
     warnings: tuple[str, ...] = field(default=())
 
 
-def export_prefix(store: Any, name: str, path: Path, signer: Signer | None = None) -> ExportResult:
+def export_prefix(store: "StoreAPI", name: str, path: Path, signer: Signer | None = None) -> ExportResult:
     """Write the prefix named ``name`` (a manifest) from ``store`` (a Store or a Client) to
     ``path``, signed by ``signer`` (:meth:`tierkv.keys.Keyring.sign`) when given. Raises
     NotFoundError when the manifest is unknown or its chain is not fully stored,
@@ -119,7 +122,7 @@ def export_prefix(store: Any, name: str, path: Path, signer: Signer | None = Non
     return ExportResult(name, Path(path), len(tokens), n, mv, ns, size, signed[0] if signed else None)
 
 
-def _leased_pages(store: Any, tokens: np.ndarray, scope: Scope, n: int, name: str,
+def _leased_pages(store: "StoreAPI", tokens: np.ndarray, scope: Scope, n: int, name: str,
                   window: int = 64) -> Iterator[torch.Tensor]:
     """Pages 0..n-1 of the prefix, leased ``window`` blocks at a time (so a prefix larger
     than the device tier exports with a small one); each page is yielded while leased."""
@@ -166,7 +169,7 @@ def check_trust(verified: VerifiedBundle, trust: Trust) -> str:
     raise UntrustedBundleError(f"the bundle is {who}; its pages cannot be trusted")
 
 
-def import_bundle(store: Any, path: Path, *, name: str | None = None, force: bool = False,
+def import_bundle(store: "StoreAPI", path: Path, *, name: str | None = None, force: bool = False,
                   model_version: str | None = None, trust: Trust = Trust(),
                   verified: VerifiedBundle | None = None) -> ImportResult:
     """Store the pages of the bundle at ``path`` and write its manifest as ``name``

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
@@ -18,6 +18,9 @@ from ..hf import load_model as _load_model
 from ..hf import version_of
 from ..model_version import default_memo_path
 from .common import emit, home_option, json_option, open_store, open_target, progress_bar, socket_option, warn
+
+if TYPE_CHECKING:
+    from ..api import StoreAPI
 
 
 def model_options(required: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -157,7 +160,7 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, seed=seed)
     opts = _doc_options(include, exclude, max_file_bytes, no_gitignore)
 
-    def request(store: Any) -> tuple[list[int], str]:
+    def request(store: "StoreAPI | None") -> tuple[list[int], str]:
         if prefix_name:
             loaded = load_prefix(store, lm, prefix_name, on_warning=warn)
             return loaded.tokens + lm.encode_prompt(prompt), namespace or loaded.namespace

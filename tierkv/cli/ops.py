@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import click
 
@@ -23,11 +23,14 @@ from .common import (
 )
 from .keys import keys_option
 
+if TYPE_CHECKING:
+    from ..api import StoreAPI
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 @contextlib.contextmanager
-def target(home: Path, socket_path: Path | None, **options: Any) -> Iterator[Any]:
+def target(home: Path, socket_path: Path | None, **options: Any) -> Iterator["StoreAPI"]:
     t = open_target(home, socket_path, **options)
     try:
         yield t
@@ -44,13 +47,13 @@ def short(hex_str: str | None, n: int = 12) -> str:
     return (hex_str or "-")[:n]
 
 
-def _model_version_of(model_dir: Path, home: Path, store: Any) -> str:
+def _model_version_of(model_dir: Path, home: Path, store: "StoreAPI") -> str:
     """Model version of ``model_dir`` under the layout of the store (or home) it is used with."""
     from ..model_version import model_version
 
     import tierkv
 
-    layout = getattr(store, "layout", None) or tierkv.home_layout(home)
+    layout = store.layout or tierkv.home_layout(home)  # a client of a daemon serving several: the home's
     return model_version(model_dir, layout, memo_path=default_memo_path())
 
 
@@ -116,6 +119,7 @@ def stats(home: Path, socket_path: Path | None, as_json: bool) -> None:
           f"{100 * hit_rate.get(t, 0.0):.1f}%", evictions.get(t, 0)]
          for t in ("device", "host", "disk")],
     )
+    _print_layouts(s)
     click.echo("")
     print_table([
         ("blocks", s.get("blocks", 0)), ("leased blocks", s.get("leased_blocks", 0)),
@@ -127,8 +131,21 @@ def stats(home: Path, socket_path: Path | None, as_json: bool) -> None:
     ])
 
 
+def _print_layouts(s: dict[str, Any]) -> None:
+    """A daemon serving several page layouts: the figures of each layout's store."""
+    layouts = s.get("layouts") or {}
+    if len(layouts) < 2:
+        return
+    click.echo("")
+    print_columns(
+        ["layout", "blocks", "device used", "host used", "disk used", "disk capacity"],
+        [[lid, ls.get("blocks", 0)] + [fmt_bytes(ls["tiers"][t]["used_bytes"]) for t in ("device", "host", "disk")]
+         + [fmt_bytes(ls["tiers"]["disk"]["capacity_bytes"])] for lid, ls in sorted(layouts.items())],
+    )
+
+
 # ---- ls --------------------------------------------------------------------------------
-def prefix_rows(store: Any) -> list[dict[str, Any]]:
+def prefix_rows(store: "StoreAPI") -> list[dict[str, Any]]:
     rows = []
     for name, m in sorted(store.list_manifests().items()):
         last = m.get("last_block_key")
@@ -153,6 +170,10 @@ def ls(home: Path, socket_path: Path | None, as_json: bool) -> None:
         s = store.stats()
     out = {"prefixes": prefixes, "model_versions": s["model_versions"], "namespaces": s["namespaces"],
            "blocks": s.get("blocks", 0)}
+    layouts = s.get("layouts") or {}
+    if len(layouts) > 1:  # a daemon serving several models: what each layout's store holds
+        out["layouts"] = {lid: {"blocks": ls.get("blocks", 0), "model_versions": ls.get("model_versions", {})}
+                          for lid, ls in layouts.items()}
     if as_json:
         emit(True, out)
         return
@@ -169,6 +190,11 @@ def ls(home: Path, socket_path: Path | None, as_json: bool) -> None:
     print_columns(["model version", "blocks"], [[short(mv), n] for mv, n in sorted(s["model_versions"].items())])
     click.echo("")
     print_columns(["namespace", "blocks"], [[ns, n] for ns, n in sorted(s["namespaces"].items())])
+    if "layouts" in out:
+        click.echo("")
+        print_columns(["layout", "model version", "blocks"],
+                      [[lid, short(mv), n] for lid, x in sorted(out["layouts"].items())
+                       for mv, n in sorted(x["model_versions"].items())])
 
 
 # ---- pin / unpin -----------------------------------------------------------------------

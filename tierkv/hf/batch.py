@@ -34,7 +34,7 @@ from .model import LoadedModel
 from .prefill import cached_prefill
 
 if TYPE_CHECKING:
-    from ..store import Store
+    from ..api import StoreAPI
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def _check(model: Any, prompts: Sequence[Sequence[int]], prefix_tokens: Sequence
 def generate_batch(
     lm_or_model: Any,
     prompts: Sequence[Sequence[int]],
-    store: "Store",
+    store: "StoreAPI",
     *,
     prefix_tokens: Sequence[int] | None = None,
     scope: Scope | None = None,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from .generate import GREEDY, SamplingConfig, generate
 
 if TYPE_CHECKING:
-    from ..store import Store
+    from ..api import StoreAPI
     from .model import LoadedModel
 
 
@@ -64,7 +64,7 @@ class Conversation:
     is False.
     """
 
-    def __init__(self, lm: "LoadedModel", *, store: "Store | None" = None, namespace: str = "default",
+    def __init__(self, lm: "LoadedModel", *, store: "StoreAPI | None" = None, namespace: str = "default",
                  prefix_tokens: Sequence[int] = (), system: str | None = None, max_new_tokens: int = 128,
                  sampling: SamplingConfig = GREEDY, store_output: bool = True) -> None:
         self.lm = lm

@@ -27,7 +27,7 @@ from .config import context_length
 from .prefill import DEFAULT_CHUNK_TOKENS, cache_layer_kv, cached_prefill
 
 if TYPE_CHECKING:
-    from ..store import Store
+    from ..api import StoreAPI
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def generate(
     model: Any,
     tokens: Sequence[int],
     *,
-    store: "Store | None" = None,
+    store: "StoreAPI | None" = None,
     scope: Scope | None = None,
     max_new_tokens: int = 32,
     sampling: SamplingConfig = GREEDY,
@@ -155,7 +155,7 @@ def generate(
     )
 
 
-def _store_output(store: "Store", scope: Scope, seq: list[int], prompt_len: int, cache: Any) -> int:
+def _store_output(store: "StoreAPI", scope: Scope, seq: list[int], prompt_len: int, cache: Any) -> int:
     """Put the blocks of ``seq`` (prompt + generated tokens with KV in ``cache``) past the
     prompt's full blocks, which the prefill stored; returns how many were new."""
     bs = store.layout.block_size

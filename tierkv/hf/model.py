@@ -10,7 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -23,6 +23,9 @@ from .config import (  # noqa: F401 (re-exported: callers import them from here 
     DEFAULT_BLOCK_SIZE, DTYPE_CHOICES, check_config, check_model_dir, context_length, layout_from_config,
     layout_from_model, load_config, resolve_dtype,
 )
+
+if TYPE_CHECKING:
+    from ..api import StoreAPI
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +72,14 @@ class LoadedModel:
     def decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
-    def prefill(self, tokens: Sequence[int], store: Any = None, namespace: str = "default", **kwargs: Any) -> Any:
+    def prefill(self, tokens: Sequence[int], store: "StoreAPI | None" = None, namespace: str = "default", **kwargs: Any) -> Any:
         """:func:`tierkv.hf.cached_prefill` of this model under its own scope."""
         from .prefill import cached_prefill
 
         scope = self.scope(namespace) if store is not None else None
         return cached_prefill(self.model, tokens, store=store, scope=scope, **kwargs)
 
-    def generate(self, tokens: Sequence[int], store: Any = None, namespace: str = "default", **kwargs: Any) -> Any:
+    def generate(self, tokens: Sequence[int], store: "StoreAPI | None" = None, namespace: str = "default", **kwargs: Any) -> Any:
         """:func:`tierkv.hf.generate` with this model under its own scope."""
         from .generate import generate
 

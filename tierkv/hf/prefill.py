@@ -32,7 +32,7 @@ from .config import layout_from_model
 from ..blocks import Priority
 
 if TYPE_CHECKING:
-    from ..store import Store
+    from ..api import StoreAPI
 
 DEFAULT_CHUNK_TOKENS = 2048
 # Blocks leased per restore window: large enough that one read request covers many pages,
@@ -121,7 +121,7 @@ def lease_kv(lease: Any, layout: PageLayout) -> list[tuple[torch.Tensor, torch.T
     return lease.kv()
 
 
-def restore_cache(store: "Store", tokens: Sequence[int], scope: Scope, blocks: int, model: Any) -> Restored:
+def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks: int, model: Any) -> Restored:
     """A DynamicCache of the first ``blocks`` blocks of ``tokens`` (fewer when fewer are
     stored), on ``model``'s device and dtype.
 
@@ -182,7 +182,7 @@ def cached_prefill(
     model: Any,
     tokens: Sequence[int],
     *,
-    store: "Store | None" = None,
+    store: "StoreAPI | None" = None,
     scope: Scope | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     need_logits: bool = True,
