@@ -1,7 +1,7 @@
 """A store that also reads and writes the cluster-wide remote tier.
 
-:class:`ClusterNode` wraps an embedded :class:`~tierkv.store.Store` (stand-in until the
-store grows the hooks listed in docs/cluster.md). ``lookup`` counts the blocks beyond the
+:class:`ClusterNode` wraps an embedded :class:`~tierkv.store.Store` through its public API
+(docs/cluster.md, "How ClusterNode sits on the store"). ``lookup`` counts the blocks beyond the
 local prefix that the remote tier holds (one batched existence check); ``acquire`` first
 *pulls* them: fetches, verifies against the request (key, model version, namespace,
 parent, token ids, page checksum), ``put``s them into the local store, then serves the
