@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,6 +152,11 @@ def test_while_another_uid_is_connected_no_uid_takes_more_than_half(workdir):
             try:
                 with pytest.raises(QuotaExceededError, match="shared_tier_fraction"):
                     c.acquire(toks, SCOPE)  # 3/4 of the tier
+                assert wait_for(lambda: c.stats()["leased_blocks"] == 0)  # the refused lease was released
+                # A long prompt of which little is stored is judged by what it leases.
+                mixed = np.concatenate([toks[: 4 * 16], prompt(slots * 16, seed=9)])
+                with c.acquire(mixed, SCOPE) as lease:
+                    assert lease.num_blocks == 4
                 with c.acquire(toks, SCOPE, max_blocks=slots // 2) as lease:  # half is fine
                     assert lease.num_blocks == slots // 2
                     with pytest.raises(QuotaExceededError):

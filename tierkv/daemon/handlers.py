@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import torch
 
 from ..blocks import Priority
-from ..errors import CapacityError, ConfigError, LeaseError, NotFoundError, ProtocolError
+from ..errors import CapacityError, ConfigError, LeaseError, NotFoundError, ProtocolError, QuotaExceededError
 from ..identity import Scope
 from ..results import InvalidateResult, VerifyResult
 from . import messages as m
 from .layouts import LayoutEntry, Layouts, layout_id, merge_stats
 from .leases import LeaseTable
-from .quotas import QuotaRules, blocks_wanted
+from .quotas import QuotaRules
 from .tenancy import Tenancy
 from .protocol import VERSION, Op
 
@@ -207,15 +207,22 @@ class Handlers:
 
     async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
         entry, uid = self.entry(conn), conn.creds.uid
-        want = blocks_wanted(len(msg.tokens), entry.layout.block_size, msg.start_block, msg.max_blocks)
+        tier = int(entry.local.device.slots.capacity)
         self.quota.check_lease(uid, [u for _, u in self.peers()], self.leases.count(conn.id), self.leases.blocks_of(uid),
-                               want, int(entry.local.device.slots.capacity))
-        # Room is taken before the store call, so acquires in flight count: the cap was
-        # checked before an await and concurrent acquires passed it together.
-        reservation = self.leases.reserve(conn.id, uid, want)
+                               tier)
+        # The lease is counted from before the store call, so acquires in flight count: the
+        # cap was checked before an await and concurrent acquires passed it together.
+        reservation = self.leases.reserve(conn.id, uid, 0)
         try:
             lease = await self.run(_acquire, entry.store, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
                                    msg.max_blocks, msg.start_block)
+            if lease.keys:
+                try:  # the tier share, with what was leased (quotas.py)
+                    self.quota.check_leased_blocks(uid, [u for _, u in self.peers()], self.leases.blocks_of(uid),
+                                                   lease.num_blocks, tier)
+                except QuotaExceededError:
+                    self._release_later([lease])
+                    raise
             # A miss holds nothing (released in the worker already): lease id 0, no table entry.
             lease_id = self.leases.add(conn.id, lease, uid).lease_id if lease.keys else 0
         finally:

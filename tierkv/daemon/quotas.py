@@ -15,7 +15,8 @@ The limits (defaults in :class:`Quotas`, documented in docs/operations.md):
 * leases: at most ``leases_per_connection``, counted with the acquires in flight (a
   reservation is taken before the store call, so concurrent acquires cannot pass the cap
   together); and while another uid is connected no uid may lease more than
-  ``shared_tier_fraction`` of the device tier's slots;
+  ``shared_tier_fraction`` of the device tier's slots (checked with the blocks actually
+  leased, before the lease is handed out; over the share, it is released and refused);
 * staging: while another uid is connected no uid may hold more than
   ``shared_staging_fraction`` of the staging region;
 * pinned blocks (they never leave the disk tier, so pinned junk evicts everyone else):
@@ -93,15 +94,23 @@ class QuotaRules:
                               f"(connections_per_uid = {self.quotas.connections_per_uid})",
                               hint="close idle connections, or share one client between threads")
 
-    def check_lease(self, uid: int, uids: Iterable[int], conn_leases: int, uid_blocks: int, want_blocks: int,
-                    tier_slots: int) -> None:
-        """Before an acquire of up to ``want_blocks`` by ``uid``, whose connection holds
-        (or is acquiring) ``conn_leases`` leases and whose connections hold ``uid_blocks``
-        leased blocks of a device tier of ``tier_slots`` slots."""
+    def check_lease(self, uid: int, uids: Iterable[int], conn_leases: int, uid_blocks: int, tier_slots: int) -> None:
+        """Before an acquire by ``uid``, whose connection holds (or is acquiring)
+        ``conn_leases`` leases and whose connections hold ``uid_blocks`` leased blocks of a
+        device tier of ``tier_slots`` slots: the lease cap, and a uid already at its share."""
         q = self.quotas
         if conn_leases >= q.leases_per_connection:
             raise self.refuse("leases", f"this connection holds {conn_leases} leases "
                               f"(leases_per_connection = {q.leases_per_connection})", hint="release some first")
+        self.check_leased_blocks(uid, uids, uid_blocks, 1, tier_slots)
+
+    def check_leased_blocks(self, uid: int, uids: Iterable[int], uid_blocks: int, want_blocks: int,
+                            tier_slots: int) -> None:
+        """Whether ``uid`` may hold ``want_blocks`` more leased blocks. Checked after the
+        store call with what was actually leased (a long prompt mostly not stored must not
+        be refused for its length), before the lease enters the table: on the loop thread,
+        so concurrent acquires are counted one after the other."""
+        q = self.quotas
         if self.others_connected(uid, uids):
             limit = max(1, int(tier_slots * q.shared_tier_fraction))
             if uid_blocks + want_blocks > limit:
@@ -132,7 +141,3 @@ class QuotaRules:
                                   hint="unpin or invalidate prefixes you no longer need (tierkv unpin, invalidate)")
 
 
-def blocks_wanted(n_tokens: int, block_size: int, start_block: int, max_blocks: int | None) -> int:
-    """An upper bound of the blocks an acquire may lease (full blocks from ``start_block``)."""
-    n = max(0, n_tokens // block_size - start_block)
-    return n if max_blocks is None else min(n, max(0, max_blocks))
