@@ -188,7 +188,12 @@ def reap_stale_regions(directory: Path) -> int:
         return 0
     for e in entries:
         match = REGION_RE.match(e.name)
-        if not match or not e.is_file(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != os.getuid():
+        try:
+            # Another process may remove the file between the listing and here (its owner
+            # closing, or another store open reaping it): that is not an error.
+            if not match or not e.is_file(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except FileNotFoundError:
             continue
         pid = int(match.group(2))
         if pid == os.getpid() or pid_alive(pid):
