@@ -242,6 +242,7 @@ def main() -> int:
     ttft: dict[str, list[float]] = {}
     tput: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
+    loads: dict[str, list[float]] = {}  # what the worker side spent loading, per restart hit
     diffs: dict[str, float] = {}
     mismatches: list[str] = []
     saves: dict[str, Any] = {}
@@ -309,7 +310,11 @@ def main() -> int:
                     drop_page_cache([p for p in (work / "home").rglob("*") if p.is_file() and "segments" in p.parts])
                 eng = Engine(model, args, apc=True, connector=connector)
                 eng.first_token(warm)
+                before = eng.connector_stats()
                 t_restart = timed(f"{name}_engine_restart_hit", eng, prompt)
+                after = eng.connector_stats()
+                add(loads, f"{name}_engine_restart_load_ms", 1000 * (after["load_seconds"] - before["load_seconds"]))
+                add(loads, f"{name}_engine_restart_loaded_tokens", after["loaded_tokens"] - before["loaded_tokens"])
                 eng.close()
                 if "vllm_apc" not in skip:
                     add(ratios, f"{name}_same_engine_hit_vs_vllm_apc_hit", t_same / apc)
@@ -342,6 +347,7 @@ def main() -> int:
         "no_reuse_prompts_per_s": {k: median(v) for k, v in tput.items()},
         "paired_ratio_medians": {k: median(v) for k, v in ratios.items()},
         "paired_ratios": {k: [round(x, 4) for x in v] for k, v in ratios.items()},
+        "loads": {k: median(v) for k, v in loads.items()},
         "native_connectors": {k: ("started" if v is None else f"refused: {v}") for k, v in native.items()},
         "saves_last_round": saves,
         "logprob_max_abs_diff": {k: round(v, 6) for k, v in diffs.items()},
