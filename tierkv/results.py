@@ -16,6 +16,7 @@ import torch
 from .layout import PageLayout, kv_buffer, split_layers, unpack_into
 
 if TYPE_CHECKING:
+    from .api import StoreAPI
     from .blocks import Block
 
 
@@ -240,7 +241,7 @@ class Lease:
     """Blocks held in the device tier for the caller: never evicted, moved or overwritten
     until released. Use as a context manager, or call ``release()`` in ``finally``."""
 
-    store: object
+    store: "StoreAPI"  # the store (or client) that issued it: release() goes back there
     layout: PageLayout
     keys: tuple[bytes, ...]
     slots: tuple[int, ...]  # device-tier slot of each block, in prefix order
@@ -310,7 +311,7 @@ class Lease:
 
     def release(self) -> None:
         if not self.released:
-            self.store.release(self)  # type: ignore[attr-defined]
+            self.store.release(self)
 
     def __enter__(self) -> "Lease":
         return self
