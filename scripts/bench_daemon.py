@@ -47,18 +47,19 @@ c = tierkv.connect(sys.argv[1], layout=parse_layout({layout!r}))
 scope = Scope({mv!r}, "bench")
 prompts = [np.random.default_rng(i).integers(0, 30000, {tokens}).astype(np.int32) for i in range({n_prompts})]
 print("ready", flush=True)
-seconds = float(sys.stdin.readline())
-lat, n, i = [], 0, int(sys.argv[2])
-end = time.perf_counter() + seconds
-while time.perf_counter() < end:
-    toks = prompts[i % len(prompts)]; i += 1
-    t0 = time.perf_counter()
-    lease = c.acquire(toks, scope)
-    assert lease.tokens_matched == len(toks)
-    lease.release()
-    lat.append(time.perf_counter() - t0)
-    n += 1
-print(json.dumps({{"n": n, "lat": lat}}), flush=True)
+i = int(sys.argv[2])
+for line in sys.stdin:  # one measurement per line ("seconds"); EOF ends the client
+    lat, n = [], 0
+    end = time.perf_counter() + float(line)
+    while time.perf_counter() < end:
+        toks = prompts[i % len(prompts)]; i += 1
+        t0 = time.perf_counter()
+        lease = c.acquire(toks, scope)
+        assert lease.tokens_matched == len(toks)
+        lease.release()
+        lat.append(time.perf_counter() - t0)
+        n += 1
+    print(json.dumps({{"n": n, "lat": lat}}), flush=True)
 c.close()
 """
 
@@ -101,20 +102,34 @@ def _summary(prefix: str, n: int, wall: float, lat_s: list[float]) -> dict:
             f"{prefix}p99_ms": float(np.percentile(lat, 99))}
 
 
-def bench_daemon(sock: Path, args: argparse.Namespace, clients: int) -> dict:
+def start_clients(sock: Path, args: argparse.Namespace) -> list[subprocess.Popen]:
+    """The client processes, started once (importing torch 32 times takes long on 2 cores)
+    and reused for every measurement."""
     code = CLIENT.format(mv=MV, tokens=args.tokens, n_prompts=args.prompts, layout=SMALL)
     kids = [subprocess.Popen([sys.executable, "-c", code, str(sock), str(i)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True) for i in range(clients)]
+                             stdout=subprocess.PIPE, text=True) for i in range(args.clients)]
     for k in kids:
         assert k.stdout.readline().strip() == "ready"
+    return kids
+
+
+def stop_clients(kids: list[subprocess.Popen]) -> None:
+    for k in kids:
+        k.stdin.close()
+    for k in kids:
+        try:
+            k.wait(120)
+        except subprocess.TimeoutExpired:
+            k.kill()
+
+
+def bench_daemon(kids: list[subprocess.Popen], args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     for k in kids:
         k.stdin.write(f"{args.seconds}\n")
         k.stdin.flush()
     results = [json.loads(k.stdout.readline()) for k in kids]
     wall = time.perf_counter() - t0
-    for k in kids:
-        k.wait(60)
     return _summary("", sum(r["n"] for r in results), wall, [x for r in results for x in r["lat"]])
 
 
@@ -160,19 +175,23 @@ def bench_iterations(work: Path, args: argparse.Namespace) -> dict:
     store = tierkv.open(work / "home-embedded", layout, device="cpu", device_bytes=96 << 20, host_bytes=32 << 20,
                         disk_bytes=256 << 20)
     rounds: list[dict] = []
+    kids: list[subprocess.Popen] = []
     try:
         with tierkv.connect(sock, layout=layout) as c:
             populate(c, layout, args.prompts, args.tokens)
         populate(store, layout, args.prompts, args.tokens)
-        for _ in range(args.runs):
+        kids = start_clients(sock, args)
+        for run in range(args.runs):
             r = {}
             for n, tag in ((args.clients, "n"), (1, "1")):
-                r.update({f"daemon_{tag}_{k}": v for k, v in bench_daemon(sock, args, n).items()})
+                r.update({f"daemon_{tag}_{k}": v for k, v in bench_daemon(kids[:n], args).items()})
                 r.update({f"embedded_{tag}_{k}": v for k, v in bench_embedded(store, args, n).items()})
+            print(f"round {run + 1}: {json.dumps(r)}", file=sys.stderr, flush=True)
             r["ratio_n_iterations"] = r["daemon_n_iterations_per_s"] / r["embedded_n_iterations_per_s"]
             r["ratio_1_latency_p50"] = r["daemon_1_p50_ms"] / r["embedded_1_p50_ms"]
             rounds.append(r)
     finally:
+        stop_clients(kids)
         store.close()
         stop_daemon(proc)
     out = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}

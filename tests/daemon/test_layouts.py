@@ -68,6 +68,11 @@ def test_two_layouts_through_one_daemon_on_an_empty_home(workdir):
             assert tiers["device"]["capacity_bytes"] <= cfg.device_bytes // 2
             assert tiers["disk"]["capacity_bytes"] <= cfg.disk_bytes // 2
         assert s["tiers"]["device"]["capacity_bytes"] <= cfg.device_bytes
+        human = CliRunner().invoke(main, ["stats", "--socket", str(cfg.socket)])
+        assert human.exit_code == 0 and layout_id(LAYOUT) in human.output and layout_id(OTHER) in human.output
+        r = CliRunner().invoke(main, ["ls", "--socket", str(cfg.socket), "--json"])
+        listed = json.loads(r.stdout)
+        assert listed["layouts"][layout_id(OTHER)] == {"blocks": 3, "model_versions": {SCOPE_B.model_version: 3}}
         with tierkv.connect(cfg.socket) as ops:  # operations across both layouts
             assert ops.layout is None and set(ops.layouts) == ids
             assert set(ops.list_manifests()) == {"a-prefix", "b-prefix"}
