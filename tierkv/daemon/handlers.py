@@ -114,8 +114,8 @@ class Handlers:
     # or, when none comes within RELEASE_DRAIN_S, a drain does. The flush holds a lock, so a
     # store call that starts while another worker is ending queued leases waits for them.
     def _flush_releases(self) -> None:
-        if not self._unreleased:
-            return
+        # Always through the lock (uncontended: ~0.1 us): a store call must not start while
+        # another worker is still ending leases it popped from the queue.
         with self._flush_lock:
             while self._unreleased:
                 lease = self._unreleased.popleft()
