@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -41,8 +42,57 @@ LAYOUT = tierkv.PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=
 SCOPE = Scope("ab" * 32, "replay")
 
 
+def generated(kind: str, seed: int = 1) -> list[Request]:
+    """Traces with a known character, for checking a policy away from the Mooncake trace:
+    ``loop`` (40 prefixes of 10 blocks in a cycle: pure recency defeats LRU), ``chat``
+    (conversations growing a turn at a time, the recently active ones resumed: LRU's best
+    case), ``zipf`` (500 documents of 8 blocks drawn Zipf(1), each with a one-off question
+    block), ``zipf-scan`` (the same, with a one-off 30-block request every tenth)."""
+    rng = random.Random(seed)
+
+    def req(ids: list[int]) -> Request:
+        return Request(tuple(ids), len(ids) * TRACE_BLOCK)
+
+    if kind == "loop":
+        return [req(list(range(c * 100, c * 100 + 10))) for i in range(2000) for c in [i % 40]]
+    if kind == "chat":
+        convs: dict[int, list[int]] = {}
+        order: list[int] = []
+        nxt, out = 10**6, []
+        for _ in range(4000):
+            if not order or rng.random() < 0.2:
+                c = len(convs)
+                convs[c] = [nxt]
+                nxt += 1
+            else:
+                c = order[-1 - min(int(rng.expovariate(1 / 8)), len(order) - 1)]
+            k = rng.randint(1, 4)
+            convs[c] = convs[c] + list(range(nxt, nxt + k))
+            nxt += k
+            if c in order:
+                order.remove(c)
+            order.append(c)
+            out.append(req(convs[c] + [nxt]))  # the turn's trailing partial block
+            nxt += 1
+        return out
+    if kind in ("zipf", "zipf-scan"):
+        weights = [1 / (i + 1) for i in range(500)]
+        out, q, scan = [], 10**7, 2 * 10**7
+        for i in range(4000):
+            d = rng.choices(range(500), weights)[0]
+            out.append(req(list(range(d * 100, d * 100 + 8)) + [q]))
+            q += 1
+            if kind == "zipf-scan" and i % 10 == 0:
+                out.append(req(list(range(scan, scan + 30))))
+                scan += 100
+        return out
+    raise ValueError(f"unknown generated trace {kind!r}")
+
+
 def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: int = 0) -> tuple[SimResult, float, dict]:
-    """Per-request hits of the real store, its requests/s, and its stats at the end."""
+    """Per-request hits of the real store, its requests/s, and its stats at the end (with
+    ``requests_per_cpu_s``: requests per CPU-second of this process, steadier than the wall
+    clock on a shared machine)."""
     token_cache: dict[int, np.ndarray] = {}
 
     def tokens_of(ids: tuple[int, ...]) -> np.ndarray:
@@ -65,7 +115,7 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
             shm_dir=Path(home),
         )
         try:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for r, arr in zip(trace, arrays):
                 lease = store.acquire(arr, SCOPE)
                 n = len(lease.keys)
@@ -74,8 +124,10 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
                 if n < len(r.hash_ids):
                     store.put(arr, pages[: len(r.hash_ids) - n], SCOPE, start_block=n)
             seconds = time.perf_counter() - t0
+            cpu = time.process_time() - c0
             store.check_integrity()
-            stats = store.stats()
+            stats = dict(store.stats())
+            stats["requests_per_cpu_s"] = len(trace) / cpu if cpu else 0.0
         finally:
             store.close()
     return SimResult(tuple(hits)), len(trace) / seconds if seconds else 0.0, stats
@@ -83,7 +135,9 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace", type=Path)
+    ap.add_argument("trace", type=Path, nargs="?", help="a Mooncake-format .jsonl (or use --generated)")
+    ap.add_argument("--generated", choices=("loop", "chat", "zipf", "zipf-scan"),
+                    help="replay a generated trace instead (see generated())")
     ap.add_argument("--capacity", type=int, action="append", help="tier size in blocks (repeat)")
     ap.add_argument("--policy", action="append", choices=POLICIES, help="store policies to replay (default: all)")
     ap.add_argument("--reference", action="append", choices=sorted(REFERENCES), help="default: all")
@@ -98,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
                          "(policy models, write-through): promote vs read-through, admit on first vs second use")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    trace = read_trace(args.trace, args.limit, args.full_blocks_only)
+    if args.generated:
+        trace = generated(args.generated)[: args.limit]
+        args.trace = Path(f"generated:{args.generated}")
+    elif args.trace is None:
+        ap.error("give a trace file or --generated")
+    else:
+        trace = read_trace(args.trace, args.limit, args.full_blocks_only)
     if args.tiers:
         return tiers_experiment(args, trace)
     capacities = args.capacity or [1000, 10000, 30000]
@@ -108,16 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     for cap in capacities:
         results: dict[str, dict] = {}
         for ref in references:
+            t0 = time.perf_counter()
             res = REFERENCES[ref](trace, cap)
-            results[ref] = {"kind": "reference", "result": res}
+            # Pure-Python simulators on the same machine at the same time: a yardstick for the
+            # store's requests/s when the machine is shared.
+            results[ref] = {"kind": "reference", "result": res,
+                            "requests_per_s": len(trace) / max(1e-9, time.perf_counter() - t0)}
         for pol in policies:
             if args.no_store:
                 results[f"{pol} (model)"] = {"kind": "model", "result": simulate_policy(trace, cap, pol)}
                 continue
-            rates = []
+            rates, cpu_rates = [], []
             for _ in range(max(1, args.repeat)):
                 res, rps, stats = replay_store(trace, cap, pol, args.disk_blocks)
                 rates.append(rps)
+                cpu_rates.append(stats["requests_per_cpu_s"])
             if args.check_model:
                 model = simulate_policy(trace, cap, pol)
                 bad = [i for i, (a, b) in enumerate(zip(res.hits, model.hits)) if a != b]
@@ -126,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr)
                     return 1
             results[f"tierkv {pol}"] = {"kind": "store", "result": res, "requests_per_s": statistics.median(rates),
-                                        "requests_per_s_runs": rates, "stats": stats}
+                                        "requests_per_s_runs": rates, "stats": stats,
+                                        "requests_per_cpu_s": statistics.median(cpu_rates)}
         best = results["belady"]["result"].block_hit_rate(trace) if "belady" in results else None
         for name, r in results.items():
             rate = r["result"].block_hit_rate(trace)
@@ -136,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 "share_of_optimum": round(rate / best, 4) if best else None,
                 "requests_per_s": round(r["requests_per_s"]) if "requests_per_s" in r else None,
                 "requests_per_s_runs": [round(x) for x in r.get("requests_per_s_runs", [])] or None,
+                "requests_per_cpu_s": round(r["requests_per_cpu_s"]) if "requests_per_cpu_s" in r else None,
                 "ghost_hits": dict(r["stats"]["ghost_hits"]) if "stats" in r else None,
                 "evicted_by": {t: dict(v) for t, v in r["stats"]["evicted_by"].items()} if "stats" in r else None,
             })
@@ -143,12 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"trace": str(args.trace), "requests": len(trace), "rows": rows}, indent=1))
         return 0
     print(f"{args.trace}: {len(trace)} requests, {sum(len(r.hash_ids) for r in trace)} blocks")
-    print(f"{'capacity':>9} {'policy':<16} {'block hit':>9} {'token hit':>9} {'of opt':>7} {'req/s':>8}")
+    print(f"{'capacity':>9} {'policy':<16} {'block hit':>9} {'token hit':>9} {'of opt':>7} {'req/s':>8} {'req/cpu-s':>9}")
     for row in rows:
         share = f"{row['share_of_optimum']:.3f}" if row["share_of_optimum"] is not None else "-"
         rps = str(row["requests_per_s"]) if row["requests_per_s"] is not None else "-"
+        cps = str(row["requests_per_cpu_s"]) if row["requests_per_cpu_s"] is not None else "-"
         print(f"{row['capacity']:>9} {row['policy']:<16} {row['block_hit_rate']:>9.4f} "
-              f"{row['token_hit_rate']:>9.4f} {share:>7} {rps:>8}")
+              f"{row['token_hit_rate']:>9.4f} {share:>7} {rps:>8} {cps:>9}")
     return 0
 
 
