@@ -1,8 +1,10 @@
 """A client of ``tierkv serve`` with the embedded store's API: ``tierkv.connect(socket)``.
 
-Control messages go through the socket; page bytes never do. At connect the client maps
+Control messages go through the socket; page bytes never do. At connect the client checks
+that the listener runs as root, as this user or as ``daemon_uid`` (SO_PEERCRED), then maps
 the daemon's shared-memory tiers (the device tier on CPU, the host tier, and a staging
-region) with :meth:`SharedRegion.attach` and builds the same pool view the daemon has, so
+region) from the file descriptors sent with the HELLO reply (SCM_RIGHTS;
+:meth:`SharedRegion.attach_fd`, never a path) and builds the same pool view the daemon has, so
 ``lease.page(i)`` is a view of the daemon's slot and ``lease.pages()`` copies straight out
 of shared memory. New pages are written into staging slots the daemon hands out, then
 committed; the daemon stores them with ``Store.put``.

@@ -99,18 +99,6 @@ class SharedRegion:
         self._populator.start()
 
     @classmethod
-    def attach(cls, path: Path, nbytes: int) -> "SharedRegion":
-        fd = os.open(path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise ValueError(f"shared region {path} holds {size} bytes, expected {nbytes}")
-            mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        return cls(path, nbytes, mm, owner=False)
-
-    @classmethod
     def attach_fd(cls, fd: int, nbytes: int, name: str = "region") -> "SharedRegion":
         """Map a region from a descriptor received from its creator; closes ``fd``.
         Raises ValueError unless ``fd`` is a regular file of at least ``nbytes``."""
