@@ -290,3 +290,29 @@ def test_connect_is_typed():
 
     for cls in (Store, Client, ClusterNode):
         assert StoreAPI in cls.__mro__, f"{cls.__name__} does not declare StoreAPI"
+
+
+def test_block_extra_keys_the_chain(api):
+    t = tokens(16, 3)
+    extra = [["img:a"], ["img:b"], []]
+    keys = block_keys(t, SCOPE, BS, extra)
+    assert keys != block_keys(t, SCOPE, BS)
+    pages = torch.stack([pages_for(t)[i] for i in range(3)])
+    assert api.put(t, pages, SCOPE, block_extra=extra).stored == 3
+    assert api.lookup(t, SCOPE).tokens_matched == 0  # other keys without the extra
+    r = api.lookup(t, SCOPE, extra)
+    assert r.tokens_matched == 3 * BS and list(r.keys) == keys
+    with api.acquire(t, SCOPE, extra) as lease:
+        assert torch.equal(lease.pages().cpu(), pages)
+    assert api.prefetch(t, SCOPE, extra).result(timeout=30) == 3 * BS
+
+
+def test_ephemeral_blocks_stay_in_memory_and_go_with_their_lease(api):
+    t = tokens(17, 2)
+    r = put_all(api, t, priority=Priority.EPHEMERAL)
+    assert (r.stored, r.durable) == (2, False)
+    assert api.lookup(t, SCOPE).tokens_matched == 2 * BS
+    assert api.stats().tiers["disk"].blocks == 0
+    with api.acquire(t, SCOPE) as lease:
+        assert torch.equal(lease.pages().cpu(), pages_for(t))
+    assert api.lookup(t, SCOPE).tokens_matched == 0  # dropped when the lease ended
