@@ -243,6 +243,21 @@ def test_a_hit_is_never_saved_again():
     side.check_integrity()
 
 
+def test_a_prefix_queued_for_saving_is_not_saved_again_before_it_is_written():
+    # Saves are written in the background: the next request with the same prompt may look
+    # up before they land, and must not plan them again.
+    blocks = [40, 41, 42, 43]
+    side = make_scheduler(hit_tokens=0, blocks_of={"a": blocks, "b": blocks})
+    for rid, saved in (("a", [(0, tuple(blocks))]), ("b", [])):
+        req = request(rid, list(range(4 * B + 1)))
+        assert side.matched(req, 0) == 0  # nothing written yet: no load promised
+        side.allocated(req, blocks, 0)
+        meta = side.build(scheduler_output(new=[(rid, 0, 4 * B + 1)]))
+        assert [(s.first_block, s.block_ids) for s in meta.saves] == saved
+        side.finished(req)
+    side.check_integrity()
+
+
 def test_reads_start_when_blocks_are_promised():
     blocks = [10, 11, 12, 13, 14, 15]
     side = make_scheduler(hit_tokens=4 * B, blocks_of={"a": blocks, "b": blocks})

@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ..identity import Scope
+from ..identity import Scope, as_token_array, block_keys, iter_block_keys
 from ..layout import PageLayout
 from .vllm_config import cacheable, scope_of
 from .vllm_stats import Counters
 from .vllm_store import StoreHandle
 
 log = logging.getLogger(__name__)
+RECENT_SAVES = 1 << 16  # block keys of planned saves remembered (32 bytes each)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._sources: dict[str, tuple[str, ...]] = {}  # tiers of the blocks a planned load reads
+        self._queued: OrderedDict[bytes, None] = OrderedDict()  # keys of blocks planned for saving
 
     # ---- get_num_new_matched_tokens -------------------------------------------------------
     def matched(self, request: Any, local_tokens: int) -> int:
@@ -111,9 +114,10 @@ class SchedulerSide:
         t0 = time.perf_counter()
         # Every full block, not just those vLLM may take: a prompt of whole blocks has its
         # last block stored too, and knowing it keeps that block from being saved again.
-        found = self.handle.lookup(list(prompt[: len(prompt) // B * B]), scope)
-        stored = found.tokens_matched // B
-        hit = min(stored * B, limit)
+        full = list(prompt[: len(prompt) // B * B])
+        found = self.handle.lookup(full, scope)
+        hit = min(found.tokens_matched // B * B, limit)
+        stored = self._queued_after(full, scope, found.tokens_matched // B)
         self._matches[request.request_id] = _Match(local_tokens, hit, stored, found.tiers)
         ext = max(0, hit - local_tokens)
         self.counters.add(lookups=1, hit_requests=int(ext > 0), hit_tokens=ext)
@@ -192,12 +196,38 @@ class SchedulerSide:
             if len(block_ids) < full:
                 continue
             first = tracked.stored_blocks
+            self._remember_queued(tokens[: full * B], tracked.scope, first)
             meta.saves.append(SaveSpec(
                 req_id=req_id, token_ids=tuple(tokens[: full * B]), scope=tracked.scope,
                 first_block=first, block_ids=tuple(block_ids[first:full]),
             ))
             tracked.stored_blocks = full
         return meta
+
+    # Saves are written in the background, so a request right after another with the same
+    # prefix may look up before that prefix is written; the keys of blocks planned for saving
+    # (the last RECENT_SAVES) keep it from being saved a second time. They count as stored
+    # for saving only: a load is planned only for blocks the lookup found. (A save the worker
+    # dropped on a full queue is not planned again until its keys age out: a cache miss.)
+    def _remember_queued(self, tokens: Any, scope: Scope, first: int) -> None:
+        for key in block_keys(list(tokens), scope, self.block_size)[first:]:
+            self._queued[key] = None
+            self._queued.move_to_end(key)
+        while len(self._queued) > RECENT_SAVES:
+            self._queued.popitem(last=False)
+
+    def _queued_after(self, tokens: list[int], scope: Scope, found: int) -> int:
+        """``found`` plus the blocks right after it that were planned for saving."""
+        if not self._queued:
+            return found
+        n = found
+        for i, key in enumerate(iter_block_keys(as_token_array(tokens), scope.seed, self.block_size)):
+            if i < found:
+                continue
+            if key not in self._queued:
+                break
+            n = i + 1
+        return n
 
     def _block_ids(self, req_id: str) -> list[int]:
         if self.kv_cache_manager is None:
