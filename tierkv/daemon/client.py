@@ -266,7 +266,7 @@ class Client(StoreAPI):
     @staticmethod
     def _req(tokens: Any, scope: Scope, block_extra: Any = None, max_blocks: int | None = None,
              start_block: int = 0) -> m.PrefixRequest:
-        return m.PrefixRequest(m.WireScope(scope.model_version, scope.namespace, scope.extra_keys),
+        return m.PrefixRequest(m.WireScope.of(scope),
                                as_token_array(tokens), block_extra, max_blocks, start_block)
 
     # ---- data path -------------------------------------------------------------------------
@@ -327,7 +327,7 @@ class Client(StoreAPI):
         while other clients hold the staging region)."""
         self._need_layout().check_pages(pages)
         arr = as_token_array(tokens)
-        ws = m.WireScope(scope.model_version, scope.namespace, scope.extra_keys)
+        ws = m.WireScope.of(scope)
         n = int(pages.shape[0])
         bs = self.layout.block_size
         stored = skipped = 0
@@ -397,7 +397,7 @@ class Client(StoreAPI):
 
     # ---- operations ----------------------------------------------------------------------------
     def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
-        ws = m.WireScope(scope.model_version, scope.namespace, scope.extra_keys)
+        ws = m.WireScope.of(scope)
         return int(self._call(Op.SET_PRIORITY, m.SetPriority(ws, as_token_array(tokens), int(priority)))["count"])
 
     def set_priority_from(self, last_key: bytes, priority: Priority) -> int:

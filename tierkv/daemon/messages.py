@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import ProtocolError
-from ..identity import KEY_BYTES
+from ..identity import KEY_BYTES, Scope
 from ..layout import PageLayout
 from .protocol import MAX_TOKENS
 
@@ -100,6 +100,11 @@ class WireScope:
     model_version: str
     namespace: str = "default"
     extra_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, scope: Scope) -> "WireScope":
+        """The wire form of ``scope``: the one place a client builds it."""
+        return cls(scope.model_version, scope.namespace, tuple(scope.extra_keys))
 
     def to_wire(self) -> Header:
         return {"model_version": self.model_version, "namespace": self.namespace, "extra_keys": list(self.extra_keys)}
