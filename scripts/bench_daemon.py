@@ -171,6 +171,8 @@ def bench_iterations(work: Path, args: argparse.Namespace) -> dict:
 
     layout = parse_layout(SMALL)
     sizes = ("--device-bytes", "96MiB", "--host-bytes", "32MiB", "--disk-bytes", "256MiB")
+    if args.workers is not None:
+        sizes += ("--workers", str(args.workers))
     proc, sock = start_daemon(work, "lookup", *sizes)
     store = tierkv.open(work / "home-embedded", layout, device="cpu", device_bytes=96 << 20, host_bytes=32 << 20,
                         disk_bytes=256 << 20)
@@ -233,6 +235,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="length of each measurement")
     p.add_argument("--runs", type=int, default=3, help="rounds (medians reported)")
     p.add_argument("--no-shm", action="store_true", help="skip the shared-memory read benchmark")
+    p.add_argument("--workers", type=int, default=None, help="the daemon's store-call threads (default: its own)")
     p.add_argument("--tokens", type=int, default=4096, help="prompt length")
     p.add_argument("--prompts", type=int, default=8, help="distinct cached prompts")
     p.add_argument("--repeats", type=int, default=5, help="repeats of the 256 MiB read (best kept)")

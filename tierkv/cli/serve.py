@@ -34,6 +34,8 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
                    "block_size=..,dtype=..). Not needed: clients declare their layout when they connect.")
 @click.option("--max-layouts", type=int, default=None,
               help="Page layouts (models) served at once; each gets 1/N of every tier budget (default 4, or 1 with --layout).")
+@click.option("--workers", type=int, default=None,
+              help="Threads that run store calls (default 8); disk reads and fsyncs overlap across them.")
 @click.option("--device", default=None, help="cuda:N or cpu (default: cuda:0 when available).")
 @click.option("--device-bytes", default=None, help="Device tier budget, shared by the layouts (e.g. 8GiB).")
 @click.option("--host-bytes", default=None, help="Host (shared-memory) tier budget, shared by the layouts.")
