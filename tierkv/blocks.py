@@ -246,8 +246,12 @@ class BlockTable:
     def victim(self, tier: TierName) -> Block | None:
         """The policy's first evictable block of ``tier``: ephemeral, then normal, then (in
         memory tiers only) pinned, which stays on disk."""
+        orders = self._order[tier]
         for prio in PRIORITIES:
-            for key in self._order[tier][prio].candidates():
+            order = orders[prio]
+            if not len(order):  # most classes are empty most of the time
+                continue
+            for key in order.candidates():
                 b = self.blocks[key]
                 if self.evictable(b, tier):
                     return b

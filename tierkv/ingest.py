@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +25,22 @@ from .results import PutResult
 from .tiers import TierName
 
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
+
+
+class _PagesByKey(Mapping[bytes, torch.Tensor]):
+    """A put's pages by block key, indexed on access (most puts never need one page alone)."""
+
+    def __init__(self, pages: torch.Tensor, rows: dict[bytes, int]) -> None:
+        self._pages, self._rows = pages, rows
+
+    def __getitem__(self, key: bytes) -> torch.Tensor:
+        return self._pages[self._rows[key]]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 class Ingest(Placement):
@@ -61,8 +77,8 @@ class Ingest(Placement):
         raw = arr.tobytes()
         durable_wanted = priority == Priority.PINNED or (self.config.write_through and priority != Priority.EPHEMERAL)
         new: list[Block] = []
-        page_of: dict[bytes, torch.Tensor] = {}
         row_of: dict[bytes, int] = {}
+        page_of = _PagesByKey(pages, row_of)  # a view per block only when one is needed
         disk_plan: list[tuple[int, Block]] = []
         with self._lock:
             # The eviction policy's insertion class (tierkv/policy.py): did the request find
@@ -80,7 +96,6 @@ class Ingest(Placement):
                 if keys[i] in self._writing or old is not None:
                     continue
                 self._writing.add(keys[i])
-                page_of[keys[i]] = pages[i - start_block]
                 row_of[keys[i]] = i - start_block
                 # The checksum is filled in below, before the block is indexed or entered in
                 # the table (nothing sees it before then).
@@ -153,7 +168,7 @@ class Ingest(Placement):
                 self.table.remove(b)
 
     def _place_new(self, keys: list[bytes], new: list[Block], disk_plan: list[tuple[int, Block]],
-                   page_of: dict[bytes, torch.Tensor], pages: torch.Tensor, row_of: dict[bytes, int]) -> None:
+                   page_of: Mapping[bytes, torch.Tensor], pages: torch.Tensor, row_of: dict[bytes, int]) -> None:
         """Enter a put's blocks in the table and copy them into memory (held: the lock).
 
         The request's whole chain is held busy meanwhile, so that making room evicts other

@@ -43,10 +43,14 @@ from what the trace does, not from a tuning knob. Two adaptations to a prefix tr
   segment evicted before ``recent``. The counters decay (halved every ``capacity``
   insertions), so the decision follows the trace.
 
-Rejected: S3-FIFO and LFU with aging (LRFU). Replayed on the synthetic trace (see
-docs/performance.md) S3-FIFO's small queue evicts the next turn of a conversation (median
-reuse distance: 233 requests) and fell far below LRU at 1,000 and 10,000 blocks; LRFU only
-matched LRU at large capacities and needs keys recomputed when its decay adapts.
+Rejected (replayed on the synthetic trace with the same leaf-first rules, in scratch
+simulators not kept; block hit rate at 1,000 / 10,000 / 30,000 blocks, LRU being 0.0841 /
+0.4239 / 0.6242): S3-FIFO (10% small queue, ghosts of one capacity) 0.0304 / 0.3068 /
+0.6260, its small queue evicting the next turn of a conversation (median reuse distance
+233 requests); LRFU (LFU with exponential decay per request) 0.0889 / 0.4250 / 0.6242 at
+lambda 0.01 and 0.0704 / 0.4363 / 0.6251 at 0.001, never ahead everywhere, and its keys
+would need recomputing whenever lambda adapts. ARC without the insertion classes: 0.0929 /
+0.4445 / 0.6260 (a tie with LRU-2 at 30,000).
 """
 from __future__ import annotations
 

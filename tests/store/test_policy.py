@@ -227,3 +227,15 @@ def test_tiered_model_promotion_known_answer():
     assert (promoted.host_hits, promoted.disk_hits) == (1, 1)  # r2 from disk, promoted; r3 from host
     through = simulate_tiers(trace, 1, 10, "lru", promote=False)
     assert (through.host_hits, through.disk_hits) == (0, 2)
+
+
+def test_policy_metrics_from_store_stats(make_store):
+    from tierkv.daemon.metrics import policy_metrics
+
+    store = make_store()  # device 4, host 4, disk 32: evictions from both memory tiers
+    for i in range(6):
+        put_chain(store, toks(700 + i, 2))
+    fams = {f.name: f for f in policy_metrics(store.stats())}
+    by_reason = {(s.labels["tier"], s.labels["reason"]): s.value for s in fams["tierkv_evictions_by_reason"].samples}
+    assert sum(v for (t, _), v in by_reason.items() if t == "device") == store.stats()["evictions"]["device"] > 0
+    assert {"tierkv_ghost_hits", "tierkv_cold_admissions", "tierkv_admissions_refused", "tierkv_hit_rate"} <= set(fams)
