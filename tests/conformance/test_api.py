@@ -196,7 +196,7 @@ def test_invalidate_while_leased(api):
 def test_verify(api):
     put_all(api, tokens(11, 3))
     r = api.verify()
-    assert r == VerifyResult(checked=3, corrupt=(), repaired=False)
+    assert r == VerifyResult(checked=3, corrupt=(), repaired=False, unreadable=())
     assert api.verify(repair=True) == VerifyResult(3, (), True)
 
 

@@ -155,7 +155,7 @@ def test_pin_unpin(twins):
 
 def test_invalidate_and_verify(twins):
     v = twins.same("verify", ignore={"integrity_checked"})
-    assert v["ok"] and v["checked"] == 13 and v["corrupt"] == []
+    assert v["ok"] and v["checked"] == 13 and v["corrupt"] == [] and v["unreadable"] == []
     dry = twins.same("invalidate", "--model-version", MV_B, "--dry-run")
     assert dry["removed_blocks"] == 4 and dry["dry_run"]
     assert twins.same("invalidate", "--model-version", MV_B)["removed_blocks"] == 4

@@ -256,14 +256,14 @@ def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | Non
                 integrity_error = str(e) or "integrity check failed"
     out = {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": bool(r.repaired and r.corrupt),
            "integrity_checked": check is not None, "integrity_error": integrity_error,
-           "index_rebuilt": rebuilt}
+           "index_rebuilt": rebuilt, "unreadable": list(r.unreadable)}
     ok = (not r.corrupt or repair) and integrity_error is None
     out["ok"] = ok
     if as_json:
         emit(True, out)
     else:
         print_table([("pages checked", r.checked), ("corrupt", len(r.corrupt)),
-                     ("quarantined", len(r.corrupt) if repair else 0),
+                     ("quarantined", len(r.corrupt) if repair else 0), ("unreadable (I/O errors)", len(r.unreadable)),
                      ("index consistent", "not checked" if check is None else integrity_error or "yes")]
                     + ([(f"index rebuilt: {k}", v) for k, v in rebuilt.items()] if rebuilt else []))
         for key in r.corrupt:

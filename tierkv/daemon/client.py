@@ -440,7 +440,8 @@ class Client(StoreAPI):
 
     def verify(self, repair: bool = False) -> VerifyResult:
         r = self._call(Op.VERIFY, m.Verify(repair))
-        return VerifyResult(int(r["checked"]), tuple(r["corrupt"]), bool(r["repaired"]))
+        return VerifyResult(int(r["checked"]), tuple(r["corrupt"]), bool(r["repaired"]),
+                            tuple(str(k) for k in r.get("unreadable", ())))
 
     def stats(self) -> StoreStats:
         f = self._call_frame(Op.STATS, m.Empty())

@@ -431,7 +431,7 @@ class Handlers:
         self.tenancy.check_whole_store(conn.creds.uid, "verify")
         results: list[VerifyResult] = [await self.run(st.verify, msg.repair) for st in self.stores(conn)]
         return {"checked": sum(r.checked for r in results), "corrupt": [k for r in results for k in r.corrupt],
-                "repaired": msg.repair}, b""
+                "repaired": msg.repair, "unreadable": [k for r in results for k in r.unreadable]}, b""
 
     async def stats(self, conn: "Connection", msg: m.Empty) -> Reply:
         s = await self.run(self.merged_stats)
