@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from ..backoff import Backoff
 from ..api import StoreAPI
 from ..blocks import Priority
 from ..errors import CapacityError, ConfigError, DaemonUnavailableError, ForkedStoreError, LeaseError, ProtocolError, TierKVError
@@ -355,7 +356,7 @@ class Client(StoreAPI):
         """Up to ``want`` staging slots: fewer when the shared region is busy, waiting (up
         to the client timeout) when none is free. CapacityError if none frees up."""
         deadline = time.monotonic() + self.timeout
-        delay = 0.001
+        backoff = Backoff(0.001, 0.05)
         while True:
             try:
                 return [int(s) for s in self._call(Op.STAGE, m.Stage(want))["slots"]]
@@ -363,10 +364,9 @@ class Client(StoreAPI):
                 if want > 1:
                     want //= 2
                     continue
-                if time.monotonic() + delay > deadline:
+                if time.monotonic() + backoff.delay_s > deadline:
                     raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+                time.sleep(backoff.failed())
 
     def _write_staging(self, slots: list[int], pages: torch.Tensor) -> None:
         if not slots:
