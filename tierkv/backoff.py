@@ -1,6 +1,6 @@
 """Retry back-off: after a failure, wait before trying again, twice as long each time up to
 a ceiling; a success resets it. The one implementation (the remote tier's reconnects, the
-vLLM connector's store access).
+vLLM connector's store access, the daemon client's wait for staging slots).
 
 Not thread-safe on its own: callers hold their own lock around it (they change other state
 in the same step).
