@@ -100,6 +100,7 @@ class Impl:
     kind: str
     api: Any
     cleanup: list[Callable[[], None]] = field(default_factory=list)
+    local: Any = None  # the embedded Store behind ``api`` (tests that damage it on purpose)
 
     def close(self) -> None:
         try:
@@ -111,8 +112,8 @@ class Impl:
 
 def open_impl(kind: str, workdir: Path, layout: PageLayout = LAYOUT, **sizes: int) -> Impl:
     if kind == "embedded":
-        return Impl(kind, tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm",
-                                      **{**SIZES, **sizes}))
+        store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
+        return Impl(kind, store, local=store)
     if kind == "daemon":
         runner = DaemonRunner(workdir, layout, **sizes)
         try:
@@ -120,7 +121,8 @@ def open_impl(kind: str, workdir: Path, layout: PageLayout = LAYOUT, **sizes: in
         except BaseException:
             runner.stop()
             raise
-        return Impl(kind, client, [runner.stop])
+        entry = runner.daemon.layouts.only()
+        return Impl(kind, client, [runner.stop], local=entry.local if entry is not None else None)
     if kind == "cluster":
         from cluster.kit import FakeCluster, remote_config
 
@@ -130,7 +132,7 @@ def open_impl(kind: str, workdir: Path, layout: PageLayout = LAYOUT, **sizes: in
         store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
         fake = FakeCluster()
         return Impl(kind, ClusterNode(store, RemoteTier(remote_config(), layout, backend_factory=fake.factory,
-                                                        clock=time.monotonic)))
+                                                        clock=time.monotonic)), local=store)
     raise ValueError(kind)
 
 

@@ -316,3 +316,25 @@ def test_ephemeral_blocks_stay_in_memory_and_go_with_their_lease(api):
     with api.acquire(t, SCOPE) as lease:
         assert torch.equal(lease.pages().cpu(), pages_for(t))
     assert api.lookup(t, SCOPE).tokens_matched == 0  # dropped when the lease ended
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_check_integrity_sees_a_damaged_store(kind):
+    """Through a daemon too: the client asks the daemon to check its stores."""
+    workdir = short_dir(f"tkvconf-{kind[:3]}-")
+    impl = open_impl(kind, workdir)
+    try:
+        put_all(impl.api, tokens(18, 2))
+        impl.api.check_integrity()
+        local = impl.local
+        with local._lock:  # damage: a device slot freed behind the block table's back
+            block = next(b for b in local.table.blocks.values() if "device" in {t.value for t in b.loc})
+            slot = next(s for t, s in block.loc.items() if t.value == "device")
+            local.device.slots.free(slot)
+        with pytest.raises(AssertionError, match="device"):
+            impl.api.check_integrity()
+        with local._lock:
+            assert local.device.slots.alloc() == slot  # repaired, so that closing is clean
+    finally:
+        impl.close()
+        remove(workdir)

@@ -154,15 +154,15 @@ def test_pin_unpin(twins):
 
 
 def test_invalidate_and_verify(twins):
-    v = twins.same("verify", ignore={"integrity_checked"})
-    assert v["ok"] and v["checked"] == 13 and v["corrupt"] == [] and v["unreadable"] == []
+    v = twins.same("verify")
+    assert v["integrity_checked"] and v["integrity_error"] is None and v["ok"] and v["checked"] == 13 and v["corrupt"] == [] and v["unreadable"] == []
     dry = twins.same("invalidate", "--model-version", MV_B, "--dry-run")
     assert dry["removed_blocks"] == 4 and dry["dry_run"]
     assert twins.same("invalidate", "--model-version", MV_B)["removed_blocks"] == 4
     assert twins.same("invalidate", "--namespace", "t1")["removed_blocks"] == 3
     assert twins.same("invalidate", "--model", twins.model_dir, "--dry-run")["removed_blocks"] == 6
     assert twins.same("stats", ignore=STATS_PER_PROCESS)["blocks"] == 6
-    assert twins.same("verify", "--repair", ignore={"integrity_checked"})["checked"] == 6
+    assert twins.same("verify", "--repair")["checked"] == 6
 
 
 def test_gc(twins):

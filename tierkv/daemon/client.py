@@ -35,7 +35,10 @@ from .. import errors
 from ..backoff import Backoff
 from ..api import StoreAPI
 from ..blocks import Priority
-from ..errors import CapacityError, ConfigError, DaemonUnavailableError, ForkedStoreError, LeaseError, ProtocolError, TierKVError
+from ..errors import (
+    CapacityError, ConfigError, DaemonUnavailableError, ForkedStoreError, LeaseError, NotPermittedError, ProtocolError,
+    TierKVError,
+)
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult
@@ -457,11 +460,19 @@ class Client(StoreAPI):
         self._call(Op.PING, m.Empty())
 
     def check_integrity(self) -> None:
-        """Client-side state: connected, reader alive, leases consistent, daemon answering."""
+        """Client-side state (connected, reader alive, leases consistent), then the daemon's
+        stores (CHECK_INTEGRITY); AssertionError naming the first mismatch. A tenant under
+        ``namespace_per_uid`` may not check every tenant's store: the daemon is then only
+        pinged."""
         assert not self._closed and self._failure is None, f"client is not connected ({self._failure})"
         assert self._reader.is_alive(), "reply reader thread died"
         assert all(not le.released and le.store is self for le in self._leases.values()), "released lease tracked"
-        self.ping()
+        try:
+            error = self._call(Op.CHECK_INTEGRITY, m.Empty()).get("error")
+        except NotPermittedError:
+            self.ping()
+            return
+        assert error is None, f"the daemon's store: {error}"
 
     def close(self) -> None:
         """Disconnect; the daemon releases every lease this client still holds."""

@@ -93,6 +93,7 @@ class Handlers:
             Op.GET_MANIFEST: (m.ManifestRequest, self.get_manifest), Op.LIST_MANIFESTS: (m.Empty, self.list_manifests),
             Op.DELETE_MANIFEST: (m.ManifestRequest, self.delete_manifest), Op.INVALIDATE: (m.Invalidate, self.invalidate),
             Op.VERIFY: (m.Verify, self.verify), Op.STATS: (m.Empty, self.stats), Op.PING: (m.Empty, self.ping),
+            Op.CHECK_INTEGRITY: (m.Empty, self.check_integrity),
             Op.CHAIN_TOKENS: (m.ChainRef, self.chain_tokens), Op.CHAIN_RESIDENCY: (m.ChainRef, self.chain_residency),
             Op.SET_PRIORITY_FROM: (m.ChainRef, self.set_priority_from),
         }
@@ -448,6 +449,18 @@ class Handlers:
 
     async def ping(self, conn: "Connection", msg: m.Empty) -> Reply:
         return {}, b""
+
+    async def check_integrity(self, conn: "Connection", msg: m.Empty) -> Reply:
+        """Every store's ``check_integrity`` (index against tiers, allocators, block table):
+        ``error`` is the first failure's message, or null. What ``tierkv verify`` runs on a
+        home it opens, so that ``--socket`` checks as much as ``--home``."""
+        self.tenancy.check_whole_store(conn.creds.uid, "check_integrity")
+        for st in self.stores(conn):
+            try:
+                await self.run(st.check_integrity)
+            except AssertionError as e:
+                return {"error": str(e) or "integrity check failed"}, b""
+        return {"error": None}, b""
 
     def daemon_stats(self) -> dict[str, Any]:
         entries = self.layouts.entries()

@@ -65,6 +65,7 @@ class Op(IntEnum):
     CHAIN_TOKENS = 19
     CHAIN_RESIDENCY = 20
     SET_PRIORITY_FROM = 21
+    CHECK_INTEGRITY = 22
 
 
 class FatalFrameError(ProtocolError):
