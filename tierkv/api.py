@@ -177,7 +177,8 @@ class StoreAPI(Protocol):
     def check_integrity(self) -> None:
         """Recompute every total this object keeps from its source of truth; raises
         AssertionError on a mismatch. A daemon client checks its own state (connection,
-        leases) and that the daemon answers; the daemon checks its store."""
+        leases), then has the daemon check its stores; a cluster node checks its store and
+        the remote tier's state."""
         raise _missing("check_integrity")
 
     # ---- lifetime --------------------------------------------------------------------------
