@@ -239,3 +239,11 @@ def test_policy_metrics_from_store_stats(make_store):
     by_reason = {(s.labels["tier"], s.labels["reason"]): s.value for s in fams["tierkv_evictions_by_reason"].samples}
     assert sum(v for (t, _), v in by_reason.items() if t == "device") == store.stats()["evictions"]["device"] > 0
     assert {"tierkv_ghost_hits", "tierkv_cold_admissions", "tierkv_admissions_refused", "tierkv_hit_rate"} <= set(fams)
+
+
+def test_arc_not_below_lru_on_recency_chat():
+    # Chat: LRU's best case (recently active conversations resumed). The warm insertion
+    # class keeps arc level with it where LRU already holds everything reused.
+    trace = _replay_module().generated("chat")[:1500]
+    for cap in (300, 1500):
+        assert sum(simulate_policy(trace, cap, "arc").hits) >= sum(simulate_lru(trace, cap).hits)
