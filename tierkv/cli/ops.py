@@ -282,9 +282,13 @@ def _rebuild_if_damaged(home: Path, as_json: bool) -> dict[str, Any] | None:
     warn(f"{why}; rebuilding the index from the segments")
     progress, close = progress_bar("rebuilding index", enabled=not as_json)
     try:
-        return rebuild_index(home, progress=progress).to_dict()
+        result = rebuild_index(home, progress=progress)
     finally:
         close()
+    if result.corrupt or result.unrecoverable:
+        warn(f"{result.corrupt} corrupt slots left out; {result.unrecoverable} slots of format-1 segments cannot be "
+             "rebuilt (their blocks are gone)")
+    return result.to_dict()
 
 
 # ---- gc --------------------------------------------------------------------------------
