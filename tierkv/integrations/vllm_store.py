@@ -113,12 +113,13 @@ class StoreHandle:
             return _open_shared(self.config, self.layout)
         import tierkv
 
-        client = tierkv.connect(self.config.socket, timeout=self.config.timeout_s,  # type: ignore[arg-type]
-                                connect_timeout=min(5.0, self.config.timeout_s))
-        layout = getattr(client, "layout", None)
-        if layout is not None and layout != self.layout:
+        # The layout of vLLM's actual KV cache is declared to the daemon, which opens a store
+        # for it on first use: a daemon started with only --home and --socket serves any model.
+        client = tierkv.connect(self.config.socket, layout=self.layout,  # type: ignore[arg-type]
+                                timeout=self.config.timeout_s, connect_timeout=min(5.0, self.config.timeout_s))
+        if client.layout != self.layout:  # a daemon of an older tierkv serves one fixed layout
             client.close()
-            raise ValueError(f"the daemon serves pages of layout {layout}, this model needs {self.layout}")
+            raise ValueError(f"the daemon serves pages of layout {client.layout}, this model needs {self.layout}")
         return client
 
     def _fail(self, what: str, e: BaseException) -> None:
