@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 DEFAULT_CHUNK_TOKENS = 2048
 # Blocks leased per restore window: large enough that one read request covers many pages,
 # small enough that the copy of one window overlaps the reads of the next.
-RESTORE_WINDOW_BLOCKS = 64
+RESTORE_WINDOW_BLOCKS = 128
 Progress = Callable[[int, int], None]
 
 
