@@ -125,7 +125,7 @@ def _check(model: Any, prompts: Sequence[Sequence[int]], prefix_tokens: Sequence
         # The kernels attend to the whole context; the model would drop keys older than the window.
         raise ConfigError(f"a request would outgrow the model's sliding window of {window} tokens",
                           hint="shorten the prompts or max_new_tokens, or generate them one at a time")
-    return _Checked(requests, prefix, budgets, text_config)
+    return _Checked(requests, prefix, budgets, text)
 
 
 @torch.inference_mode()
