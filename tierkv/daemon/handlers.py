@@ -7,13 +7,13 @@ Layouts (layouts.py): a connection is bound at HELLO to the layout it declares (
 first use), or to the daemon's only layout when it declares none; block requests (lookup,
 acquire, put, prefetch, set_priority) go to that layout's store. Operations work across
 every layout: manifests are found in whichever store holds them, chains by their last key,
-and invalidate, verify and stats cover all stores (stats adds a per-layout breakdown).
+and invalidate, verify and stats cover all stores (stats adds a per-layout breakdown); those
+operations handlers live in operations.py, which Handlers inherits.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import os
 import threading
@@ -23,22 +23,21 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import torch
 
 from ..blocks import Priority
-from ..errors import CapacityError, ConfigError, LeaseError, NotFoundError, ProtocolError, QuotaExceededError
+from ..errors import CapacityError, ConfigError, LeaseError, ProtocolError, QuotaExceededError
 from ..identity import Scope
-from ..results import InvalidateResult, VerifyResult
 from . import messages as m
-from .layouts import LayoutEntry, Layouts, layout_id, merge_stats
+from .layouts import LayoutEntry, Layouts, layout_id
 from .leases import LeaseTable
+from .operations import OperationHandlers, Reply
 from .quotas import QuotaRules
 from .tenancy import Tenancy
 from .protocol import VERSION, Op
 
 if TYPE_CHECKING:
     from .config import DaemonConfig
-    from .server import Connection
+    from .connection import Connection
 
 log = logging.getLogger(__name__)
-Reply = tuple[dict[str, Any], bytes]
 RELEASE_DRAIN_S = 0.002  # queued releases wait at most this for a store call to end them
 
 
@@ -70,7 +69,7 @@ def cuda_ipc_info(tier: Any) -> dict[str, Any] | None:
     return {"storage": wire, "slots": tier.slots.capacity, "stride_bytes": tier.stride_bytes}
 
 
-class Handlers:
+class Handlers(OperationHandlers):
     def __init__(self, layouts: Layouts, config: "DaemonConfig") -> None:
         self.layouts = layouts
         self.config = config
@@ -309,158 +308,6 @@ class Handlers:
                                      len(msg.tokens) // entry.layout.block_size)
         n = await self.run(self.entry(conn).store.set_priority, msg.tokens, self.scope(conn, msg.scope), Priority(msg.priority))
         return {"count": n}, b""
-
-    def _chain(self, conn: "Connection", last_key: bytes) -> tuple[Any, Any]:
-        """(store, ChainTokens) of the layout whose store holds the chain ending at
-        ``last_key`` (keys are unique across layouts: the model version names the layout).
-        Runs in a worker thread. NotFoundError when no store holds it."""
-        for st in self.stores(conn):
-            try:
-                return st, st.chain_tokens(last_key)
-            except NotFoundError:
-                continue
-        raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
-
-    async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[Any, Any, str, str]:
-        """Store, tokens, model version and namespace (as the client names it) of the chain
-        ending at ``last_key``. With ``namespace_per_uid`` a chain of another uid's namespace
-        is reported as not stored: a key must not let one tenant read or pin another's."""
-        st, (tokens, mv, ns) = await self.run(self._chain, conn, last_key)
-        if self.config.namespace_per_uid:
-            own = self.namespace_for(conn, "")
-            if not ns.startswith(own):
-                raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
-            ns = ns[len(own):]
-        return st, tokens, mv, ns
-
-    async def chain_tokens(self, conn: "Connection", msg: m.ChainRef) -> Reply:
-        _, tokens, mv, ns = await self._own_chain(conn, msg.last_key)
-        return {"model_version": mv, "namespace": ns}, m.tokens_payload(tokens)
-
-    async def chain_residency(self, conn: "Connection", msg: m.ChainRef) -> Reply:
-        try:
-            st, *_ = await self._own_chain(conn, msg.last_key)
-        except NotFoundError:
-            return {"residency": {"blocks": 0, "device": 0, "host": 0, "disk": 0}}, b""
-        r = await self.run(st.chain_residency, msg.last_key)
-        return {"residency": r.as_dict()}, b""
-
-    async def set_priority_from(self, conn: "Connection", msg: m.ChainRef) -> Reply:
-        if msg.priority is None:
-            raise ProtocolError("set_priority_from needs a priority")
-        try:
-            st, tokens, _, ns = await self._own_chain(conn, msg.last_key)
-        except NotFoundError:
-            return {"count": 0}, b""
-        if msg.priority == Priority.PINNED:
-            await self._check_pinned(conn, st, self.namespace_for(conn, ns), len(tokens) // st.layout.block_size)
-        return {"count": await self.run(st.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
-
-    async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
-        if msg.manifest is None:
-            raise ProtocolError("save_manifest needs a manifest object")
-        name = self.tenancy.manifest_name(conn.creds.uid, msg.name)
-        await self.run(self._manifest_store(conn, msg.manifest).save_manifest, name, msg.manifest)
-        return {}, b""
-
-    def _manifest_store(self, conn: "Connection", manifest: dict) -> Any:
-        """Where a manifest is saved: the store of the layout it names (``layout``, as
-        materialize writes), else the connection's own, else the only one."""
-        raw = manifest.get("layout")
-        if isinstance(raw, dict):
-            try:
-                entry = self.layouts.get(layout_id(m.layout_from_wire(raw)))
-            except ProtocolError:
-                entry = None
-            if entry is not None:
-                return entry.store
-        entry = conn.entry or self.layouts.only()
-        if entry is None:
-            raise ConfigError("the manifest names no layout this daemon serves, and this connection declared none",
-                              hint="connect with tierkv.connect(socket, layout=...) before saving a manifest")
-        return entry.store
-
-    def _all_manifests(self, conn: "Connection") -> dict[str, tuple[Any, dict]]:
-        """Stored name -> (store, manifest) over every layout; the connection's own store wins
-        a name two stores hold. Runs in a worker thread."""
-        out: dict[str, tuple[Any, dict]] = {}
-        for st in reversed(self.stores(conn)):
-            out.update({k: (st, v) for k, v in st.list_manifests().items()})
-        return out
-
-    async def get_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
-        uid = conn.creds.uid
-        every = await self.run(self._all_manifests, conn)
-        hit = every.get(self.tenancy.manifest_name(uid, msg.name))
-        if hit is None:
-            # A tenant learns only its own names.
-            mine = self.tenancy.visible_manifests(uid, {k: v for k, (_, v) in every.items()})
-            raise NotFoundError(f"no prefix named {msg.name!r} (known: {', '.join(sorted(mine)) or 'none'})")
-        return {"manifest": self.tenancy.visible_manifest(uid, hit[1])}, b""
-
-    async def list_manifests(self, conn: "Connection", msg: m.Empty) -> Reply:
-        uid = conn.creds.uid
-        every = await self.run(self._all_manifests, conn)
-        mine = self.tenancy.visible_manifests(uid, {k: v for k, (_, v) in every.items()})
-        return {"manifests": {k: self.tenancy.visible_manifest(uid, v) for k, v in mine.items()}}, b""
-
-    async def delete_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
-        name = self.tenancy.manifest_name(conn.creds.uid, msg.name)
-        deleted = [await self.run(st.delete_manifest, name) for st in self.stores(conn)]
-        return {"deleted": any(deleted)}, b""
-
-    async def invalidate(self, conn: "Connection", msg: m.Invalidate) -> Reply:
-        if msg.namespace is not None or not self.config.namespace_per_uid:
-            targets = [None if msg.namespace is None else self.namespace_for(conn, msg.namespace)]
-        else:  # "every namespace" of a tenant is every namespace of its own, never another's
-            if msg.model_version is None:
-                raise ValueError("invalidate needs model_version or namespace")
-            stored = {ns for st in self.stores(conn) for ns in (await self.run(st.stats))["namespaces"]}
-            targets = self.tenancy.own_namespaces(conn.creds.uid, stored)  # type: ignore[assignment]
-        removed = freed = 0
-        if msg.model_version is None and targets == [None]:
-            raise ValueError("invalidate needs model_version or namespace")
-        for st in self.stores(conn):
-            for ns in targets:
-                r: InvalidateResult = await self.run(st.invalidate, model_version=msg.model_version, namespace=ns,
-                                                     dry_run=msg.dry_run)
-                removed += r.removed_blocks
-                freed += r.freed_bytes
-        return {"removed_blocks": removed, "freed_bytes": freed, "dry_run": msg.dry_run}, b""
-
-    async def verify(self, conn: "Connection", msg: m.Verify) -> Reply:
-        self.tenancy.check_whole_store(conn.creds.uid, "verify")
-        results: list[VerifyResult] = [await self.run(st.verify, msg.repair) for st in self.stores(conn)]
-        return {"checked": sum(r.checked for r in results), "corrupt": [k for r in results for k in r.corrupt],
-                "repaired": msg.repair, "unreadable": [k for r in results for k in r.unreadable]}, b""
-
-    async def stats(self, conn: "Connection", msg: m.Empty) -> Reply:
-        s = await self.run(self.merged_stats)
-        s["daemon"] = self.daemon_stats()
-        # JSON in the payload (16 MiB), not the header (64 KiB): 3,000 namespaces overflowed
-        # the header and stats failed for everyone (issue 11, item 9).
-        return {"format": "json"}, json.dumps(self.tenancy.visible_stats(conn.creds.uid, s)).encode()
-
-    def merged_stats(self) -> dict[str, Any]:
-        """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
-        same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
-        per = {e.layout_id: e.store.stats().as_dict() for e in self.layouts.entries()}
-        return merge_stats(per, str(self.layouts.home))
-
-    async def ping(self, conn: "Connection", msg: m.Empty) -> Reply:
-        return {}, b""
-
-    async def check_integrity(self, conn: "Connection", msg: m.Empty) -> Reply:
-        """Every store's ``check_integrity`` (index against tiers, allocators, block table):
-        ``error`` is the first failure's message, or null. What ``tierkv verify`` runs on a
-        home it opens, so that ``--socket`` checks as much as ``--home``."""
-        self.tenancy.check_whole_store(conn.creds.uid, "check_integrity")
-        for st in self.stores(conn):
-            try:
-                await self.run(st.check_integrity)
-            except AssertionError as e:
-                return {"error": str(e) or "integrity check failed"}, b""
-        return {"error": None}, b""
 
     def daemon_stats(self) -> dict[str, Any]:
         entries = self.layouts.entries()

@@ -15,13 +15,14 @@ Cluster: with ``remote_master`` set the daemon wraps each layout's store in a
 :class:`~tierkv.cluster.ClusterNode` (lookups count the remote tier, acquires pull from it,
 puts publish by the policy), sets ``MC_TCP_BIND_ADDRESS`` before any Mooncake client
 exists, and connects the remote tier from a keeper thread: a master that is absent or
-fails never stops the daemon, which serves locally meanwhile (docs/cluster.md).
+fails never stops the daemon, which serves locally meanwhile (docs/cluster.md; remote_keeper.py).
 
 Per connection: frames are read in order; each request runs as its own task (at most
 ``max_inflight`` per connection) and replies carry the request id, so a slow put does not
 hold up a lookup. A bad head (magic, version, length) or a truncated frame gets one error
 reply and the connection is closed; an undecodable header or unknown opcode gets an error
-reply and the connection goes on. Either way other clients are unaffected.
+reply and the connection goes on. Either way other clients are unaffected. A connection's
+state and its replies: connection.py.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,75 +43,20 @@ from ..errors import ConfigError, DaemonUnavailableError, ProtocolError, TierKVE
 from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import default_shm_dir
-from . import messages, security
-from .config import BIND_ENV, REMOTE_FIELDS, DaemonConfig
+from . import security
+from .config import REMOTE_FIELDS, DaemonConfig
+from .connection import Connection
 from .handlers import Handlers
-from .layouts import Budget, LayoutEntry, Layouts
+from .layouts import Budget, Layouts
 from .metrics import DaemonMetrics
-from .protocol import (FLAG_ERROR, FLAG_REPLY, BadHeaderError, FatalFrameError, Frame, FrameTimeoutError,
-                       IdleConnectionError, Op, encode_frame, read_frame, send_with_fds)
+from .remote_keeper import RemoteKeeper
+from .protocol import BadHeaderError, FatalFrameError, Frame, FrameTimeoutError, IdleConnectionError, Op, read_frame
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 60.0
-REMOTE_CHECK_S = 5.0  # while the remote tier is up, the keeper checks it this often
 
 
-@dataclass(eq=False)
-class Connection:
-    id: int
-    creds: security.PeerCredentials
-    writer: asyncio.StreamWriter
-    inflight: asyncio.Semaphore
-    client_pid: int = 0
-    entry: LayoutEntry | None = None  # the layout bound at HELLO (None: operations only)
-    tasks: set[asyncio.Task] = field(default_factory=set)
-    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    unsent: int = 0  # bytes of replies encoded and not yet taken by the peer (quotas.py)
-    send_timeout_s: float = 30.0
-
-    def request_done(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
-        self.inflight.release()
-
-    async def send(self, opcode: int, request_id: int, header: dict, payload: bytes = b"", flags: int = FLAG_REPLY,
-                   fds: list[int] | tuple[int, ...] = ()) -> None:
-        """Send one reply. A peer that takes nothing for ``send_timeout_s`` is cut off
-        (ConnectionError; its leases are released when its reader ends)."""
-        frame = encode_frame(opcode, request_id, header, payload, flags)
-        self.unsent += len(frame)
-        try:
-            async with self.write_lock:
-                if self.writer.is_closing():
-                    return
-                try:
-                    async with asyncio.timeout(self.send_timeout_s):
-                        if fds:  # shared-memory descriptors travel with this reply (SCM_RIGHTS)
-                            await send_with_fds(self.writer, frame, fds)
-                            return
-                        self.writer.write(frame)
-                        await self.writer.drain()
-                except TimeoutError:
-                    self.writer.transport.abort()
-                    raise ConnectionError(f"the peer read no reply for {self.send_timeout_s:g} s") from None
-        finally:
-            self.unsent -= len(frame)
-
-    def holds_nothing(self) -> bool:
-        """No request in flight and no reply waiting (leases and staging are checked by
-        the daemon, which owns those tables)."""
-        return not self.tasks and self.unsent == 0
-
-    async def send_error(self, opcode: int, request_id: int, exc: BaseException) -> None:
-        name, hint = type(exc).__name__, getattr(exc, "hint", "") or ""
-        message = getattr(exc, "message", None) or str(exc)
-        header, _ = messages.ErrorReply(name, message, hint).encode()
-        try:
-            await self.send(opcode & 0xFF, request_id, header, flags=FLAG_REPLY | FLAG_ERROR)
-        except (ConnectionError, OSError):
-            pass
-
-
-class Daemon:
+class Daemon(RemoteKeeper):
     def __init__(self, config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = None,
                  install_signals: bool = True, remote_backend_factory: Callable[[Any], Any] | None = None) -> None:
         self.config = config
@@ -193,63 +139,6 @@ class Daemon:
             self.layouts.close()
             raise
         return sock
-
-    def _join_cluster(self, store: Store) -> Any:
-        """Wrap ``store`` in a ClusterNode with the configured remote tier. Nothing remote
-        happens here: the tier connects from the keeper thread (:meth:`_keep_remote`), and
-        while it cannot, the daemon serves from its local tiers."""
-        from ..cluster import ClusterNode
-        from ..cluster.remote import RemoteTier
-
-        cfg = self.config
-        # Before any Mooncake client exists: the transfer engine reads it once, at setup.
-        os.environ[BIND_ENV] = cfg.resolved_remote_bind
-        rcfg = cfg.remote_config()
-        kw = {} if self._remote_factory is None else {"backend_factory": self._remote_factory}
-        remote = RemoteTier(rcfg, store.layout, **kw)
-        log.info("remote tier: master %s, metadata %s, this node %s (bind %s), lends %d MiB, key prefix %r",
-                 rcfg.master_address, rcfg.metadata_url, rcfg.local_hostname, cfg.resolved_remote_bind,
-                 rcfg.global_segment_bytes >> 20, rcfg.key_prefix)
-        return ClusterNode(store, remote, cfg.publish_policy())
-
-    def _keep_remote(self) -> None:
-        """Keeper thread: connect each layout's remote tier at start (or when the layout
-        opens), reconnect it while it is down (as often as its backoff allows) and check it
-        now and then while it is up, so that ``stats`` tells its state even when no request
-        has touched it. Each time a tier comes up its node republishes the named prefixes: a
-        restarted master has lost them."""
-        probe = [b"\0" * 32]
-        last_check: dict[str, float] = {}
-        ups_seen: dict[str, int] = {}
-        wait = 0.0
-        while not self._remote_stop.wait(wait):
-            wait = 0.25
-            assert self.layouts is not None
-            for entry in self.layouts.entries():
-                node, lid = entry.store, entry.layout_id
-                remote = getattr(node, "remote", None)
-                if remote is None:
-                    continue
-                try:
-                    if not remote.up:
-                        if remote.available:
-                            remote.exists(probe)
-                    elif time.monotonic() - last_check.get(lid, 0.0) >= REMOTE_CHECK_S:
-                        last_check[lid] = time.monotonic()
-                        remote.exists(probe)
-                    ups = remote.counters["connects"] + remote.counters["reconnects"]
-                    if remote.up and ups != ups_seen.get(lid, 0):
-                        ups_seen[lid] = ups
-                        log.info("remote tier of %s up: republished %d blocks of named prefixes", lid, node.republish())
-                except Exception:  # noqa: BLE001 - the keeper must outlive any surprise
-                    log.exception("remote tier keeper (%s)", lid)
-
-    def _stop_remote_keeper(self) -> None:
-        self._remote_stop.set()
-        if self._remote_keeper is not None:
-            rcfg = self.config.remote_config()
-            self._remote_keeper.join(rcfg.setup_timeout_s + rcfg.op_timeout_s + 5 if rcfg else 5)
-            self._remote_keeper = None
 
     def _daemon_stats(self) -> dict[str, Any]:
         d = self.handlers.daemon_stats() if self.handlers else {}
