@@ -19,6 +19,8 @@ from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy, make_policy
 from .tiers.base import TierName
 
 TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
+_TIER_NAMES = tuple((t, t.value) for t in TIERS)  # fastest first
+_TIER_VALUE = dict(_TIER_NAMES)
 
 
 class Priority(IntEnum):
@@ -61,8 +63,13 @@ class Block:
         return None
 
     def _update_top(self) -> None:
-        t = self.top_tier
-        self.top = t.value if t is not None else ""
+        # Runs at every place/unplace: no enum ``.value`` lookups (a descriptor call each).
+        loc = self.loc
+        for t, name in _TIER_NAMES:
+            if t in loc:
+                self.top = name
+                return
+        self.top = ""
 
 
 class BlockTable:
@@ -160,7 +167,7 @@ class BlockTable:
         order = self._order[tier][block.priority]
         if evicted:
             reason = order.segment(block.key) if block.priority == Priority.NORMAL else block.priority.name.lower()
-            counts = self.evicted_by[tier.value]
+            counts = self.evicted_by[_TIER_VALUE[tier]]
             counts[reason] = counts.get(reason, 0) + 1
         order.remove(block.key, evicted)
         return slot

@@ -81,11 +81,12 @@ class Ingest(Placement):
         page_of = _PagesByKey(pages, row_of)  # a view per block only when one is needed
         disk_plan: list[tuple[int, Block]] = []
         with self._lock:
+            get = self.table.blocks.get  # = table.get, bound once: called for every block
             # The eviction policy's insertion class (tierkv/policy.py): did the request find
             # a cached prefix, and which block is the put's last.
             cont = HINT_CONTINUATION if start_block > 0 or (keys and keys[0] in self.table.blocks) else HINT_FRESH
             for i in range(start_block, start_block + n):
-                old = self.table.get(keys[i])
+                old = get(keys[i])
                 if old is not None and old.tokens != raw[i * step : (i + 1) * step]:
                     # A stored block under this key with other token ids (a corrupt record or
                     # a collision): it can never be served, so the new block replaces it.
@@ -108,7 +109,7 @@ class Ingest(Placement):
             # Making room on disk must not evict this request's own blocks; those cached only
             # in memory (put while the disk was degraded, or in write-back mode) go to disk
             # first, so that the disk tier holds whole prefixes.
-            cached = [blk for k in keys if (blk := self.table.get(k)) is not None]
+            cached = [blk for k in keys if (blk := get(k)) is not None]
             try:
                 if durable_wanted and self.disk.capacity_slots and not self.disk.degraded:
                     for blk in cached:
@@ -144,7 +145,8 @@ class Ingest(Placement):
             self._place_new(keys, new, disk_plan, page_of, pages, row_of)
             self.stats_counters.puts += 1
             self.stats_counters.blocks_stored += len(new)
-            all_durable = all((blk := self.table.get(k)) is not None and DISK in blk.loc for k in keys[start_block:])
+            get = self.table.blocks.get
+            all_durable = all((blk := get(k)) is not None and DISK in blk.loc for k in keys[start_block:])
         return PutResult(stored=len(new), skipped=n - len(new), durable=all_durable)
 
     def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]]) -> None:
@@ -177,10 +179,11 @@ class Ingest(Placement):
         for loc, b in disk_plan:
             self.table.add(b)
             self.table.place(b, DISK, loc)
+        get = self.table.blocks.get  # = table.get, bound once: called for every block
         for b in new:
-            if self.table.get(b.key) is None:
+            if get(b.key) is None:
                 self.table.add(b)
-        chain = [blk for k in keys if (blk := self.table.get(k)) is not None]
+        chain = [blk for k in keys if (blk := get(k)) is not None]
         try:
             with self._held(chain):
                 tiers = [DEVICE, HOST]
@@ -195,13 +198,15 @@ class Ingest(Placement):
                         slots.clear()
                         rows.clear()
 
+                alloc_mem, place = self._alloc_mem, self.table.place
                 for b in new:
                     while tiers:
-                        slot = self._alloc_mem(tiers[0])
+                        slot = alloc_mem(tiers[0])
                         if slot is not None:
-                            pending[tiers[0]][0].append(slot)
-                            pending[tiers[0]][1].append(row_of[b.key])
-                            self.table.place(b, tiers[0], slot)
+                            slots, rows = pending[tiers[0]]
+                            slots.append(slot)
+                            rows.append(row_of[b.key])
+                            place(b, tiers[0], slot)
                             break
                         tiers.pop(0)
                     if not b.loc and b.priority != Priority.EPHEMERAL:
@@ -216,4 +221,4 @@ class Ingest(Placement):
             raise
         finally:
             self._writing.difference_update(b.key for b in new)
-        self.table.touch_chain([blk for blk in chain if self.table.get(blk.key) is blk], hit=False)
+        self.table.touch_chain([blk for blk in chain if get(blk.key) is blk], hit=False)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
+_TIER_VALUE = {t: t.value for t in TierName}
 
 
 class Placement:
@@ -57,14 +58,17 @@ class Placement:
     def _alloc_mem(self, t: TierName) -> int | None:
         """A free slot of memory tier ``t``, evicting as needed; None when every block there
         is leased, busy or has an extension in the tier."""
-        tier = self._tier(t)
-        slot = tier.slots.alloc()
+        alloc = self._tier(t).slots.alloc
+        slot = alloc()
+        if slot is not None:
+            return slot
+        victim_of, evict = self.table.victim, self._evict
         while slot is None:
-            victim = self.table.victim(t)
+            victim = victim_of(t)
             if victim is None:
                 return None
-            self._evict(victim, t)
-            slot = tier.slots.alloc()
+            evict(victim, t)
+            slot = alloc()
         return slot
 
     def _alloc_disk(self, model_version: str, keep: Sequence[Block] = ()) -> int | None:
@@ -95,12 +99,18 @@ class Placement:
     def _evict(self, b: Block, t: TierName) -> None:
         """Take ``b`` out of tier ``t``: demote it to the host when it leaves the device, and
         write it back to disk when this was its last copy (ephemeral blocks are just dropped)."""
-        self.stats_counters.evictions[t.value] += 1
+        self.stats_counters.evictions[_TIER_VALUE[t]] += 1
         moves = (t == DISK or (t == DEVICE and HOST not in b.loc and self.host.slots.capacity)
                  or (DISK not in b.loc and self.disk.capacity_slots and not self.disk.degraded))
-        # (Without a move, as in a store with one memory tier, the hold is skipped: it is
-        # most of the cost of an eviction there.)
-        with self.table.held([b] if moves else ()):  # the nested evictions a move triggers never pick b
+        if not moves:
+            # No demotion, write-back or index delete can follow (each needs a condition
+            # of ``moves``), so neither the hold nor the body below: as in a store with one
+            # memory tier, where this is every eviction.
+            if self.eviction_listeners and len(b.loc) == 1:
+                self.eviction_listeners.notify(b, t.value, lambda: self._page_copy(b, t))
+            self._free(b, t, evicted=True)
+            return
+        with self.table.held([b]):  # the nested evictions a move triggers never pick b
             if (t == DEVICE and HOST not in b.loc and self.host.slots.capacity
                     and (DISK not in b.loc or b.priority != Priority.EPHEMERAL)):
                 self._demote(b, DEVICE, HOST)
