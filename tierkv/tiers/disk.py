@@ -15,19 +15,20 @@ A segment whose header is damaged or foreign (a failed checksum, another layout)
 Faults: an OSError while writing or syncing marks the tier *degraded* for
 ``DEGRADED_RETRY_S`` (puts then skip the disk and say so) and surfaces as DiskWriteError.
 After a failed fsync the data is treated as lost; the slot is never reported durable.
+
+Parts of the tier live beside it: disk_files.py (segment file names, locations, the scan and
+quarantine at open) and disk_reads.py (the read paths and read health).
 """
 from __future__ import annotations
 
 import errno
 import logging
 import os
-import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -35,12 +36,12 @@ import torch
 from ..errors import DiskReadError, DiskWriteError
 from ..layout import PageLayout
 from .base import TierName
-from .diskio import BounceBuffer, pread_full, probe_kvikio, probe_odirect
-from .segments import SegmentFormatError, SegmentHeader, create_segment, encode_record, read_header
+from .disk_files import SEG_RE, SEG_SHIFT, Segment, SegmentFiles, location, split_location  # SEG_*: re-exported
+from .disk_reads import DiskReads
+from .diskio import BounceBuffer, probe_kvikio, probe_odirect
+from .segments import SegmentHeader, create_segment, encode_record
 
 log = logging.getLogger(__name__)
-SEG_SHIFT = 20
-SEG_RE = re.compile(r"^seg-(\d{6})\.safetensors$")
 DEGRADED_RETRY_S = 30.0
 RUN_BYTES = 8 << 20  # largest single transfer: a few times dd's bs=4M, bounded staging memory
 
@@ -51,22 +52,7 @@ def _pwrite_all(fd: int, data: memoryview, off: int) -> None:
         raise OSError(errno.EIO, f"short write {n} of {len(data)}")
 
 
-def location(seg_id: int, index: int) -> int:
-    return (seg_id << SEG_SHIFT) | index
-
-
-def split_location(loc: int) -> tuple[int, int]:
-    return loc >> SEG_SHIFT, loc & ((1 << SEG_SHIFT) - 1)
-
-
-@dataclass
-class _Segment:
-    header: SegmentHeader
-    path: Path
-    used: set[int] = field(default_factory=set)
-
-
-class DiskTier:
+class DiskTier(SegmentFiles, DiskReads):
     name = TierName.DISK
 
     def __init__(
@@ -87,7 +73,7 @@ class DiskTier:
         self.segment_pages = max(1, min(segment_pages, cap_slots or 1))
         self.max_segments = cap_slots // self.segment_pages
         self.fsync = fsync
-        self._segs: dict[int, _Segment] = {}
+        self._segs: dict[int, Segment] = {}
         self.quarantined_segments = 0  # damaged or foreign segments moved aside at open
         self._fd_lock = threading.Lock()
         self._read_fds: dict[int, int] = {}
@@ -102,38 +88,6 @@ class DiskTier:
         self.read_path = kv_path or ("posix-odirect" if self.odirect else "posix-buffered")
         log.info("disk tier %s: read path %s", self.dir, self.read_path)
         self._scan()
-
-    # ---- layout of files -------------------------------------------------------------
-    def _path(self, seg_id: int) -> Path:
-        return self.dir / f"seg-{seg_id:06d}.safetensors"
-
-    def _scan(self) -> None:
-        for p in sorted(self.dir.iterdir()):
-            if p.suffix == ".tmp":
-                p.unlink(missing_ok=True)  # a segment whose creation never finished
-                continue
-            m = SEG_RE.match(p.name)
-            if not m:
-                continue
-            try:
-                header = read_header(p)
-                if header.layout != self.layout:
-                    # The index (checked first) says which layout this home holds: a segment
-                    # of another one is damaged or foreign; its blocks become misses.
-                    raise SegmentFormatError(f"{p}: holds layout {header.layout.to_json()}, the home {self.layout.to_json()}")
-            except SegmentFormatError as e:
-                self.quarantine_segment(p, str(e))
-                continue
-            self._segs[int(m.group(1))] = _Segment(header, p)
-
-    def quarantine_segment(self, path: Path, reason: str) -> None:
-        """Move a damaged segment aside (``*.bad``, kept for inspection), count it, log it."""
-        log.warning("quarantining segment %s: %s", path.name, reason)
-        self.quarantined_segments += 1
-        try:
-            path.rename(path.with_name(path.name + ".bad"))
-        except OSError as e:  # a read-only home: the segment is left in place, and unused
-            log.error("could not move %s aside: %s", path.name, e)
 
     # ---- slots ---------------------------------------------------------------------
     @property
@@ -189,7 +143,7 @@ class DiskTier:
         for seg_id in range(self.max_segments):
             if seg_id not in self._segs:
                 self._guard_io(create_segment, self._path(seg_id), header)
-                self._segs[seg_id] = _Segment(header, self._path(seg_id), {0})
+                self._segs[seg_id] = Segment(header, self._path(seg_id), {0})
                 return location(seg_id, 0)
         return None
 
@@ -225,7 +179,7 @@ class DiskTier:
         else:
             self._wipe_record(seg, index)
 
-    def _wipe_record(self, seg: _Segment, index: int) -> None:
+    def _wipe_record(self, seg: Segment, index: int) -> None:
         """Zero a freed slot's record, so that rebuilding the index from the segments does not
         bring the block back. Not synced and best effort: a crash or an I/O error here at
         worst lets a rebuild restore a deleted block, whose bytes are still exactly its key's."""
@@ -241,7 +195,7 @@ class DiskTier:
             log.warning("could not wipe the record of a freed slot in %s: %s", seg.path.name, e)
 
     # ---- bytes ---------------------------------------------------------------------
-    def _offset(self, loc: int) -> tuple[_Segment, int, int]:
+    def _offset(self, loc: int) -> tuple[Segment, int, int]:
         seg_id, index = split_location(loc)
         seg = self._segs[seg_id]
         return seg, seg_id, seg.header.data_offset + index * self.layout.slot_bytes
@@ -252,40 +206,6 @@ class DiskTier:
             log.info("disk tier: retrying after degradation (%s)", self.degraded_reason)
             self.degraded_reason = None
         return self.degraded_reason is not None
-
-    def note_read_error(self, err: BaseException) -> None:
-        """A read failed with an I/O error (not a bad page). The tier is *read-degraded*
-        (stats, logs) until a read succeeds again. Reads are not skipped meanwhile: every
-        later read is the retry (a failed device answers at once), and the first one that
-        succeeds clears the state. The blocks stay indexed and are served again then."""
-        self.read_errors += 1
-        reason = errno.errorcode.get(getattr(err, "errno", None) or 0, str(err))
-        if self.read_degraded_reason is None:
-            log.error("disk tier read-degraded: %s (blocks stay indexed; their reads miss until the device answers)", err)
-        self.read_degraded_reason = reason
-
-    def note_read_ok(self) -> None:
-        if self.read_degraded_reason is not None:
-            log.warning("disk tier reads work again (was: %s)", self.read_degraded_reason)
-            self.read_degraded_reason = None
-
-    def page_missing(self, loc: int) -> bool:
-        """Whether the slot at ``loc`` is provably gone: its segment file is missing or too
-        short to hold it (a truncated segment). Anything else (an error while checking, the
-        segments directory no longer being the file system it was at open) is no proof."""
-        seg_id, index = split_location(loc)
-        seg = self._segs.get(seg_id)
-        if seg is None:
-            return True
-        try:
-            if os.stat(self.dir).st_dev != self._dir_dev:
-                return False  # the file system was unmounted underneath: not proof of anything
-            size = os.stat(seg.path).st_size
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
-        return size < seg.header.data_offset + (index + 1) * self.layout.slot_bytes
 
     def _guard_io(self, fn, *args):  # type: ignore[no-untyped-def]
         try:
@@ -302,16 +222,6 @@ class DiskTier:
         from ``BlockRecord.slot_body``), their slot records; make both durable (fdatasync per
         segment). Only after this returns may the index point at them."""
         self._guard_io(self._write_pages, items, records)
-
-    def _bounce(self, nbytes: int = 0) -> BounceBuffer:
-        """This thread's aligned staging buffer, grown to at least ``nbytes``."""
-        bounce = getattr(self._local, "bounce", None)
-        want = max(nbytes, self.layout.slot_bytes)
-        if bounce is None or bounce.nbytes < want:
-            if bounce is not None:
-                bounce.close()
-            bounce = self._local.bounce = BounceBuffer(want)
-        return bounce
 
     def _runs(self, locs: list[int]) -> list[list[int]]:
         """Positions of ``locs`` grouped into runs of consecutive slots of one segment (at
@@ -414,59 +324,6 @@ class DiskTier:
                     b.close()
             pair = self._local.staging = (BounceBuffer(nbytes), BounceBuffer(nbytes))
         return pair
-
-    def _read_fd(self, seg_id: int) -> int:
-        with self._fd_lock:
-            fd = self._read_fds.get(seg_id)
-            if fd is None:
-                flags = os.O_RDONLY | (os.O_DIRECT if self.odirect else 0)
-                fd = os.open(self._segs[seg_id].path, flags)
-                self._read_fds[seg_id] = fd
-            return fd
-
-    def read_into(self, loc: int, buf: memoryview) -> None:
-        """Read ``len(buf)`` bytes of the slot at ``loc`` into ``buf``; with O_DIRECT the
-        buffer's address and length must be 4 KiB multiples (a full slot, or a whole page
-        whose size is a 4 KiB multiple)."""
-        _, seg_id, off = self._offset(loc)
-        pread_full(self._read_fd(seg_id), buf, off)
-
-    def read_many(self, items: list[tuple[int, memoryview]],
-                  on_run: Callable[[list[int]], None] | None = None) -> None:
-        """Read whole slots into buffers of ``slot_bytes`` each (aligned, for O_DIRECT):
-        consecutive slots in one ``preadv`` with one buffer per slot. ``on_run`` is called
-        with the positions (in ``items``) of each run as soon as it has been read, so the
-        caller can verify it while the next run is read."""
-        locs = [loc for loc, _ in items]
-        for run in self._runs(locs):
-            _, seg_id, off = self._offset(locs[run[0]])
-            bufs = [items[k][1] for k in run]
-            want = sum(len(b) for b in bufs)
-            n = os.preadv(self._read_fd(seg_id), bufs, off)
-            if n != want:
-                raise OSError(errno.EIO, f"short read: {n} of {want} bytes at offset {off}")
-            if on_run is not None:
-                on_run(run)
-
-    def read_page(self, loc: int) -> torch.Tensor:
-        """The page at ``loc`` as a new CPU tensor in the layout's shape and dtype."""
-        bounce = self._bounce()
-        self.read_into(loc, memoryview(bounce.mm)[: self.layout.slot_bytes])
-        page_u8 = torch.from_numpy(bounce.tensor[: self.layout.page_bytes].numpy().copy())
-        return page_u8.view(self.layout.torch_dtype).view(self.layout.shape)
-
-    @property
-    def reads_to_device(self) -> bool:
-        return self._kvikio is not None
-
-    def read_to_device(self, loc: int, dest: torch.Tensor) -> None:
-        """kvikio path: read straight into a contiguous CUDA page ``dest``."""
-        seg, _, off = self._offset(loc)
-        assert self._kvikio is not None and dest.is_cuda and dest.is_contiguous()
-        with self._kvikio.CuFile(str(seg.path), "r") as f:  # type: ignore[attr-defined]
-            n = f.pread(dest, self.layout.page_bytes, off).get()
-        if n != self.layout.page_bytes:
-            raise OSError(errno.EIO, f"short kvikio read: {n} of {self.layout.page_bytes}")
 
     def segment_files(self) -> list[Path]:
         return [s.path for s in self._segs.values()]

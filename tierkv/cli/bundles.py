@@ -1,0 +1,97 @@
+"""Transfer commands: ``export`` a named prefix to a signed bundle and ``import`` one."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import click
+
+from ..model_version import default_memo_path
+from .common import OPS_STORE_OPTIONS, emit, fmt_bytes, warn
+from .keys import keys_option
+from .targets import short, target, target_options
+
+
+# ---- export / import -------------------------------------------------------------------
+@click.command(name="export")
+@click.argument("name")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Bundle file to write (zstd-compressed).")
+@keys_option
+@target_options
+def export_cmd(name: str, output: Path, keys_dir: Path, home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Write the prefix NAME (token ids, pages, checksums, manifest) to a portable bundle,
+    signed with this user's key (created on first use; see `tierkv keys`)."""
+    from ..keys import Keyring
+    from ..transfer import export_prefix
+
+    if not output.resolve().parent.is_dir():
+        raise click.BadParameter(f"directory {output.parent} does not exist", param_hint="-o/--output")
+    keyring = Keyring(keys_dir)
+    if not keyring.has_signing_key():
+        public = keyring.generate()
+        warn(f"created a signing key in {keys_dir}; importers trust your bundles after "
+             f"`tierkv keys trust NAME {public.hex()}`")
+    with target(home, socket_path) as store:
+        r = export_prefix(store, name, output, signer=keyring.sign)
+    emit(as_json, {"name": r.name, "path": str(r.path), "tokens": r.tokens, "blocks": r.blocks,
+                   "model_version": r.model_version, "namespace": r.namespace, "file_bytes": r.file_bytes},
+         [("prefix", r.name), ("file", str(r.path)), ("tokens", r.tokens), ("blocks", r.blocks),
+          ("model version", short(r.model_version)), ("file size", fmt_bytes(r.file_bytes))])
+
+
+@click.command(name="import")
+@click.argument("bundle", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--name", default=None, help="Name for the prefix [default: the exported name].")
+@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Refuse the bundle unless it was made under this model directory's version.")
+@click.option("--force", is_flag=True, help="Import despite another --model version, or over another prefix of that name.")
+@click.option("--verify-model", "verify_model", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              default=None, help="Trust an unsigned bundle only if a sample of its blocks, recomputed by this "
+              "model, matches its pages.")
+@keys_option
+@target_options
+def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bool, verify_model: Path | None,
+               keys_dir: Path, home: Path, socket_path: Path | None, as_json: bool) -> None:
+    """Check the bundle BUNDLE completely, then store its pages and its named prefix.
+
+    The bundle must be signed by a key in the keyring (`tierkv keys trust`), or pass
+    --verify-model. A home that does not exist yet is created with the bundle's page layout."""
+    import tierkv
+
+    from ..bundle import check_bundle, read_header
+    from ..keys import Keyring
+    from ..transfer import Trust, check_compatible, check_trust, import_bundle, model_checker
+    from ..model_version import model_version
+
+    # Everything is checked before a home is created or touched: the layout (before any
+    # page is read), the whole file and who vouches for it, then the model version.
+    trust = Trust(keys=tuple(k.public_key for k in Keyring(keys_dir).trusted()),
+                  model_check=model_checker(verify_model) if verify_model else None)
+    if socket_path is None and (home / "index" / "data.mdb").exists():
+        layout = tierkv.home_layout(home)
+    elif socket_path is None:
+        layout = read_header(bundle).layout
+    else:
+        layout = None  # checked against the daemon's below
+    verified = check_bundle(bundle, layout, trust.sample if trust.model_check else 0)
+    check_trust(verified, trust)
+    header = verified.header
+    expected = model_version(model_dir, header.layout, memo_path=default_memo_path()) if model_dir else None
+    if socket_path is None:
+        exists = (home / "index" / "data.mdb").exists()
+        check_compatible(header, tierkv.home_layout(home) if exists else header.layout, expected, force)
+        store_cm = contextlib.closing(tierkv.open(home, header.layout, **OPS_STORE_OPTIONS))
+    else:
+        store_cm = target(home, socket_path)
+    with store_cm as store:
+        r = import_bundle(store, bundle, name=name, force=force, model_version=expected, trust=trust, verified=verified)
+    for w in r.warnings:
+        warn(w)
+    if expected is not None and expected != r.model_version:
+        warn(f"imported under model version {short(r.model_version)}, not --model's {short(expected)} (--force)")
+    emit(as_json, {"name": r.name, "tokens": r.tokens, "blocks": r.blocks, "stored_blocks": r.stored,
+                   "skipped_blocks": r.skipped, "durable": r.durable, "model_version": r.model_version,
+                   "namespace": r.namespace, "replaced_manifest": r.replaced_manifest},
+         [("prefix", r.name), ("tokens", r.tokens), ("blocks stored", r.stored),
+          ("blocks already present", r.skipped), ("durable", r.durable), ("model version", short(r.model_version))])

@@ -1,0 +1,135 @@
+"""The disk tier's read path (kvikio into CUDA pages, O_DIRECT ``preadv`` into aligned
+buffers, or buffered reads) and its read health: a read I/O error is a miss, never a
+deletion. :class:`DiskReads` is a part of :class:`tierkv.tiers.disk.DiskTier`, which holds
+the state it uses."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..layout import PageLayout
+from .diskio import BounceBuffer, pread_full
+from .disk_files import Segment, split_location
+
+log = logging.getLogger("tierkv.tiers.disk")  # the disk tier's one logger, as before the split
+
+
+class DiskReads:
+    """Reads of whole slots and pages (a mixin of DiskTier: it owns the attributes)."""
+
+    dir: Path
+    layout: PageLayout
+    odirect: bool
+    read_errors: int
+    read_degraded_reason: str | None
+    _dir_dev: int
+    _segs: dict[int, Segment]
+    _local: threading.local
+    _fd_lock: threading.Lock
+    _read_fds: dict[int, int]
+    _kvikio: Any
+    _offset: Callable[[int], tuple[Segment, int, int]]
+    _runs: Callable[[list[int]], list[list[int]]]
+
+    def note_read_error(self, err: BaseException) -> None:
+        """A read failed with an I/O error (not a bad page). The tier is *read-degraded*
+        (stats, logs) until a read succeeds again. Reads are not skipped meanwhile: every
+        later read is the retry (a failed device answers at once), and the first one that
+        succeeds clears the state. The blocks stay indexed and are served again then."""
+        self.read_errors += 1
+        reason = errno.errorcode.get(getattr(err, "errno", None) or 0, str(err))
+        if self.read_degraded_reason is None:
+            log.error("disk tier read-degraded: %s (blocks stay indexed; their reads miss until the device answers)", err)
+        self.read_degraded_reason = reason
+
+    def note_read_ok(self) -> None:
+        if self.read_degraded_reason is not None:
+            log.warning("disk tier reads work again (was: %s)", self.read_degraded_reason)
+            self.read_degraded_reason = None
+
+    def page_missing(self, loc: int) -> bool:
+        """Whether the slot at ``loc`` is provably gone: its segment file is missing or too
+        short to hold it (a truncated segment). Anything else (an error while checking, the
+        segments directory no longer being the file system it was at open) is no proof."""
+        seg_id, index = split_location(loc)
+        seg = self._segs.get(seg_id)
+        if seg is None:
+            return True
+        try:
+            if os.stat(self.dir).st_dev != self._dir_dev:
+                return False  # the file system was unmounted underneath: not proof of anything
+            size = os.stat(seg.path).st_size
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return size < seg.header.data_offset + (index + 1) * self.layout.slot_bytes
+
+    def _bounce(self, nbytes: int = 0) -> BounceBuffer:
+        """This thread's aligned staging buffer, grown to at least ``nbytes``."""
+        bounce = getattr(self._local, "bounce", None)
+        want = max(nbytes, self.layout.slot_bytes)
+        if bounce is None or bounce.nbytes < want:
+            if bounce is not None:
+                bounce.close()
+            bounce = self._local.bounce = BounceBuffer(want)
+        return bounce
+
+    def _read_fd(self, seg_id: int) -> int:
+        with self._fd_lock:
+            fd = self._read_fds.get(seg_id)
+            if fd is None:
+                flags = os.O_RDONLY | (os.O_DIRECT if self.odirect else 0)
+                fd = os.open(self._segs[seg_id].path, flags)
+                self._read_fds[seg_id] = fd
+            return fd
+
+    def read_into(self, loc: int, buf: memoryview) -> None:
+        """Read ``len(buf)`` bytes of the slot at ``loc`` into ``buf``; with O_DIRECT the
+        buffer's address and length must be 4 KiB multiples (a full slot, or a whole page
+        whose size is a 4 KiB multiple)."""
+        _, seg_id, off = self._offset(loc)
+        pread_full(self._read_fd(seg_id), buf, off)
+
+    def read_many(self, items: list[tuple[int, memoryview]],
+                  on_run: Callable[[list[int]], None] | None = None) -> None:
+        """Read whole slots into buffers of ``slot_bytes`` each (aligned, for O_DIRECT):
+        consecutive slots in one ``preadv`` with one buffer per slot. ``on_run`` is called
+        with the positions (in ``items``) of each run as soon as it has been read, so the
+        caller can verify it while the next run is read."""
+        locs = [loc for loc, _ in items]
+        for run in self._runs(locs):
+            _, seg_id, off = self._offset(locs[run[0]])
+            bufs = [items[k][1] for k in run]
+            want = sum(len(b) for b in bufs)
+            n = os.preadv(self._read_fd(seg_id), bufs, off)
+            if n != want:
+                raise OSError(errno.EIO, f"short read: {n} of {want} bytes at offset {off}")
+            if on_run is not None:
+                on_run(run)
+
+    def read_page(self, loc: int) -> torch.Tensor:
+        """The page at ``loc`` as a new CPU tensor in the layout's shape and dtype."""
+        bounce = self._bounce()
+        self.read_into(loc, memoryview(bounce.mm)[: self.layout.slot_bytes])
+        page_u8 = torch.from_numpy(bounce.tensor[: self.layout.page_bytes].numpy().copy())
+        return page_u8.view(self.layout.torch_dtype).view(self.layout.shape)
+
+    @property
+    def reads_to_device(self) -> bool:
+        return self._kvikio is not None
+
+    def read_to_device(self, loc: int, dest: torch.Tensor) -> None:
+        """kvikio path: read straight into a contiguous CUDA page ``dest``."""
+        seg, _, off = self._offset(loc)
+        assert self._kvikio is not None and dest.is_cuda and dest.is_contiguous()
+        with self._kvikio.CuFile(str(seg.path), "r") as f:  # type: ignore[attr-defined]
+            n = f.pread(dest, self.layout.page_bytes, off).get()
+        if n != self.layout.page_bytes:
+            raise OSError(errno.EIO, f"short kvikio read: {n} of {self.layout.page_bytes}")
