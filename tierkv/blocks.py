@@ -122,10 +122,11 @@ class BlockTable:
             siblings.discard(block.key)
             if not siblings:
                 del self._orphans[block.parent]
-        live = {c for c in block.children if c in self.blocks}
-        if live:
-            self._orphans.setdefault(block.key, set()).update(live)
-        block.children = set()
+        if block.children:  # most blocks that go are leaves: nothing to hand on
+            live = {c for c in block.children if c in self.blocks}
+            if live:
+                self._orphans.setdefault(block.key, set()).update(live)
+            block.children = set()
 
     def rebuild_children(self) -> None:
         """Recompute every child set in one pass (after loading the index, where children
@@ -254,13 +255,14 @@ class BlockTable:
         """The policy's first evictable block of ``tier``: ephemeral, then normal, then (in
         memory tiers only) pinned, which stays on disk."""
         orders = self._order[tier]
+        blocks, evictable = self.blocks, self.evictable
         for prio in PRIORITIES:
             order = orders[prio]
             if not len(order):  # most classes are empty most of the time
                 continue
             for key in order.candidates():
-                b = self.blocks[key]
-                if self.evictable(b, tier):
+                b = blocks[key]
+                if evictable(b, tier):
                     return b
         return None
 
