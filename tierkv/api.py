@@ -169,9 +169,18 @@ class StoreAPI(Protocol):
         (they are then misses). Lookups and acquires go on meanwhile."""
         raise _missing("verify")
 
-    def stats(self) -> "StoreStats":
+    def stats(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> "StoreStats":
         """Occupancy per tier, blocks per model version and namespace, traffic counters
-        (of the process that holds the store: the daemon's for a client)."""
+        (of the process that holds the store: the daemon's for a client).
+
+        ``namespaces`` is a page: sorted by name, those after ``namespace_after`` (all when
+        None), at most ``namespace_limit`` of them (ValueError unless a positive int or
+        None). ``namespaces_next`` is the cursor of the next page (pass it as
+        ``namespace_after``), None on the last. Every other figure (blocks, tiers,
+        counters) covers the whole store on every page. An embedded store returns all
+        namespaces by default; a daemon client at most ``DEFAULT_STATS_NAMESPACES`` (1,000),
+        so a reply stays bounded: :func:`tierkv.results.stats_all_namespaces` joins the
+        pages."""
         raise _missing("stats")
 
     def check_integrity(self) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from .errors import NotFoundError
+from .results import stats_all_namespaces
 
 if TYPE_CHECKING:
     from .api import StoreAPI
@@ -76,7 +77,7 @@ def collect(store: "StoreAPI", keep_model_versions: Iterable[str] = (), keep_nam
     manifests = store.list_manifests()
     scopes = {name: manifest_scope(store, m) for name, m in manifests.items()}
     named = {s for s in scopes.values() if s is not None}
-    stats = store.stats()
+    stats = stats_all_namespaces(store)  # every namespace, not a daemon's first page
     model_versions = sorted(stats["model_versions"])
     namespaces = sorted(stats["namespaces"])
 

@@ -15,7 +15,9 @@ from .checksum import page_checksum
 from .errors import NotFoundError
 from .identity import as_token_array
 from .placement import Placement
-from .results import ChainTokens, CounterStats, InvalidateResult, Residency, StoreStats, TierStats, VerifyResult
+from .results import (
+    ChainTokens, CounterStats, InvalidateResult, Residency, StoreStats, TierStats, VerifyResult, namespace_page,
+)
 from .tiers import TierName
 
 if TYPE_CHECKING:
@@ -192,8 +194,9 @@ class StoreOperations(Placement):
             return sum(1 for b in self.table.blocks.values()
                        if b.priority == Priority.PINNED and b.namespace.startswith(namespace_prefix))
 
-    def stats(self) -> StoreStats:
-        """Per-tier occupancy and counters (``as_dict()`` is the JSON shape)."""
+    def stats(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> StoreStats:
+        """Per-tier occupancy and counters (``as_dict()`` is the JSON shape); ``namespaces``
+        paged as :meth:`tierkv.api.StoreAPI.stats` says (all of them by default)."""
         self._check_usable()
         with self._lock:
             tiers = {
@@ -207,10 +210,11 @@ class StoreOperations(Placement):
             for b in self.table.blocks.values():
                 by_mv[b.model_version] = by_mv.get(b.model_version, 0) + 1
                 by_ns[b.namespace] = by_ns.get(b.namespace, 0) + 1
+            page, next_ns = namespace_page(by_ns, namespace_limit, namespace_after)
             return StoreStats(
                 home=str(self.config.home), layout=self.layout.to_dict(), blocks=len(self.table),
                 leased_blocks=sum(1 for b in self.table.blocks.values() if b.leases), tiers=tiers,
-                disk_read_path=self.disk.read_path, model_versions=by_mv, namespaces=by_ns,
+                disk_read_path=self.disk.read_path, model_versions=by_mv, namespaces=page, namespaces_next=next_ns,
                 counters=CounterStats.from_dict({**self.stats_counters.as_dict(), **self.table.policy_stats()}),
                 index_resizes=self.index.resizes, stale_readers_cleared=self.index.stale_readers_cleared,
             )

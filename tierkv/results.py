@@ -150,6 +150,38 @@ _COUNTER_FIELDS = tuple(CounterStats.__dataclass_fields__)
 # flattened, and ``extra``).
 _STATS_FIELDS = ("home", "layout", "blocks", "leased_blocks", "disk_read_path", "model_versions", "namespaces",
                  "index_resizes", "stale_readers_cleared")
+# The daemon's page size when a client names none: a reply stays bounded however many
+# namespaces exist (3,000 made stats fail for everyone, issue 11, item 9).
+DEFAULT_STATS_NAMESPACES = 1000
+
+
+def namespace_page(namespaces: Mapping[str, int], limit: int | None = None,
+                   after: str | None = None) -> tuple[dict[str, int], str | None]:
+    """The namespaces sorted by name, at most ``limit`` of those after ``after``, and the
+    cursor of the next page (the last name returned; None when nothing remains)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"namespace_limit must be a positive int or None, not {limit!r}")
+    names = sorted(ns for ns in namespaces if after is None or ns > after)
+    page = names if limit is None else names[:limit]
+    more = limit is not None and len(names) > limit
+    return {ns: namespaces[ns] for ns in page}, (page[-1] if more else None)
+
+
+def stats_all_namespaces(store: "StoreAPI") -> "StoreStats":
+    """``store.stats()`` with every namespace: the pages fetched and joined (a daemon
+    client gets at most a page per reply)."""
+    s = store.stats()
+    namespaces = dict(s.namespaces)
+    # A daemon's per-layout figures carry each page's namespaces: join those too.
+    layouts = {lid: {**ls, "namespaces": dict(ls.get("namespaces") or {})}
+               for lid, ls in (s.extra.get("layouts") or {}).items()}
+    while s.namespaces_next is not None:
+        s = store.stats(namespace_after=s.namespaces_next)
+        namespaces.update(s.namespaces)
+        for lid, ls in (s.extra.get("layouts") or {}).items():
+            layouts.setdefault(lid, {**ls, "namespaces": {}})["namespaces"].update(ls.get("namespaces") or {})
+    extra = {**s.extra, "layouts": layouts} if "layouts" in s.extra else s.extra
+    return replace(s, namespaces=namespaces, namespaces_next=None, extra=extra)
 _SECTIONS = ("cluster", "remote", "daemon")
 
 
@@ -182,6 +214,7 @@ class StoreStats(Mapping[str, Any]):
     remote: Mapping[str, Any] | None = None  # the remote tier's own figures
     daemon: Mapping[str, Any] | None = None  # the serving daemon's figures (leases, staging)
     extra: Mapping[str, Any] = field(default_factory=dict)  # keys this version does not know (a newer daemon's)
+    namespaces_next: str | None = None  # ``namespaces`` is a page: pass this as namespace_after for the next
 
     def with_sections(self, **sections: Mapping[str, Any] | None) -> "StoreStats":
         """A copy with ``cluster``/``remote``/``remote_tier``/``daemon`` set."""
@@ -203,6 +236,8 @@ class StoreStats(Mapping[str, Any]):
             out["remote"] = None if self.remote is None else dict(self.remote)
         if self.daemon is not None:
             out["daemon"] = dict(self.daemon)
+        if self.namespaces_next is not None:  # only a page that is not the last says so
+            out["namespaces_next"] = self.namespaces_next
         return out
 
     def to_json(self) -> str:
@@ -213,7 +248,7 @@ class StoreStats(Mapping[str, Any]):
         """Rebuild from the JSON shape (the daemon client does this with the wire's)."""
         tiers_in = dict(d.get("tiers") or {})
         remote_tier = tiers_in.pop("remote", None)
-        known = set(_STATS_FIELDS) | set(_COUNTER_FIELDS) | set(_SECTIONS) | {"tiers"}
+        known = set(_STATS_FIELDS) | set(_COUNTER_FIELDS) | set(_SECTIONS) | {"tiers", "namespaces_next"}
         return cls(
             home=str(d.get("home", "")), layout=dict(d.get("layout") or {}), blocks=int(d.get("blocks", 0)),
             leased_blocks=int(d.get("leased_blocks", 0)),
@@ -223,6 +258,7 @@ class StoreStats(Mapping[str, Any]):
             index_resizes=int(d.get("index_resizes", 0)), stale_readers_cleared=int(d.get("stale_readers_cleared", 0)),
             remote_tier=remote_tier, cluster=d.get("cluster"), remote=d.get("remote"), daemon=d.get("daemon"),
             extra={k: v for k, v in d.items() if k not in known},
+            namespaces_next=None if d.get("namespaces_next") is None else str(d["namespaces_next"]),
         )
 
     # ---- the read-only mapping view of the JSON shape ----------------------------------------

@@ -223,6 +223,16 @@ def test_stats_are_typed_and_json_stable(api):
     assert StoreStats.from_dict(d).as_dict() == d
     with pytest.raises(TypeError):
         s["blocks"] = 0  # read-only: build a new one with dataclasses.replace
+    # Paged namespaces: sorted by name, a cursor while more remain, totals over everything.
+    assert s.namespaces_next is None and "namespaces_next" not in d
+    first = api.stats(namespace_limit=1)
+    assert list(first.namespaces) == [min(s.namespaces)] and first.namespaces_next == min(s.namespaces)
+    assert first.blocks == 5 and dict(first.model_versions) == dict(s.model_versions)
+    rest = api.stats(namespace_limit=1, namespace_after=first.namespaces_next)
+    assert list(rest.namespaces) == [max(s.namespaces)] and rest.namespaces_next is None
+    assert StoreStats.from_dict(first.as_dict()).namespaces_next == first.namespaces_next
+    with pytest.raises(ValueError):
+        api.stats(namespace_limit=0)
 
 
 def test_integrity_after_a_busy_scenario(api):

@@ -148,3 +148,67 @@ def test_stats_larger_than_a_frame_header(workdir):
             assert sum(len(k) for k in st["namespaces"]) > 64 * 1024
     finally:
         d.stop()
+
+
+def _pages(api, limit):
+    """Every page of ``api.stats`` at ``limit`` namespaces a page."""
+    pages, after = [], None
+    while True:
+        st = api.stats(namespace_limit=limit, namespace_after=after)
+        pages.append(st)
+        after = st.namespaces_next
+        if after is None:
+            return pages
+
+
+def test_stats_pages_bound_the_namespaces_of_a_reply(workdir):
+    """With 2,500 namespaces (more than two default pages) the daemon's stats reply carries
+    at most a page of them; the pages, joined, are every namespace once, and `tierkv stats`
+    and `tierkv ls` still print all of them."""
+    import json
+
+    from click.testing import CliRunner
+
+    from tierkv import Scope
+    from tierkv.cli import main
+    from tierkv.results import DEFAULT_STATS_NAMESPACES
+
+    n = 2500
+    names = {f"ns{i:05d}" for i in range(n)}
+    home = workdir / "home"
+    with tierkv.open(home, SMALL_LAYOUT, device="cpu", device_bytes=64 * SMALL_LAYOUT.page_bytes, host_bytes=0,
+                     disk_bytes=2 * n * SMALL_LAYOUT.slot_bytes, write_through=False, shm_dir=workdir / "shm") as s:
+        toks = prompt(16, seed=82)
+        page = torch.randn((1, *SMALL_LAYOUT.shape))
+        for ns in names:
+            s.put(toks, page, Scope(SCOPE.model_version, ns))
+        assert len(s.stats().namespaces) == n and s.stats().namespaces_next is None  # embedded: all by default
+        pages = _pages(s, 1000)
+        assert [len(p.namespaces) for p in pages] == [1000, 1000, 500]
+        joined = [ns for p in pages for ns in p.namespaces]
+        assert joined == sorted(names) and all(p.blocks == n for p in pages)
+        with pytest.raises(ValueError):
+            s.stats(namespace_limit=0)
+    d = DaemonThread(make_config(workdir, layout=SMALL_LAYOUT, disk_bytes=2 * n * SMALL_LAYOUT.slot_bytes)).start()
+    try:
+        with tierkv.connect(d.config.socket) as c:
+            st = c.stats()
+            assert len(st.namespaces) == DEFAULT_STATS_NAMESPACES and st.namespaces_next == max(st.namespaces)
+            assert st.blocks == n and st["namespaces_next"] == st.namespaces_next
+            assert all(len(ls["namespaces"]) <= DEFAULT_STATS_NAMESPACES for ls in st["layouts"].values())
+            pages = _pages(c, 700)
+            assert all(len(p.namespaces) <= 700 for p in pages) and len(pages) == 4
+            joined = [ns for p in pages for ns in p.namespaces]
+            assert joined == sorted(names) and all(p.blocks == n for p in pages)
+            assert "namespaces_next" not in pages[-1].as_dict()
+            assert c.stats(namespace_after=max(names)).namespaces == {}
+            with pytest.raises(ValueError):
+                c.stats(namespace_limit=-1)
+        for cmd in ("stats", "ls"):
+            r = CliRunner().invoke(main, [cmd, "--socket", str(d.config.socket), "--json"])
+            assert r.exit_code == 0, r.output
+            out = json.loads(r.output)
+            assert set(out["namespaces"]) == names and "namespaces_next" not in out
+        d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()

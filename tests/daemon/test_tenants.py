@@ -66,6 +66,9 @@ def test_another_uid_is_served_through_passed_descriptors_and_confined(workdir):
                 st = t.stats()
                 out["namespaces"] = sorted(st["namespaces"])
                 out["has_model_versions"] = bool(st.get("model_versions"))
+                one = t.stats(namespace_limit=1)  # its namespaces picked out before paging
+                out["page"] = (sorted(one.namespaces), one.namespaces_next)
+                out["layout_namespaces"] = sorted(ns for ls in st["layouts"].values() for ns in ls["namespaces"])
                 out["invalidated"] = t.invalidate(model_version=SCOPE.model_version).removed_blocks
                 try:
                     t.verify()
@@ -83,6 +86,7 @@ def test_another_uid_is_served_through_passed_descriptors_and_confined(workdir):
         assert r["not_found_message"].endswith("(known: none)")  # no other tenant's names
         assert r["own_manifest"] == {"owner": "nobody"}
         assert r["namespaces"] == [SCOPE.namespace] and not r["has_model_versions"]
+        assert r["page"] == [[SCOPE.namespace], None] and r["layout_namespaces"] == [SCOPE.namespace]
         assert r["invalidated"] == 3  # its own 3 blocks, not root's 4
         assert r["verify"] == "NotPermittedError"
         with tierkv.connect(sock) as c:  # root's data is untouched

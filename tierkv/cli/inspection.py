@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..results import Residency
+from ..results import Residency, stats_all_namespaces
 from .common import emit, fmt_bytes, print_columns, print_table, progress_bar, warn
 from .targets import short, target, target_options
 
@@ -24,7 +24,7 @@ def stats(home: Path, socket_path: Path | None, as_json: bool) -> None:
     Counters describe the process that holds the store: a running daemon with --socket, or,
     without it, the store just opened here (only the disk tier and totals are meaningful)."""
     with target(home, socket_path) as store:
-        s = store.stats().as_dict()
+        s = stats_all_namespaces(store).as_dict()  # every page: the output lists every namespace
     if as_json:
         emit(True, s)
         return
@@ -86,7 +86,7 @@ def ls(home: Path, socket_path: Path | None, as_json: bool) -> None:
     versions and namespaces in the store with their block counts."""
     with target(home, socket_path) as store:
         prefixes = prefix_rows(store)
-        s = store.stats()
+        s = stats_all_namespaces(store)
     out = {"prefixes": prefixes, "model_versions": s["model_versions"], "namespaces": s["namespaces"],
            "blocks": s.get("blocks", 0)}
     layouts = s.get("layouts") or {}

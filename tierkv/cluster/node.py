@@ -310,12 +310,12 @@ class ClusterNode(StoreAPI):
         return self.store.verify(repair)
 
     # ---- operations --------------------------------------------------------------------------
-    def stats(self) -> StoreStats:
+    def stats(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> StoreStats:
         """The store's stats, plus ``cluster`` (this node's pull/publish counters),
         ``remote`` (the remote tier's own stats) and ``tiers.remote`` (its state and main
         counters, see :meth:`remote_summary`); lookup hits in the remote tier are counted
         under ``hits.remote``."""
-        s = self.store.stats()
+        s = self.store.stats(namespace_limit, namespace_after)
         with self._counters_lock:
             cluster = dict(self.counters)
         if self.remote is None:

@@ -38,7 +38,9 @@ from ..errors import (
 )
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
-from ..results import ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult
+from ..results import (
+    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult, namespace_page,
+)
 from ..tiers.shm import SharedRegion
 from . import messages as m
 from .client_transport import ClientTransport
@@ -322,8 +324,9 @@ class Client(StoreAPI, ClientTransport):
         return VerifyResult(int(r["checked"]), tuple(r["corrupt"]), bool(r["repaired"]),
                             tuple(str(k) for k in r.get("unreadable", ())))
 
-    def stats(self) -> StoreStats:
-        f = self._call_frame(Op.STATS, m.Empty())
+    def stats(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> StoreStats:
+        namespace_page({}, namespace_limit, namespace_after)  # ValueError on a bad limit, as the Store's
+        f = self._call_frame(Op.STATS, m.Stats(namespace_limit, namespace_after))
         if f.header.get("format") != "json":
             raise ProtocolError("stats reply without its JSON payload")
         try:

@@ -91,7 +91,7 @@ class Handlers(OperationHandlers):
             Op.SET_PRIORITY: (m.SetPriority, self.set_priority), Op.SAVE_MANIFEST: (m.ManifestRequest, self.save_manifest),
             Op.GET_MANIFEST: (m.ManifestRequest, self.get_manifest), Op.LIST_MANIFESTS: (m.Empty, self.list_manifests),
             Op.DELETE_MANIFEST: (m.ManifestRequest, self.delete_manifest), Op.INVALIDATE: (m.Invalidate, self.invalidate),
-            Op.VERIFY: (m.Verify, self.verify), Op.STATS: (m.Empty, self.stats), Op.PING: (m.Empty, self.ping),
+            Op.VERIFY: (m.Verify, self.verify), Op.STATS: (m.Stats, self.stats), Op.PING: (m.Empty, self.ping),
             Op.CHECK_INTEGRITY: (m.Empty, self.check_integrity),
             Op.CHAIN_TOKENS: (m.ChainRef, self.chain_tokens), Op.CHAIN_RESIDENCY: (m.ChainRef, self.chain_residency),
             Op.SET_PRIORITY_FROM: (m.ChainRef, self.set_priority_from),

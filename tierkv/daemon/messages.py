@@ -267,8 +267,24 @@ class Verify:
 
 
 @dataclass(frozen=True)
+class Stats:
+    """STATS: a page of the namespaces (see StoreAPI.stats); no limit means the daemon's
+    default page size."""
+
+    namespace_limit: int | None = None
+    namespace_after: str | None = None
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"namespace_limit": self.namespace_limit, "namespace_after": self.namespace_after}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Stats":
+        return cls(_int(h, "namespace_limit", 1, 2**31 - 1, None), _get(h, "namespace_after", (str, type(None)), None))
+
+
+@dataclass(frozen=True)
 class Empty:
-    """PING, STATS, LIST_MANIFESTS requests, and replies that carry nothing."""
+    """PING, LIST_MANIFESTS requests, and replies that carry nothing."""
 
     def encode(self) -> tuple[Header, bytes]:
         return {}, b""

@@ -12,9 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..blocks import Priority
 from ..errors import ConfigError, NotFoundError, ProtocolError
-from ..results import InvalidateResult, VerifyResult
+from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
 from . import messages as m
 from .layouts import layout_id, merge_stats
+
+# The largest page of namespaces one stats reply carries, whatever the client asks: at
+# ~100 bytes a name (with each layout's copy) it stays far below the 16 MiB payload limit.
+MAX_STATS_NAMESPACES = 10_000
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -147,12 +151,26 @@ class OperationHandlers:
         return {"checked": sum(r.checked for r in results), "corrupt": [k for r in results for k in r.corrupt],
                 "repaired": msg.repair, "unreadable": [k for r in results for k in r.unreadable]}, b""
 
-    async def stats(self, conn: "Connection", msg: m.Empty) -> Reply:
+    async def stats(self, conn: "Connection", msg: m.Stats) -> Reply:
         s = await self.run(self.merged_stats)
         s["daemon"] = self.daemon_stats()
         # JSON in the payload (16 MiB), not the header (64 KiB): 3,000 namespaces overflowed
-        # the header and stats failed for everyone (issue 11, item 9).
-        return {"format": "json"}, json.dumps(self.tenancy.visible_stats(conn.creds.uid, s)).encode()
+        # the header and stats failed for everyone (issue 11, item 9). And a page of the
+        # namespaces, never more than MAX_STATS_NAMESPACES, so the reply stays bounded
+        # however many exist; a tenant's own namespaces are picked out before paging.
+        uid = conn.creds.uid
+        limit = min(msg.namespace_limit or DEFAULT_STATS_NAMESPACES, MAX_STATS_NAMESPACES)
+        out = self.tenancy.visible_stats(uid, s)
+        out["namespaces"], after = namespace_page(out["namespaces"], limit, msg.namespace_after)
+        if after is not None:
+            out["namespaces_next"] = after
+        layouts: dict[str, Any] = {}
+        for lid, ls in s["layouts"].items():  # each layout's figures: the namespaces of this page only
+            ls = self.tenancy.visible_stats(uid, ls)
+            page = {ns: n for ns, n in ls["namespaces"].items() if ns in out["namespaces"]}
+            layouts[lid] = {**ls, "namespaces": page}
+        out["layouts"] = layouts
+        return {"format": "json"}, json.dumps(out).encode()
 
     def merged_stats(self) -> dict[str, Any]:
         """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
