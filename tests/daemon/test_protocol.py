@@ -81,8 +81,13 @@ def test_pickle_in_header_is_a_protocol_error_not_an_object():
 def test_encode_refuses_over_limit_parts():
     with pytest.raises(ProtocolError):
         encode_frame(Op.PING, 1, {"x": "y" * MAX_HEADER})
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError) as request:
         encode_frame(Op.PING, 1, {}, b"\0" * (MAX_PAYLOAD + 4))
+    assert "token ids" in request.value.hint
+    # An oversized reply's hint names what shrinks a reply, not token ids the client never sent.
+    with pytest.raises(ProtocolError) as reply:
+        encode_frame(Op.STATS, 1, {}, b"\0" * (MAX_PAYLOAD + 4), flags=FLAG_REPLY)
+    assert "namespace_limit" in reply.value.hint and "token ids" not in reply.value.hint
 
 
 @pytest.mark.parametrize("header", [

@@ -102,8 +102,11 @@ def encode_frame(opcode: int, request_id: int, header: dict, payload: bytes = b"
                             hint="per-block data belongs in the payload; this message is too large for its header "
                                  "(shorter names or manifests, or fewer blocks per request)")
     if len(payload) > MAX_PAYLOAD:
-        raise ProtocolError(f"payload of {len(payload)} bytes exceeds the {MAX_PAYLOAD}-byte limit",
-                            hint=f"send at most {MAX_TOKENS} token ids per request")
+        # A reply can only outgrow the limit through what the request asked for, so the hint
+        # names the knobs that shrink a reply; a request's payload is its token ids.
+        hint = ("ask for less per request (stats pages with namespace_limit, acquire windows with max_blocks)"
+                if flags & FLAG_REPLY else f"send at most {MAX_TOKENS} token ids per request")
+        raise ProtocolError(f"payload of {len(payload)} bytes exceeds the {MAX_PAYLOAD}-byte limit", hint=hint)
     return HEAD.pack(MAGIC, VERSION, opcode, flags, request_id, len(raw), len(payload)) + raw + bytes(payload)
 
 
