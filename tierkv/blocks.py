@@ -33,9 +33,10 @@ class Priority(IntEnum):
 
 
 PRIORITIES = tuple(Priority)  # iterating the enum itself costs more than a victim choice
+_PRIORITY_NAME = {p: p.name.lower() for p in Priority}
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one per stored block, created at every put
 class Block:
     key: bytes
     parent: bytes
@@ -89,6 +90,8 @@ class BlockTable:
         self._order: dict[TierName, dict[Priority, EvictionPolicy]] = {
             t: {p: make_policy(policy, caps.get(t, 0)) for p in Priority} for t in TIERS
         }
+        # The same policies in victim order, per tier (victim() runs once per eviction).
+        self._victim_order = {t: tuple(self._order[t][p] for p in PRIORITIES) for t in TIERS}
         # Evictions by tier and reason (the victim's priority class, or for normal blocks
         # the policy segment it came from: lru / cold / recent / frequent).
         self.evicted_by: dict[str, dict[str, int]] = {t.value: {} for t in TIERS}
@@ -165,12 +168,11 @@ class BlockTable:
         reason, and the policy may keep a ghost of it)."""
         slot = block.loc.pop(tier)
         block._update_top()
-        order = self._order[tier][block.priority]
+        segment = self._order[tier][block.priority].remove(block.key, evicted)
         if evicted:
-            reason = order.segment(block.key) if block.priority == Priority.NORMAL else block.priority.name.lower()
+            reason = segment if block.priority == Priority.NORMAL else _PRIORITY_NAME[block.priority]
             counts = self.evicted_by[_TIER_VALUE[tier]]
             counts[reason] = counts.get(reason, 0) + 1
-        order.remove(block.key, evicted)
         return slot
 
     # ---- holds: leases (a reader owns the pages) and busy counts (I/O in flight) ----------
@@ -254,11 +256,9 @@ class BlockTable:
     def victim(self, tier: TierName) -> Block | None:
         """The policy's first evictable block of ``tier``: ephemeral, then normal, then (in
         memory tiers only) pinned, which stays on disk."""
-        orders = self._order[tier]
         blocks, evictable = self.blocks, self.evictable
-        for prio in PRIORITIES:
-            order = orders[prio]
-            if not len(order):  # most classes are empty most of the time
+        for order in self._victim_order[tier]:
+            if not order:  # most classes are empty most of the time
                 continue
             for key in order.candidates():
                 b = blocks[key]

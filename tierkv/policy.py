@@ -66,6 +66,7 @@ HINT_CONTINUATION = 1  # bit: the block is part of a put whose request found a c
 HINT_TAIL = 2  # bit: the block is the last one of its put (the deepest of the request)
 POLICIES = ("lru", "arc")
 DEFAULT_POLICY = "arc"
+_ABSENT = object()
 
 
 class EvictionPolicy(Protocol):
@@ -75,7 +76,7 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
     def __contains__(self, key: object) -> bool: ...
     def add(self, key: bytes, hint: int = HINT_FRESH) -> None: ...
-    def remove(self, key: bytes, evicted: bool = False) -> None: ...
+    def remove(self, key: bytes, evicted: bool = False) -> str: ...  # the segment it left
     def touch(self, keys: list[bytes], hit: bool) -> None: ...
     def candidates(self) -> Iterator[bytes]: ...
     def segment(self, key: bytes) -> str: ...
@@ -108,8 +109,9 @@ class LRUPolicy:
     def add(self, key: bytes, hint: int = HINT_FRESH) -> None:
         self._d[key] = None
 
-    def remove(self, key: bytes, evicted: bool = False) -> None:
+    def remove(self, key: bytes, evicted: bool = False) -> str:
         self._d.pop(key, None)
+        return "lru"
 
     def touch(self, keys: list[bytes], hit: bool) -> None:
         d = self._d
@@ -160,23 +162,13 @@ class ARCPolicy:
     def __len__(self) -> int:
         return len(self._cold) + len(self._recent) + len(self._frequent)
 
+    def __bool__(self) -> bool:  # asked before every victim search: no three len() calls
+        return bool(self._frequent or self._recent or self._cold)
+
     def __contains__(self, key: object) -> bool:
         return key in self._recent or key in self._frequent or key in self._cold
 
     # ---- the measured reuse of each insertion class ----
-    def _rate(self, hint: int) -> float:
-        return (self._reused[hint] + 1) / (self._inserted[hint] + 2)
-
-    def _overall(self) -> float:
-        return (sum(self._reused) + 1) / (sum(self._inserted) + 2)
-
-    def _is_cold(self, hint: int) -> bool:
-        return self._rate(hint) < self.cold_ratio * self._overall()
-
-    def _is_warm(self, hint: int) -> bool:
-        rate = self._rate(hint)
-        return rate > 0.5 and rate > self.warm_ratio * self._overall()
-
     def _count_insert(self, hint: int) -> None:
         self._inserted[hint] += 1
         self._since_decay += 1
@@ -185,54 +177,73 @@ class ARCPolicy:
             self._inserted = [x / 2 for x in self._inserted]
             self._reused = [x / 2 for x in self._reused]
 
+    def _insert_segment(self, hint: int) -> OrderedDict[bytes, None]:
+        """Where a new block of class ``hint`` goes, after counting it: ``cold`` when the
+        class's measured reuse rate is below ``cold_ratio`` x the overall rate, ``frequent``
+        (warm) above ``warm_ratio`` x overall and 0.5. The sums are written out, not sum():
+        Python 3.12's sum() of floats compensates rounding and 3.11's does not, and a
+        policy decision must not depend on the interpreter."""
+        self._count_insert(hint)
+        r, i = self._reused, self._inserted
+        rate = (r[hint] + 1) / (i[hint] + 2)
+        overall = (r[0] + r[1] + r[2] + r[3] + 1) / (i[0] + i[1] + i[2] + i[3] + 2)
+        if rate < self.cold_ratio * overall:
+            self.cold_inserts += 1
+            return self._cold
+        if rate > 0.5 and rate > self.warm_ratio * overall:
+            # Most blocks of this class are seen again (a chat's new turn, which the next
+            # turn reuses): they compete with the frequent blocks from the start instead
+            # of being the first victims while stale frequent chains stay.
+            self.warm_inserts += 1
+            return self._frequent
+        return self._recent
+
     def add(self, key: bytes, hint: int = HINT_FRESH) -> None:
         hint &= 3
-        if key in self._ghost_recent:
+        if key not in self._ghost_recent and key not in self._ghost_frequent:
+            self._hint[key] = hint
+            self._insert_segment(hint)[key] = None
+        elif key in self._ghost_recent:
             self.ghost_hits += 1
             self._reused[self._ghost_recent.pop(key)] += 1
             ratio = len(self._ghost_frequent) / max(1, len(self._ghost_recent))
             self.p = min(float(self.capacity), self.p + max(ratio, 1.0))
             self._frequent[key] = None
-        elif key in self._ghost_frequent:
+        else:
             self.ghost_hits += 1
             del self._ghost_frequent[key]
             ratio = len(self._ghost_recent) / max(1, len(self._ghost_frequent))
             self.p = max(0.0, self.p - max(ratio, 1.0))
             self._frequent[key] = None
-        else:
-            self._count_insert(hint)
-            self._hint[key] = hint
-            if self._is_cold(hint):
-                self.cold_inserts += 1
-                self._cold[key] = None
-            elif self._is_warm(hint):
-                # Most blocks of this class are seen again (a chat's new turn, which the next
-                # turn reuses): they compete with the frequent blocks from the start instead
-                # of being the first victims while stale frequent chains stay.
-                self.warm_inserts += 1
-                self._frequent[key] = None
-            else:
-                self._recent[key] = None
 
-    def remove(self, key: bytes, evicted: bool = False) -> None:
+    def remove(self, key: bytes, evicted: bool = False) -> str:
         if key in self._frequent:
             del self._frequent[key]
+            segment = "frequent"
             hint = self._hint.pop(key, None)
-            if evicted and hint is not None:  # warm, never seen again: a recent block really
+            if not evicted:
+                return segment
+            if hint is not None:  # warm, never seen again: a recent block really
                 self._ghost_recent[key] = hint
-            elif evicted:
+            else:
                 self._ghost_frequent[key] = None
         else:
-            self._cold.pop(key, None)
-            self._recent.pop(key, None)
-            hint = self._hint.pop(key, HINT_FRESH)
-            if evicted:
-                self._ghost_recent[key] = hint
-        while len(self._ghost_recent) + len(self._ghost_frequent) > self.ghost_limit:
-            if self._ghost_recent and (len(self._ghost_recent) > len(self._ghost_frequent) or not self._ghost_frequent):
-                self._ghost_recent.popitem(last=False)
+            if self._cold.pop(key, _ABSENT) is _ABSENT:
+                self._recent.pop(key, None)
+                segment = "recent"
             else:
-                self._ghost_frequent.popitem(last=False)
+                segment = "cold"
+            hint = self._hint.pop(key, HINT_FRESH)
+            if not evicted:
+                return segment
+            self._ghost_recent[key] = hint
+        gr, gf = self._ghost_recent, self._ghost_frequent
+        while len(gr) + len(gf) > self.ghost_limit:  # only an eviction adds a ghost
+            if gr and (len(gr) > len(gf) or not gf):
+                gr.popitem(last=False)
+            else:
+                gf.popitem(last=False)
+        return segment
 
     def touch(self, keys: list[bytes], hit: bool) -> None:
         cold, recent, frequent = self._cold, self._recent, self._frequent
@@ -250,9 +261,10 @@ class ARCPolicy:
                     (recent if k in recent else cold).move_to_end(k)
 
     def _lists(self) -> tuple[OrderedDict[bytes, None], ...]:
-        if (self._cold or self._recent) and (len(self._cold) + len(self._recent) > self.p or not self._frequent):
-            return (self._cold, self._recent, self._frequent)
-        return (self._frequent, self._cold, self._recent)
+        cold, recent, frequent = self._cold, self._recent, self._frequent
+        if (cold or recent) and (not frequent or len(cold) + len(recent) > self.p):
+            return (cold, recent, frequent)
+        return (frequent, cold, recent)
 
     def candidates(self) -> Iterator[bytes]:
         lists = self._lists()
