@@ -57,6 +57,14 @@ class StoreConfig:
     fsync: bool = True
     prefetch_workers: int = 2
     eviction_policy: str = DEFAULT_POLICY  # tierkv/policy.py: "arc" (adaptive) or "lru"
+    # tierkv/codec.py: how the host and disk tiers store pages, "none" (exact) or "int8";
+    # fixed when the home is created. None: the home's codec ("none" for a new home).
+    page_codec: str | None = None
+    # What each tier may use at open (None: all of its *_bytes); Store.set_tier_limits moves
+    # it. A daemon maps its layouts' tiers at the whole budget and splits it as limits.
+    device_limit_bytes: int | None = None
+    host_limit_bytes: int | None = None
+    disk_limit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))
@@ -73,6 +81,9 @@ class StoreConfig:
             value = getattr(self, name)
             if 0 < value < slot:
                 raise ValueError(f"{name}={value} is below one page slot ({slot} bytes); use 0 to disable the tier")
+        for name in ("device_limit_bytes", "host_limit_bytes", "disk_limit_bytes"):
+            if getattr(self, name) is not None:
+                check_sizes(self, name)
         if self.segment_pages <= 0:
             raise ValueError("segment_pages must be positive")
         if self.verify_on_open not in ("size", "full"):
@@ -81,6 +92,10 @@ class StoreConfig:
             raise ValueError("index_map_bytes must be at least 1 MiB")
         if self.eviction_policy not in POLICIES:
             raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
+        if self.page_codec is not None:
+            from .codec import PageCodec
+
+            PageCodec(self.page_codec, self.layout)  # raises ValueError for an unknown codec or layout
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -31,6 +31,12 @@ class LayoutMismatchError(TierKVError):
     default_hint = "open the home with the layout it was created with, or use another --home"
 
 
+class CodecMismatchError(LayoutMismatchError):
+    """The home stores pages with another page codec (tierkv/codec.py) than the one asked for."""
+
+    default_hint = "open the home with the page codec it was created with (or without one), or use another --home"
+
+
 class ConfigError(TierKVError, ValueError):
     default_hint = "check the capacities and options passed to tierkv.open()"
 

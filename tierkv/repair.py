@@ -87,10 +87,11 @@ def _read_headers(home: Path) -> tuple[list[tuple[int, Path, SegmentHeader]], in
             bad += 1
     if not good:
         return [], bad
-    layout_json, _ = Counter(h.layout.to_json() for _, _, h in good).most_common(1)[0]
+    # A home's segments share one layout and one page codec (tierkv/codec.py).
+    (layout_json, codec), _ = Counter((h.layout.to_json(), h.page_codec) for _, _, h in good).most_common(1)[0]
     keep = []
     for seg_id, path, h in good:
-        if h.layout.to_json() == layout_json:
+        if (h.layout.to_json(), h.page_codec) == (layout_json, codec):
             keep.append((seg_id, path, h))
         else:
             _quarantine(path, f"layout {h.layout.to_json()} differs from the home's {layout_json}")
@@ -119,10 +120,10 @@ def _scan_segment(seg_id: int, path: Path, h: SegmentHeader, counts: Counter, fo
                 if (rec.model_version != h.model_version or len(rec.tokens) != n_tok_bytes
                         or rec.priority not in set(Priority)):
                     raise ValueError("slot record does not fit its segment")
-                off = h.data_offset + i * layout.slot_bytes
-                if off + layout.page_bytes > size:
+                off = h.data_offset + i * h.slot_bytes  # the stored page's sizes (its codec's)
+                if off + h.page_bytes > size:
                     raise ValueError("page beyond the end of a truncated segment")
-                page = os.pread(f.fileno(), layout.page_bytes, off)
+                page = os.pread(f.fileno(), h.page_bytes, off)
                 if page_checksum(rec.key, torch.frombuffer(bytearray(page), dtype=torch.uint8)) != rec.checksum:
                     raise ValueError("page checksum")
             except Exception as e:  # struct.error, ValueError, UnicodeDecodeError: all damage
@@ -173,6 +174,7 @@ def rebuild_index(home: Path, *, map_size: int | None = None, progress: Progress
         try:
             idx.put_meta("layout", layout.to_json())
             idx.put_meta("format_version", FORMAT_VERSION)
+            idx.put_meta("page_codec", headers[0][2].page_codec)
             recs = list(found.values())
             for k in range(0, len(recs), BATCH):
                 idx.put_blocks(recs[k : k + BATCH])

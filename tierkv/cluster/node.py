@@ -58,6 +58,10 @@ class ClusterNode(StoreAPI):
     def __init__(self, store: Store, remote: RemoteTier | None, policy: PublishPolicy | None = None) -> None:
         if remote is not None and remote.layout != store.layout:
             raise ValueError("the remote tier and the store must use the same page layout")
+        if remote is not None and not store.disk.codec.exact:
+            # Evicted blocks would reach the remote tier in the codec's stored form, which its
+            # objects (exact pages, checked against their checksum) do not carry.
+            raise ValueError(f"the remote tier needs exact pages; this store's page codec is {store.disk.codec.name!r}")
         self.store = store
         self.remote = remote
         self.policy = policy if policy is not None else PublishPolicy()

@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..codec import PageCodec
 from ..errors import DiskReadError, DiskWriteError
 from ..layout import PageLayout
 from .base import TierName
@@ -64,14 +65,21 @@ class DiskTier(SegmentFiles, DiskReads):
         *,
         odirect: bool = True,
         fsync: bool = True,
+        codec: PageCodec | None = None,
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._dir_dev = os.stat(self.dir).st_dev  # see page_missing
         self.layout = layout
-        cap_slots = capacity_bytes // layout.slot_bytes
+        # Pages are stored in the codec's form (tierkv/codec.py): these sizes are the stored ones.
+        self.codec = codec or PageCodec("none", layout)
+        self.page_bytes, self.slot_bytes = self.codec.stored_bytes, self.codec.slot_bytes
+        cap_slots = capacity_bytes // self.slot_bytes
         self.segment_pages = max(1, min(segment_pages, cap_slots or 1))
         self.max_segments = cap_slots // self.segment_pages
+        # Segments below this id may be used (set_limit_slots: a daemon's layouts share one
+        # budget); the files of the others are evicted by the store and not made again.
+        self.segment_limit = self.max_segments
         self.fsync = fsync
         self._segs: dict[int, Segment] = {}
         self.quarantined_segments = 0  # damaged or foreign segments moved aside at open
@@ -100,11 +108,27 @@ class DiskTier(SegmentFiles, DiskReads):
 
     @property
     def capacity_bytes(self) -> int:
-        return self.capacity_slots * self.layout.page_bytes
+        """What the tier may hold now: its limit (``capacity_slots`` is the most it can)."""
+        return self.segment_limit * self.segment_pages * self.page_bytes
+
+    def set_limit(self, limit_bytes: int) -> None:
+        """Use at most ``limit_bytes`` (whole segments, at most the capacity; counted as
+        ``capacity_bytes`` was given) from now on: new pages go only to segments below the
+        limit, and no segment is made while as many files exist. The caller (the store)
+        evicts the pages of the segments above it; a segment's file goes with its last page."""
+        self.segment_limit = min(self.max_segments, max(0, limit_bytes) // self.slot_bytes // self.segment_pages)
+
+    def over_limit(self, loc: int) -> bool:
+        """Whether ``loc`` lies in a segment at or above the limit."""
+        return split_location(loc)[0] >= self.segment_limit
+
+    def used_above_limit(self) -> int:
+        """Used slots in segments at or above the limit."""
+        return sum(len(seg.used) for seg_id, seg in self._segs.items() if seg_id >= self.segment_limit)
 
     @property
     def used_bytes(self) -> int:
-        return self.num_used * self.layout.page_bytes
+        return self.num_used * self.page_bytes
 
     def file_bytes(self) -> int:
         return sum(s.header.file_bytes() for s in self._segs.values())
@@ -126,7 +150,7 @@ class DiskTier(SegmentFiles, DiskReads):
             # An I/O error says nothing about the slot; answering False would quarantine
             # (delete) every record of the segment (RELIABILITY.md case 14).
             raise DiskReadError(f"cannot check segment {seg.path}: {e}") from e
-        if size < seg.header.data_offset + (index + 1) * self.layout.slot_bytes:
+        if size < seg.header.data_offset + (index + 1) * self.slot_bytes:
             return False
         seg.used.add(index)
         return True
@@ -135,12 +159,16 @@ class DiskTier(SegmentFiles, DiskReads):
         """A free slot in a segment of ``model_version``; creates or retags a segment when
         needed. None when the tier is full. Raises DiskWriteError if a segment cannot be made."""
         for seg_id, seg in sorted(self._segs.items()):
+            if seg_id >= self.segment_limit:
+                break  # sorted: every later one is above the limit too
             if seg.header.model_version == model_version and len(seg.used) < min(seg.header.segment_pages, self.segment_pages):
                 index = min(set(range(seg.header.segment_pages)) - seg.used)
                 seg.used.add(index)
                 return location(seg_id, index)
-        header = SegmentHeader(self.layout, model_version, self.segment_pages)
-        for seg_id in range(self.max_segments):
+        header = SegmentHeader(self.layout, model_version, self.segment_pages, page_codec=self.codec.name)
+        if len(self._segs) >= self.segment_limit:
+            return None  # as many files as the limit allows (some above it, not yet emptied)
+        for seg_id in range(self.segment_limit):
             if seg_id not in self._segs:
                 self._guard_io(create_segment, self._path(seg_id), header)
                 self._segs[seg_id] = Segment(header, self._path(seg_id), {0})
@@ -198,7 +226,7 @@ class DiskTier(SegmentFiles, DiskReads):
     def _offset(self, loc: int) -> tuple[Segment, int, int]:
         seg_id, index = split_location(loc)
         seg = self._segs[seg_id]
-        return seg, seg_id, seg.header.data_offset + index * self.layout.slot_bytes
+        return seg, seg_id, seg.header.data_offset + index * self.slot_bytes
 
     @property
     def degraded(self) -> bool:
@@ -218,7 +246,8 @@ class DiskTier(SegmentFiles, DiskReads):
             raise DiskWriteError(f"disk tier write failed: {e}") from e
 
     def write_pages(self, items: list[tuple[int, torch.Tensor]], records: Sequence[bytes] | None = None) -> None:
-        """Write pages (CPU tensors of one page each) and, in ``records`` (one body per item,
+        """Write pages (CPU tensors of one page each, in the layout's form or the codec's stored
+        form; encoded here when not stored) and, in ``records`` (one body per item,
         from ``BlockRecord.slot_body``), their slot records; make both durable (fdatasync per
         segment). Only after this returns may the index point at them."""
         self._guard_io(self._write_pages, items, records)
@@ -226,7 +255,7 @@ class DiskTier(SegmentFiles, DiskReads):
     def _runs(self, locs: list[int]) -> list[list[int]]:
         """Positions of ``locs`` grouped into runs of consecutive slots of one segment (at
         most RUN_BYTES each), so that a transfer is one large request, as dd's bs=4M is."""
-        per_run = max(1, RUN_BYTES // self.layout.slot_bytes)
+        per_run = max(1, RUN_BYTES // self.slot_bytes)
         order = sorted(range(len(locs)), key=lambda k: locs[k])
         runs: list[list[int]] = []
         for k in order:
@@ -240,7 +269,8 @@ class DiskTier(SegmentFiles, DiskReads):
     def _write_pages(self, items: list[tuple[int, torch.Tensor]], records: Sequence[bytes] | None = None) -> None:
         touched: dict[int, int] = {}
         buffered: dict[int, int] = {}  # segment -> a plain descriptor for the slot records
-        page_bytes, slot = self.layout.page_bytes, self.layout.slot_bytes
+        page_bytes, slot = self.page_bytes, self.slot_bytes
+        to_stored = self.codec.to_stored  # pages arrive in the layout's form or already stored
         locs = [loc for loc, _ in items]
         runs = self._runs(locs)
         # Double buffering: run k is copied into one staging buffer while run k-1 is written
@@ -258,7 +288,7 @@ class DiskTier(SegmentFiles, DiskReads):
                     bounce = staging[r_i % 2]
                     dst = bounce.tensor.numpy()
                     for j, k in enumerate(run):
-                        src = items[k][1].detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+                        src = to_stored(items[k][1].detach()).contiguous().view(torch.uint8).reshape(-1).numpy()
                         np.copyto(dst[j * slot : j * slot + page_bytes], src)
                     if pending is not None:
                         pending.result()
@@ -331,8 +361,10 @@ class DiskTier(SegmentFiles, DiskReads):
     def describe(self) -> dict[str, object]:
         return {
             "read_path": self.read_path,
+            "page_codec": self.codec.name,
             "segments": len(self._segs),
             "segment_pages": self.segment_pages,
+            "limit_segments": self.segment_limit,
             "file_bytes": self.file_bytes(),
             "degraded": self.degraded_reason,
             "read_degraded": self.read_degraded_reason,

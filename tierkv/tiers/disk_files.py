@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..codec import PageCodec
 from ..layout import PageLayout
 from .segments import SegmentFormatError, SegmentHeader, read_header
 
@@ -39,6 +40,7 @@ class SegmentFiles:
 
     dir: Path
     layout: PageLayout
+    codec: PageCodec
     _segs: dict[int, Segment]
     quarantined_segments: int
 
@@ -60,6 +62,8 @@ class SegmentFiles:
                     # The index (checked first) says which layout this home holds: a segment
                     # of another one is damaged or foreign; its blocks become misses.
                     raise SegmentFormatError(f"{p}: holds layout {header.layout.to_json()}, the home {self.layout.to_json()}")
+                if header.page_codec != self.codec.name:  # pages of another form: foreign too
+                    raise SegmentFormatError(f"{p}: holds pages of codec {header.page_codec}, the home {self.codec.name}")
             except SegmentFormatError as e:
                 self.quarantine_segment(p, str(e))
                 continue

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..codec import PageCodec
 from ..layout import PageLayout
 from .diskio import BounceBuffer, pread_full
 from .disk_files import Segment, split_location
@@ -25,6 +26,9 @@ class DiskReads:
 
     dir: Path
     layout: PageLayout
+    codec: PageCodec
+    page_bytes: int  # of a stored page (the codec's form)
+    slot_bytes: int
     odirect: bool
     read_errors: int
     read_degraded_reason: str | None
@@ -69,12 +73,12 @@ class DiskReads:
             return True
         except OSError:
             return False
-        return size < seg.header.data_offset + (index + 1) * self.layout.slot_bytes
+        return size < seg.header.data_offset + (index + 1) * self.slot_bytes
 
     def _bounce(self, nbytes: int = 0) -> BounceBuffer:
         """This thread's aligned staging buffer, grown to at least ``nbytes``."""
         bounce = getattr(self._local, "bounce", None)
-        want = max(nbytes, self.layout.slot_bytes)
+        want = max(nbytes, self.slot_bytes)
         if bounce is None or bounce.nbytes < want:
             if bounce is not None:
                 bounce.close()
@@ -115,21 +119,26 @@ class DiskReads:
                 on_run(run)
 
     def read_page(self, loc: int) -> torch.Tensor:
-        """The page at ``loc`` as a new CPU tensor in the layout's shape and dtype."""
+        """The page at ``loc`` as a new CPU tensor, as stored: in the layout's shape and dtype
+        (codec ``none``), else the codec's stored form (``[stored_bytes]`` uint8, which the
+        checksum covers; the device tier decodes it when written)."""
         bounce = self._bounce()
-        self.read_into(loc, memoryview(bounce.mm)[: self.layout.slot_bytes])
-        page_u8 = torch.from_numpy(bounce.tensor[: self.layout.page_bytes].numpy().copy())
+        self.read_into(loc, memoryview(bounce.mm)[: self.slot_bytes])
+        page_u8 = torch.from_numpy(bounce.tensor[: self.page_bytes].numpy().copy())
+        if not self.codec.exact:
+            return page_u8
         return page_u8.view(self.layout.torch_dtype).view(self.layout.shape)
 
     @property
     def reads_to_device(self) -> bool:
-        return self._kvikio is not None
+        # Not with a codec: a stored page is decoded on its way into the device tier.
+        return self._kvikio is not None and self.codec.exact
 
     def read_to_device(self, loc: int, dest: torch.Tensor) -> None:
         """kvikio path: read straight into a contiguous CUDA page ``dest``."""
         seg, _, off = self._offset(loc)
         assert self._kvikio is not None and dest.is_cuda and dest.is_contiguous()
         with self._kvikio.CuFile(str(seg.path), "r") as f:  # type: ignore[attr-defined]
-            n = f.pread(dest, self.layout.page_bytes, off).get()
-        if n != self.layout.page_bytes:
-            raise OSError(errno.EIO, f"short kvikio read: {n} of {self.layout.page_bytes}")
+            n = f.pread(dest, self.page_bytes, off).get()
+        if n != self.page_bytes:
+            raise OSError(errno.EIO, f"short kvikio read: {n} of {self.page_bytes}")

@@ -5,6 +5,11 @@ attention kernels can read ``pool[slot, layer, 0|1]`` in place. On CUDA the devi
 one contiguous CUDA tensor. Everything else lives in a :class:`SharedRegion` with slots
 padded to 4 KiB (for O_DIRECT reads straight into a slot, and so that a client process can
 map the same bytes); the host pool is page-locked when CUDA is present.
+
+With a page codec other than ``none`` (tierkv/codec.py) the host pool holds pages in the
+codec's stored form (``[slots, stored_bytes]`` uint8, slots padded to 4 KiB) and the device
+pool decodes what is written into it: ``write`` takes a page in either form, ``page`` gives
+the slot as the tier holds it.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..codec import PageCodec
 from ..layout import PageLayout
 from .base import SlotAllocator, TierName
 from .shm import SharedRegion
@@ -30,13 +36,28 @@ def cpu_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class MemoryTier:
     def __init__(
-        self, name: TierName, layout: PageLayout, capacity_bytes: int, device: str, shm_dir: Path, pin: bool = False
+        self, name: TierName, layout: PageLayout, capacity_bytes: int, device: str, shm_dir: Path, pin: bool = False,
+        codec: PageCodec | None = None, limit_bytes: int | None = None,
     ) -> None:
+        """``capacity_bytes`` of slots; ``limit_bytes`` (default: all) is what may be used
+        now (:meth:`set_limit`): in shared memory the slots above it stay sparse."""
         self.name = name
         self.layout = layout
         self.device = torch.device(device)
         self.region: SharedRegion | None = None
-        if self.device.type == "cuda":
+        self.codec = codec or PageCodec("none", layout)
+        # The host pool keeps the stored form; the device pool always the layout's exact one.
+        self.encoded = name == TierName.HOST and not self.codec.exact
+        if self.encoded:
+            self.stride_bytes = self.codec.slot_bytes
+            slots = capacity_bytes // self.stride_bytes
+            self.region = SharedRegion.create(shm_dir, f"tierkv-{name.value}", slots * self.stride_bytes)
+            if pin:
+                self.region.pin()
+            assert self.region.bytes is not None
+            self._pool = self.region.bytes.view(slots, self.stride_bytes)[:, : self.codec.stored_bytes] if slots \
+                else torch.empty((0, self.codec.stored_bytes), dtype=torch.uint8)
+        elif self.device.type == "cuda":
             self.stride_bytes = layout.page_bytes
             slots = capacity_bytes // self.stride_bytes
             self._pool = torch.empty((slots, *layout.shape), dtype=layout.torch_dtype, device=self.device)
@@ -49,7 +70,9 @@ class MemoryTier:
             if pin:
                 self.region.pin()
             self._pool = self._view_pool(self.region, layout, slots)
-        self.slots = SlotAllocator(slots)
+        self.slots = SlotAllocator(slots, on_release_above=self._discard)
+        if limit_bytes is not None:
+            self.set_limit(limit_bytes)
         self._bytes_view: np.ndarray | None = None  # the CPU pool as bytes, made on first write_many
 
     def _view_pool(self, region: SharedRegion, layout: PageLayout, slots: int) -> torch.Tensor:
@@ -65,32 +88,62 @@ class MemoryTier:
         return self._pool
 
     @property
+    def page_bytes(self) -> int:
+        """Bytes of one page as this tier holds it."""
+        return self.codec.stored_bytes if self.encoded else self.layout.page_bytes
+
+    @property
     def capacity_bytes(self) -> int:
-        return self.slots.capacity * self.layout.page_bytes
+        """What the tier may hold now: its limit (the mapping may be larger, ``describe``)."""
+        return self.slots.limit * self.page_bytes
+
+    def set_limit(self, limit_bytes: int) -> None:
+        """Use at most ``limit_bytes`` of slots from now on (at most the capacity; counted as
+        ``capacity_bytes`` was given). The free slots above the limit give their memory back
+        now, the used ones when freed (the store evicts them). Raising it faults slots in."""
+        limit = min(self.slots.capacity, max(0, limit_bytes) // self.stride_bytes)
+        self.slots.set_limit(limit)
+        if self.region is None:
+            return  # a CUDA pool is allocated whole: a limit bounds its use, not its memory
+        self.region.set_populate_end(limit * self.stride_bytes)
+        start = limit
+        for slot in [*self.slots.used_above_limit(), self.slots.capacity]:  # free runs between used slots
+            if slot > start:
+                self.region.discard(start * self.stride_bytes, (slot - start) * self.stride_bytes)
+            start = slot + 1
+
+    def _discard(self, slot: int) -> None:
+        """A slot above the limit was freed: give its memory back."""
+        if self.region is not None:
+            self.region.discard(slot * self.stride_bytes, self.stride_bytes)
 
     @property
     def used_bytes(self) -> int:
-        return self.slots.num_used * self.layout.page_bytes
+        return self.slots.num_used * self.page_bytes
 
     @property
     def pinned(self) -> bool:
         return bool(self.region and self.region.pinned)
 
     def page(self, slot: int) -> torch.Tensor:
-        """A view of the page in ``slot`` (valid while the caller holds the block)."""
+        """A view of the page in ``slot`` (valid while the caller holds the block), in the
+        form this tier holds it (the codec's stored form in an encoded host pool)."""
         return self._pool[slot]
 
     def direct_target(self, slot: int) -> memoryview | None:
         """The page bytes of ``slot`` when a disk read may land in them directly
         (shared memory, 4 KiB-aligned start and length), else None."""
-        if self.region is None or self.region.bytes is None:
-            return None
+        if self.region is None or self.region.bytes is None or not self.codec.exact:
+            return None  # with a codec, disk bytes are the stored form: decoded on the way in
         start, n = slot * self.stride_bytes, self.layout.page_bytes
         if start % 4096 or n % 4096:
             return None
         return memoryview(self.region._mmap)[start : start + n]
 
     def write(self, slot: int, page: torch.Tensor) -> None:
+        """Copy ``page`` (in the layout's form or the codec's stored form) into ``slot``,
+        encoding or decoding it to this tier's form."""
+        page = self.codec.to_stored(page) if self.encoded else self.codec.to_layout(page)
         dst = self._pool[slot]
         if dst.is_cuda or page.is_cuda:
             dst.copy_(page, non_blocking=self.pinned)
@@ -102,6 +155,13 @@ class MemoryTier:
         the pages are CPU memory (a put of many small pages spent its time in per-page calls)."""
         if not slots:
             return
+        if self.encoded:
+            # Encode only the rows written (a put's pages also go to the device exact).
+            idx = torch.as_tensor(rows, device=pages.device)
+            stored = pages.index_select(0, idx) if not self.codec.is_stored_form(pages) else pages[idx]
+            pages, rows = self.codec.to_stored(stored.cpu()), list(range(len(rows)))
+        else:
+            pages = self.codec.to_layout(pages)
         if self._pool.is_cuda or pages.is_cuda or pages.dtype != self._pool.dtype or not pages.is_contiguous():
             for s, r in zip(slots, rows):
                 self.write(s, pages[r])
@@ -115,7 +175,9 @@ class MemoryTier:
             "kind": "cuda" if self.device.type == "cuda" else ("pinned-shm" if self.pinned else "shm"),
             "shm_path": str(self.region.path) if self.region else None,
             "stride_bytes": self.stride_bytes,
+            "page_codec": self.codec.name if self.encoded else "none",
             "slots": self.slots.capacity,
+            "limit_slots": self.slots.limit,
         }
 
     def check_integrity(self) -> None:

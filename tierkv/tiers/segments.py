@@ -31,6 +31,7 @@ from pathlib import Path
 
 import xxhash
 
+from ..codec import DEFAULT_CODEC, PageCodec
 from ..layout import ALIGN, PageLayout, round_up
 
 FORMAT = "tierkv-segment"
@@ -59,6 +60,22 @@ class SegmentHeader:
     model_version: str
     segment_pages: int
     format_version: int = FORMAT_VERSION
+    # How the pages are stored (tierkv/codec.py). Named in the metadata (``page_codec``) only
+    # when not ``none``, so that the headers of exact homes are unchanged.
+    page_codec: str = DEFAULT_CODEC
+
+    @cached_property
+    def codec(self) -> PageCodec:
+        return PageCodec(self.page_codec, self.layout)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one stored page."""
+        return self.codec.stored_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.codec.slot_bytes
 
     @property
     def record_bytes(self) -> int:
@@ -81,7 +98,7 @@ class SegmentHeader:
         return self.records_offset + index * self.record_bytes
 
     def file_bytes(self) -> int:
-        return self.data_offset + self.segment_pages * self.layout.slot_bytes
+        return self.data_offset + self.segment_pages * self.slot_bytes
 
 
 def _body(h: SegmentHeader) -> dict:
@@ -91,19 +108,21 @@ def _body(h: SegmentHeader) -> dict:
         "layout": h.layout.to_json(),
         "model_version": h.model_version,
         "segment_pages": str(h.segment_pages),
-        "page_bytes": str(h.layout.page_bytes),
-        "slot_bytes": str(h.layout.slot_bytes),
+        "page_bytes": str(h.page_bytes),
+        "slot_bytes": str(h.slot_bytes),
     }
-    pages = h.segment_pages * h.layout.slot_bytes
+    if h.page_codec != DEFAULT_CODEC:
+        meta["page_codec"] = h.page_codec
+    pages = h.segment_pages * h.slot_bytes
     if h.format_version < 2:
-        return {"__metadata__": meta, "pages": {"dtype": "U8", "shape": [h.segment_pages, h.layout.slot_bytes],
+        return {"__metadata__": meta, "pages": {"dtype": "U8", "shape": [h.segment_pages, h.slot_bytes],
                                                 "data_offsets": [0, pages]}}
     area = round_up(h.segment_pages * record_bytes(h.layout), ALIGN)
     meta["record_bytes"] = str(record_bytes(h.layout))
     return {
         "__metadata__": meta,
         "records": {"dtype": "U8", "shape": [area], "data_offsets": [0, area]},
-        "pages": {"dtype": "U8", "shape": [h.segment_pages, h.layout.slot_bytes], "data_offsets": [area, area + pages]},
+        "pages": {"dtype": "U8", "shape": [h.segment_pages, h.slot_bytes], "data_offsets": [area, area + pages]},
     }
 
 
@@ -156,6 +175,7 @@ def read_header(path: Path) -> SegmentHeader:
             model_version=str(meta["model_version"]),
             segment_pages=int(meta["segment_pages"]),
             format_version=version,
+            page_codec=str(meta.get("page_codec", DEFAULT_CODEC)),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         if isinstance(e, SegmentFormatError):
