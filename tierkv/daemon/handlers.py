@@ -207,7 +207,7 @@ class Handlers(OperationHandlers):
 
     async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
         entry, uid = self.entry(conn), conn.creds.uid
-        tier = int(entry.local.device.slots.capacity)
+        tier = int(entry.local.device.slots.limit)  # this layout's share of the device tier
         self.quota.check_lease(uid, [u for _, u in self.peers()], self.leases.count(conn.id), self.leases.blocks_of(uid),
                                tier)
         # The lease is counted from before the store call, so acquires in flight count: the
@@ -299,7 +299,8 @@ class Handlers(OperationHandlers):
         local = getattr(store, "store", store)  # a ClusterNode wraps the Store
         tenant = self.tenancy.namespace_prefix(uid) if self.config.namespace_per_uid else effective_ns
         pinned = await self.run(local.pinned_blocks, tenant)
-        self.quota.check_pinned(uid, uids, tenant, pinned, want, int(local.disk.capacity_slots))
+        disk_slots = local.disk.segment_limit * local.disk.segment_pages  # this layout's share
+        self.quota.check_pinned(uid, uids, tenant, pinned, want, int(disk_slots))
 
     async def set_priority(self, conn: "Connection", msg: m.SetPriority) -> Reply:
         if msg.priority == Priority.PINNED:
@@ -315,6 +316,10 @@ class Handlers(OperationHandlers):
                 "staging_slots_used": sum(e.staging.slots.num_used for e in entries),
                 "staging_slots": sum(e.staging.slots.capacity for e in entries),
                 "layouts": [e.layout_id for e in entries], "max_layouts": self.layouts.max_layouts,
+                "budgets": {"device_bytes": self.layouts.budget.device_bytes,
+                            "host_bytes": self.layouts.budget.host_bytes,
+                            "disk_bytes": self.layouts.budget.disk_bytes},
+                "over_limit_slots": {e.layout_id: e.over_limit for e in entries if e.over_limit},
                 "quota_refusals": dict(self.quota.refusals)}
 
     # ---- ending leases ------------------------------------------------------------------------

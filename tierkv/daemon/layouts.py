@@ -9,13 +9,34 @@ A client declares its layout when it connects (HELLO); the daemon opens that lay
 on first use, or finds it at start. A layout never changes in place: a store's layout is
 fixed, so a second model with other KV shapes gets a store of its own.
 
-Budgets. ``device_bytes``, ``host_bytes``, ``disk_bytes`` and ``staging_bytes`` are
-daemon-wide. Each layout's tiers get a fixed share, ``budget // max_layouts``, when it opens,
-and at most ``max_layouts`` layouts open (CapacityError beyond). Rejected: resizing every
-store's tiers as layouts come and go (memory tiers are single shared-memory mappings that
-clients hold; shrinking one would move pages under live leases), and one byte budget checked
-at each allocation (it would need the store's eviction to reach into other stores). A fixed
-share is simple, can never overcommit, and its figures are what ``stats`` reports.
+Budgets. ``device_bytes``, ``host_bytes`` and ``disk_bytes`` are daemon-wide budgets shared
+by the layouts in use: with N layouts open each may use ``budget // N`` of each tier (the one
+layout of a one-model daemon gets the whole budget). When another layout opens, the open
+ones are lowered to the new share first (each evicts down to it through the store's normal
+eviction, :meth:`tierkv.Store.set_tier_limits`), then the new one opens with its share. At
+most ``max_layouts`` layouts open (CapacityError beyond); ``staging_bytes`` is split as a
+fixed ``1/max_layouts`` per layout (clients write into it; it holds nothing between requests).
+
+How a share is enforced: each layout's tiers are *mapped* at the whole budget (a shared-memory
+file is sparse: a page costs memory only once touched) and *used* up to a limit that bounds
+slot positions as well as counts. So memory above a limit is never touched, the
+background populator stops at the limit, and lowering a limit evicts the blocks placed above
+it and gives their pages back (MADV_REMOVE) as they go; on disk, segments above the limit are
+emptied and deleted and no new one is made while as many files exist. The sum of the limits
+never exceeds a budget, so the memory and files actually in use never do either, except
+for what a lowering could not evict yet: a leased, in-flight or pinned block (and its prefix)
+stays until released, while its tier makes no new allocation; the daemon retries every
+second (:meth:`Layouts.retrim`). Tiers that cannot be sparse are mapped at a fixed share,
+``budget // max_layouts``, and limited within it: a CUDA device pool (one allocation of GPU
+memory, shared with clients by an IPC handle) and, on a CUDA host, the page-locked host pool
+(cudaHostRegister locks every page of the mapping).
+
+Rejected: a fixed share ``budget // max_layouts`` for every tier (what this replaced: a
+daemon serving one model used a quarter of its memory); resizing the mappings as layouts
+come and go (clients hold them, and a moved mapping would move pages under live leases);
+one byte budget checked at each allocation (a store's eviction would have to reach into the
+other stores); and a limit on counts only (LRU eviction down to a count leaves pages touched
+all over the mapping: up to twice the share in memory).
 """
 from __future__ import annotations
 
@@ -69,13 +90,28 @@ def find_layouts(home: Path) -> list[tuple[Path, PageLayout]]:
 
 @dataclass(frozen=True)
 class Budget:
-    """One layout's share of the daemon-wide capacities (bytes)."""
+    """The daemon-wide tier budgets the open layouts share, and the staging each layout
+    gets (bytes)."""
 
     device_bytes: int
     host_bytes: int
     disk_bytes: int
-    staging_bytes: int
-    client_staging_bytes: int
+    staging_bytes: int  # per layout
+    client_staging_bytes: int  # per connection
+
+    def share(self, n: int) -> "TierLimits":
+        """What each of ``n`` open layouts may use."""
+        n = max(1, n)
+        return TierLimits(self.device_bytes // n, self.host_bytes // n, self.disk_bytes // n)
+
+
+@dataclass(frozen=True)
+class TierLimits:
+    """What one layout's tiers may use now (bytes): its share of the budgets."""
+
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
 
 
 @dataclass(eq=False)
@@ -92,6 +128,7 @@ class LayoutEntry:
     staging_region: SharedRegion
     staging_pool: torch.Tensor
     staging: StagingSlots
+    over_limit: int = 0  # slots still used above its limits (held when they were lowered)
 
     def close(self) -> None:
         self.store.close()
@@ -104,7 +141,7 @@ class Layouts:
     plain dict reads, safe from the event loop while another thread opens a layout."""
 
     def __init__(self, home: Path, socket_path: str, max_layouts: int, budget: Budget, shm_dir: Path,
-                 open_store: Callable[[Path, PageLayout, Budget], tuple[Any, Store]]) -> None:
+                 open_store: Callable[[Path, PageLayout, TierLimits], tuple[Any, Store]]) -> None:
         self.home = home
         self.socket_path = socket_path
         self.max_layouts = max_layouts
@@ -128,9 +165,12 @@ class Layouts:
         self._root_used = any(h == self.home for h, _ in found)
         if not self._root_used:
             self._home_lock = HomeLock(self.home, self.socket_path)
+        # Every store opens with its share of all that start opens: none fills a share
+        # that the next open would take back (a lowered disk limit deletes pages).
+        n = len(found) + (preset is not None and all(preset != lo for _, lo in found))
         try:
             for home, layout in found:
-                self._add(home, layout)
+                self._add(home, layout, self.budget.share(n))
             if preset is not None:
                 self.open(preset)
         except BaseException:
@@ -152,7 +192,7 @@ class Layouts:
                 raise CapacityError(
                     f"the daemon serves {len(self._entries)} page layouts already "
                     f"({', '.join(self._entries)}); max_layouts is {self.max_layouts}",
-                    hint="restart the daemon with a larger --max-layouts (each layout gets 1/N of the tier budgets)")
+                    hint="restart the daemon with a larger --max-layouts")
             if not self._root_used:
                 # The first layout lives at the root. Hand the root's LOCK from the daemon to
                 # the store: released here, taken again first thing in the store's open (the
@@ -166,10 +206,37 @@ class Layouts:
             else:
                 home = self.home / LAYOUTS_DIR / lid
             log.info("opening a store for layout %s at %s", lid, home)
-            return self._add(home, layout)
+            # The open layouts give up room first (they evict down to the new share), so
+            # the budgets hold at every moment; if the open fails they get it back.
+            before = self.entries()
+            share = self.budget.share(len(before) + 1)
+            self._set_limits(before, share)
+            try:
+                return self._add(home, layout, share)
+            except BaseException:
+                self._set_limits(before, self.budget.share(len(before)))
+                raise
 
-    def _add(self, home: Path, layout: PageLayout) -> LayoutEntry:
-        store, local = self._open_store(home, layout, self.budget)
+    def _set_limits(self, entries: list[LayoutEntry], limits: TierLimits) -> None:
+        for e in entries:
+            e.over_limit = e.local.set_tier_limits(limits.device_bytes, limits.host_bytes, limits.disk_bytes)
+            if e.over_limit:
+                log.warning("layout %s: %d slots stay above its new limits until their leases, reads or pins "
+                            "end", e.layout_id, e.over_limit)
+
+    def retrim(self) -> int:
+        """Evict again what stayed above a lowered limit (its holders may be gone); returns
+        the slots still above. Cheap when nothing stayed: the daemon calls it every second."""
+        left = 0
+        with self._lock:
+            for e in self.entries():
+                if e.over_limit:
+                    e.over_limit = e.local.set_tier_limits()
+                    left += e.over_limit
+        return left
+
+    def _add(self, home: Path, layout: PageLayout, limits: TierLimits) -> LayoutEntry:
+        store, local = self._open_store(home, layout, limits)
         try:
             region, pool = regions.create_staging(self.shm_dir, layout, self.budget.staging_bytes)
         except BaseException:
@@ -220,6 +287,11 @@ class Layouts:
             assert lid == layout_id(e.layout) and e.store.layout == e.layout
             e.staging.check_integrity()
             e.store.check_integrity()
+        # The limits add up to no more than the budgets (the shares of the layouts open).
+        for tier, budget in (("device", self.budget.device_bytes), ("host", self.budget.host_bytes),
+                             ("disk", self.budget.disk_bytes)):
+            assert sum(getattr(e.local, tier).capacity_bytes for e in self._entries.values()) <= budget, \
+                f"{tier}: the layouts' limits exceed the daemon's budget"
 
 
 # ---- stats across layouts -----------------------------------------------------------------

@@ -38,6 +38,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ..config import StoreConfig
 from ..errors import ConfigError, DaemonUnavailableError, ProtocolError, TierKVError
 from ..layout import PageLayout
@@ -47,7 +49,7 @@ from . import security
 from .config import REMOTE_FIELDS, DaemonConfig
 from .connection import Connection
 from .handlers import Handlers
-from .layouts import Budget, Layouts
+from .layouts import Budget, Layouts, TierLimits
 from .metrics import DaemonMetrics
 from .remote_keeper import RemoteKeeper
 from .protocol import BadHeaderError, FatalFrameError, Frame, FrameTimeoutError, IdleConnectionError, Op, read_frame
@@ -82,14 +84,24 @@ class Daemon(RemoteKeeper):
         entry = self.layouts.only() if self.layouts is not None else None
         return None if entry is None else entry.store
 
-    def _open_store(self, home: Path, layout: PageLayout, budget: Budget) -> tuple[Any, Store]:
-        """One layout's store with its share of the budgets (wrapped in a ClusterNode when
-        the remote tier is on), and the local Store. Called by :class:`Layouts`, at start or
-        on first use."""
+    def _open_store(self, home: Path, layout: PageLayout, limits: TierLimits) -> tuple[Any, Store]:
+        """One layout's store, its tiers mapped at the whole budgets and limited to its share
+        ``limits`` (wrapped in a ClusterNode when the remote tier is on), and the local Store.
+        Called by :class:`Layouts`, at start or on first use. Tiers that cannot be sparse
+        (a CUDA device pool; a page-locked host pool) are mapped at 1/max_layouts instead
+        (layouts.py)."""
         cfg = self.config
+        n = cfg.resolved_max_layouts
+        cuda = torch.cuda.is_available()
+        device_cuda = (cfg.device or ("cuda" if cuda else "cpu")).startswith("cuda")
+        # Segments no bigger than the smallest share, as a tier of that size would have them.
+        segment_pages = max(1, min(StoreConfig.segment_pages, cfg.disk_bytes // n // layout.slot_bytes))
         local = store = Store(StoreConfig(
-            home=home, layout=layout, device=cfg.device, device_bytes=budget.device_bytes,
-            host_bytes=budget.host_bytes, disk_bytes=budget.disk_bytes, write_through=cfg.write_through,
+            home=home, layout=layout, device=cfg.device,
+            device_bytes=cfg.device_bytes // n if device_cuda else cfg.device_bytes,
+            host_bytes=cfg.host_bytes // n if cuda else cfg.host_bytes, disk_bytes=cfg.disk_bytes,
+            device_limit_bytes=limits.device_bytes, host_limit_bytes=limits.host_bytes,
+            disk_limit_bytes=limits.disk_bytes, segment_pages=segment_pages, write_through=cfg.write_through,
             shm_dir=cfg.shm_dir, eviction_policy=cfg.eviction_policy,
         ), socket_path=str(cfg.socket))
         if cfg.remote_enabled:
@@ -106,7 +118,7 @@ class Daemon(RemoteKeeper):
         security.clear_socket_path(cfg.socket)  # refuse early, before taking the home
         shm_dir = cfg.shm_dir or default_shm_dir()  # opening a store reaps dead processes' regions
         n = cfg.resolved_max_layouts
-        budget = Budget(cfg.device_bytes // n, cfg.host_bytes // n, cfg.disk_bytes // n, cfg.staging_bytes // n,
+        budget = Budget(cfg.device_bytes, cfg.host_bytes, cfg.disk_bytes, cfg.staging_bytes // n,
                         min(cfg.client_staging_bytes, cfg.staging_bytes // n))
         self.layouts = Layouts(cfg.home, str(cfg.socket), n, budget, shm_dir, self._open_store)
         sock = None
@@ -243,6 +255,8 @@ class Daemon(RemoteKeeper):
         while True:
             await asyncio.sleep(min(1.0, self.handlers.leases.timeout_s / 4))
             await self.handlers.expire_leases()
+            if self.layouts is not None and any(e.over_limit for e in self.layouts.entries()):
+                await self.handlers.run(self.layouts.retrim)  # blocks held when a limit was lowered
 
     # ---- connections ----------------------------------------------------------------------
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

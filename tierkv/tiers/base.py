@@ -8,6 +8,7 @@ checks every transition (double free, freeing a slot never handed out) and
 from __future__ import annotations
 
 from enum import Enum
+from typing import Callable
 
 
 class TierName(str, Enum):
@@ -21,12 +22,21 @@ class SlotAllocator:
 
     Only :meth:`alloc` and :meth:`free` move a slot between the two sets. Lowest free slot
     first, so a store that shrinks leaves its high slots (and disk segments) empty.
+
+    ``limit`` (at most ``capacity``; :meth:`set_limit`) bounds what :meth:`alloc` hands out:
+    fewer than ``limit`` slots in use, and only slots below ``limit``. So the slots at or
+    above it are never touched anew (a daemon's layouts share one budget: each layout's tier
+    is mapped at the whole budget and used up to its limit). Slots above a lowered limit stay
+    used until freed; ``on_release_above(slot)`` is then called, so the tier can give the
+    slot's memory back.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_release_above: Callable[[int], None] | None = None) -> None:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self.capacity = capacity
+        self.limit = capacity
+        self.on_release_above = on_release_above
         self._free: list[int] = list(range(capacity - 1, -1, -1))  # stack: pop() gives lowest
         self._used: set[int] = set()
 
@@ -41,9 +51,22 @@ class SlotAllocator:
     def is_used(self, slot: int) -> bool:
         return slot in self._used
 
+    def set_limit(self, limit: int) -> None:
+        """Hand out at most ``limit`` slots, all below ``limit``, from now on (the slots in
+        use stay: the caller evicts those at or above it, :meth:`used_above_limit`)."""
+        if not 0 <= limit <= self.capacity:
+            raise ValueError(f"limit must be in [0, {self.capacity}], got {limit}")
+        self.limit = limit
+
+    def used_above_limit(self) -> list[int]:
+        """Used slots at or above the limit, lowest first."""
+        return sorted(s for s in self._used if s >= self.limit) if self.limit < self.capacity else []
+
     def alloc(self) -> int | None:
-        """A free slot id, now used; ``None`` when the tier is full (the caller evicts)."""
-        if not self._free:
+        """A free slot id, now used; ``None`` when the tier is full or at its limit (the
+        caller evicts)."""
+        if not self._free or (self.limit < self.capacity
+                              and (len(self._used) >= self.limit or self._free[-1] >= self.limit)):
             return None
         slot = self._free.pop()
         self._used.add(slot)
@@ -64,6 +87,8 @@ class SlotAllocator:
         # Keep lowest-first order cheap: only re-sort when the new slot breaks it.
         if len(self._free) > 1 and self._free[-1] > self._free[-2]:
             self._free.sort(reverse=True)
+        if slot >= self.limit and self.on_release_above is not None:
+            self.on_release_above(slot)
 
     def used_slots(self) -> set[int]:
         return set(self._used)
@@ -73,3 +98,4 @@ class SlotAllocator:
         assert len(free) == len(self._free), "duplicate slot in free list"
         assert not (free & self._used), "slot both free and used"
         assert free | self._used == set(range(self.capacity)), "slot lost from both sets"
+        assert 0 <= self.limit <= self.capacity, "limit outside the slots"

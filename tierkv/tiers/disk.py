@@ -77,7 +77,7 @@ class DiskTier(SegmentFiles, DiskReads):
         cap_slots = capacity_bytes // self.slot_bytes
         self.segment_pages = max(1, min(segment_pages, cap_slots or 1))
         self.max_segments = cap_slots // self.segment_pages
-        # Segments below this id may be used (set_limit_slots: a daemon's layouts share one
+        # Segments below this id may be used (set_limit: a daemon's layouts share one
         # budget); the files of the others are evicted by the store and not made again.
         self.segment_limit = self.max_segments
         self.fsync = fsync

@@ -12,6 +12,7 @@ outlives the unlink, so clients that still hold it keep valid memory.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -25,11 +26,23 @@ import torch
 
 log = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
+_MADV_REMOVE = 9
 # Small chunks: MADV_POPULATE_WRITE holds the process's mmap lock (for reading) through a
 # chunk, and an allocation (mmap, which takes it for writing) waits for the chunk, and every
 # page fault behind that waits too. With 32 MiB chunks and the thread at nice 19 on a busy
 # 2-core VM, a restore right after open ran 2.4x slower than one 2 s later.
 _POPULATE_CHUNK = 2 << 20
+
+
+@functools.cache
+def _madvise():  # type: ignore[no-untyped-def]
+    """libc's madvise (the GIL is dropped around each call), or None where unavailable."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
 def default_shm_dir() -> Path:
@@ -49,11 +62,20 @@ class SharedRegion:
         self.pinned = False
         self._populate_stop = threading.Event()
         self._populator: threading.Thread | None = None
+        # The populator faults pages in up to _populate_end, a chunk at a time under
+        # _populate_lock, so that set_populate_end can lower the bound between chunks.
+        self._populate_lock = threading.Lock()
+        self._populate_end = nbytes
+        self._populated_to = 0
+        self._populating = False
         # torch.frombuffer keeps the mmap exported; we drop the tensor before closing.
         self.bytes: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, directory: Path, prefix: str, nbytes: int) -> "SharedRegion":
+    def create(cls, directory: Path, prefix: str, nbytes: int, populate_bytes: int | None = None) -> "SharedRegion":
+        """A new region of ``nbytes``; its first ``populate_bytes`` (default: all) are faulted
+        in on a helper thread. The rest stays sparse until written (a daemon layout's tier is
+        mapped at the whole budget and used up to its share)."""
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -65,7 +87,7 @@ class SharedRegion:
             os.unlink(path)
             raise
         region = cls(path, nbytes, mm, owner=True, fd=fd)
-        region._populate_in_background()
+        region.set_populate_end(nbytes if populate_bytes is None else min(populate_bytes, nbytes))
         return region
 
     def _populate_in_background(self) -> None:
@@ -76,27 +98,63 @@ class SharedRegion:
         every store open pay ~0.7 s per GiB of tiers (an engine's first request paid it when
         the vLLM connector opened its store). MADV_POPULATE_WRITE (Linux 5.14) maps pages
         writable without touching their bytes, so it is safe beside concurrent writers, and
-        ctypes drops the GIL around it. Older kernels fault on first touch instead."""
-        if self.bytes is None or self.nbytes == 0:
+        ctypes drops the GIL around it. Older kernels fault on first touch instead.
+
+        Runs from ``_populated_to`` up to ``_populate_end`` as it is at each chunk (held:
+        ``_populate_lock``, by the caller)."""
+        if self.bytes is None or self.nbytes == 0 or self._populated_to >= self._populate_end:
             return
-        addr, nbytes, stop = self.bytes.data_ptr(), self.nbytes, self._populate_stop
+        if self._populating:
+            return  # the running thread reads the new end before its next chunk
+        addr, stop, lock = self.bytes.data_ptr(), self._populate_stop, self._populate_lock
+        self._populating = True
 
         def run() -> None:
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                madvise = libc.madvise
-                madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            except (OSError, AttributeError):
-                return
-            for off in range(0, nbytes, _POPULATE_CHUNK):
-                if stop.is_set():
-                    return
-                if madvise(addr + off, min(_POPULATE_CHUNK, nbytes - off), _MADV_POPULATE_WRITE) != 0:
-                    log.debug("MADV_POPULATE_WRITE refused (errno %d); pages fault in on use", ctypes.get_errno())
-                    return
+            madvise = _madvise()
+            while madvise is not None and not stop.is_set():
+                with lock:
+                    off, end = self._populated_to, self._populate_end
+                    if off >= end:
+                        break
+                    n = min(_POPULATE_CHUNK, end - off)
+                    if madvise(addr + off, n, _MADV_POPULATE_WRITE) != 0:
+                        log.debug("MADV_POPULATE_WRITE refused (errno %d); pages fault in on use", ctypes.get_errno())
+                        self._populated_to = self._populate_end = self.nbytes  # never retried
+                        break
+                    self._populated_to = off + n
+            with lock:  # under the lock: set_populate_end then either sees it running or starts one
+                self._populating = False
 
+        if self._populator is not None:
+            self._populator.join()  # finished or finishing (it cleared _populating)
         self._populator = threading.Thread(target=run, name="tierkv-shm-populate", daemon=True)
         self._populator.start()
+
+    def set_populate_end(self, end: int) -> None:
+        """Fault pages in up to byte ``end`` (in the background); a lower end stops the
+        populator there (returns after any chunk in flight, so nothing beyond ``end`` is
+        faulted in by it afterwards)."""
+        with self._populate_lock:
+            self._populate_end = max(0, min(end, self.nbytes))
+            self._populated_to = min(self._populated_to, self._populate_end)
+            self._populate_in_background()
+
+    def discard(self, start: int, nbytes: int) -> bool:
+        """Give the memory of bytes ``[start, start + nbytes)`` back to the system (they read
+        as zeros afterwards; MADV_REMOVE punches a hole in the shared-memory file). Only for
+        bytes nobody uses: a layout's tier slots above its limit. False when refused."""
+        if self.bytes is None or nbytes <= 0:
+            return False
+        madvise = _madvise()
+        page = mmap.PAGESIZE
+        lo, hi = -(-start // page) * page, (start + nbytes) // page * page  # whole pages only
+        if madvise is None or hi <= lo:
+            return False
+        with self._populate_lock:
+            ok = madvise(self.bytes.data_ptr() + lo, hi - lo, _MADV_REMOVE) == 0
+        if not ok:
+            log.debug("MADV_REMOVE refused (errno %d); the memory stays allocated", ctypes.get_errno())
+        return ok
 
     @classmethod
     def attach_fd(cls, fd: int, nbytes: int, name: str = "region") -> "SharedRegion":

@@ -1,0 +1,129 @@
+"""Tier budgets are daemon-wide and shared by the layouts in use (issue 10, item 3): one
+layout alone may fill every budget; when a second opens, the first evicts down to half and
+gives the memory above its limit back; a block held when its limit drops stays until
+released, and then goes. Before: each layout got a fixed ``budget // max_layouts`` when it
+opened, so a daemon serving one model used a quarter of its memory."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+import tierkv
+from tierkv import PageLayout, Scope
+from tierkv.cli import main
+from tierkv.daemon.layouts import layout_id
+
+from daemon_helpers import LAYOUT, MiB, SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+
+OTHER = PageLayout(num_layers=3, num_kv_heads=1, head_dim=32, block_size=32, dtype="bfloat16")
+SCOPE_B = Scope("cd" * 32, "tenant-b")
+A, B = layout_id(LAYOUT), layout_id(OTHER)
+PAGE = LAYOUT.page_bytes  # 8 KiB: the device budget (1 MiB) holds 128 pages, the host (2 MiB) 256
+
+
+def stats_json(sock: Path) -> dict:
+    r = CliRunner().invoke(main, ["stats", "--socket", str(sock), "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def touched(path: str) -> int:
+    """Bytes of a shared-memory file that hold memory (a sparse file's allocated blocks)."""
+    return os.stat(path).st_blocks * 512
+
+
+def fill(client, n_puts: int, seed: int) -> list:
+    """``n_puts`` prompts of 4 blocks each; returns their tokens."""
+    toks = [prompt(64, seed=seed + i) for i in range(n_puts)]
+    for i, t in enumerate(toks):
+        assert client.put(t, pages_for(4, seed + i), SCOPE).stored == 4
+    return toks
+
+
+def test_one_layout_uses_every_budget_and_halves_when_a_second_opens(workdir):
+    cfg = make_config(workdir, layout=None, max_layouts=4)
+    d = DaemonThread(cfg).start()
+    try:
+        with tierkv.connect(cfg.socket, layout=LAYOUT) as a:
+            toks = fill(a, 150, seed=100)  # 600 pages: more than any share but the whole holds
+            s = stats_json(cfg.socket)
+            tiers = s["layouts"][A]["tiers"]
+            # The one layout in use may use each whole budget, and does.
+            assert tiers["device"]["capacity_bytes"] == cfg.device_bytes
+            assert tiers["host"]["capacity_bytes"] == cfg.host_bytes
+            assert tiers["disk"]["capacity_bytes"] == cfg.disk_bytes
+            assert tiers["device"]["used_bytes"] == cfg.device_bytes > cfg.device_bytes // 4
+            assert tiers["host"]["used_bytes"] > cfg.host_bytes // 4
+            assert tiers["disk"]["blocks"] == 600 > cfg.disk_bytes // 2 // PAGE
+            dev_a, host_a = tiers["device"]["shm_path"], tiers["host"]["shm_path"]
+            assert touched(dev_a) <= cfg.device_bytes and touched(host_a) <= cfg.host_bytes
+
+            with tierkv.connect(cfg.socket, layout=OTHER) as b:
+                s = stats_json(cfg.socket)
+                ta, tb = s["layouts"][A]["tiers"], s["layouts"][B]["tiers"]
+                for t, budget in (("device", cfg.device_bytes), ("host", cfg.host_bytes), ("disk", cfg.disk_bytes)):
+                    assert ta[t]["capacity_bytes"] <= budget // 2 and tb[t]["capacity_bytes"] <= budget // 2, t
+                    assert ta[t]["used_bytes"] <= ta[t]["capacity_bytes"], t  # evicted down to its share
+                    assert s["tiers"][t]["capacity_bytes"] <= budget, t
+                assert ta["device"]["capacity_bytes"] == cfg.device_bytes // 2
+                # ... and the memory above its limit is given back.
+                assert touched(dev_a) <= cfg.device_bytes // 2 and touched(host_a) <= cfg.host_bytes // 2
+                assert ta["disk"]["segments"] <= ta["disk"]["limit_segments"] == 2
+                # The second layout fills its half; together they stay within the budgets.
+                for i in range(60):
+                    t = prompt(128, seed=500 + i)
+                    g = torch.Generator().manual_seed(i)
+                    assert b.put(t, torch.randn((4, *OTHER.shape), generator=g).to(OTHER.torch_dtype),
+                                 SCOPE_B).stored == 4
+                s = stats_json(cfg.socket)
+                tb = s["layouts"][B]["tiers"]
+                assert tb["device"]["used_bytes"] > 0
+                assert touched(dev_a) + touched(tb["device"]["shm_path"]) <= cfg.device_bytes
+                assert touched(host_a) + touched(tb["host"]["shm_path"]) <= cfg.host_bytes
+                assert s["daemon"]["budgets"]["device_bytes"] == cfg.device_bytes
+                # What the first layout kept is served exactly; what it lost is a miss.
+                hits = 0
+                for i, t in enumerate(toks):
+                    with a.acquire(t, SCOPE) as lease:
+                        if lease.num_blocks:
+                            hits += 1
+                            assert torch.equal(lease.pages(), pages_for(4, 100 + i)[: lease.num_blocks])
+                assert 0 < hits < len(toks)
+                d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()
+
+
+def test_a_block_leased_when_its_limit_drops_stays_until_released(workdir):
+    cfg = make_config(workdir, layout=None, max_layouts=2, lease_timeout_s=60.0)
+    d = DaemonThread(cfg).start()
+    try:
+        with tierkv.connect(cfg.socket, layout=LAYOUT) as a:
+            toks = fill(a, 30, seed=200)  # 120 device slots, lowest first: the last put holds 116..119
+            lease = a.acquire(toks[-1], SCOPE)
+            assert lease.num_blocks == 4 and min(lease.slots) >= cfg.device_bytes // 2 // PAGE
+            with tierkv.connect(cfg.socket, layout=OTHER):
+                s = stats_json(cfg.socket)
+                ta = s["layouts"][A]["tiers"]["device"]
+                assert ta["capacity_bytes"] == cfg.device_bytes // 2
+                # The leased blocks stay (their pages are being read) and nothing else does
+                # above the limit; no new page goes there meanwhile.
+                assert s["daemon"]["over_limit_slots"] == {A: 4}
+                assert ta["used_bytes"] == cfg.device_bytes // 2 + 4 * PAGE
+                assert torch.equal(lease.pages(), pages_for(4, 229))
+                fill(a, 10, seed=300)
+                assert stats_json(cfg.socket)["layouts"][A]["tiers"]["device"]["used_bytes"] <= ta["used_bytes"]
+                lease.release()
+                # The daemon retries every second: released, they go, and so does their memory.
+                assert wait_for(lambda: not stats_json(cfg.socket)["daemon"]["over_limit_slots"], timeout=10)
+                ta = stats_json(cfg.socket)["layouts"][A]["tiers"]["device"]
+                assert ta["used_bytes"] <= ta["capacity_bytes"]
+                assert touched(ta["shm_path"]) <= cfg.device_bytes // 2
+                assert a.lookup(toks[-1], SCOPE).tokens_matched == 64  # still on disk
+                d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()
