@@ -127,3 +127,35 @@ def test_a_block_leased_when_its_limit_drops_stays_until_released(workdir):
                 d.call(d.daemon.check_integrity)
     finally:
         d.stop()
+
+
+def test_set_tier_limits_evicts_leaf_first_keeps_pins_and_grows_back(workdir):
+    """The store method the daemon uses: disk pages above a lowered limit go (index first),
+    extensions before their prefix, a pinned chain stays; raising the limit lets the tier
+    fill again."""
+    from tierkv import Priority
+
+    seg = 16  # pages a segment: the disk tier has 4; the device tier holds 4 pages
+    with tierkv.open(workdir / "home", LAYOUT, device="cpu", device_bytes=4 * PAGE, host_bytes=0,
+                     disk_bytes=64 * PAGE, segment_pages=seg, shm_dir=workdir / "shm") as st:
+        long = prompt(16 * 40, seed=1)  # one chain of 40 blocks: segments 0, 1 and half of 2
+        assert st.put(long, pages_for(40, 1), SCOPE).stored == 40
+        pinned = prompt(16 * 8, seed=2)  # 8 pinned blocks: the rest of segment 2
+        assert st.put(pinned, pages_for(8, 2), SCOPE, priority=Priority.PINNED).stored == 8
+        assert st.set_tier_limits(disk_bytes=2 * seg * PAGE) == 8  # the pins stay above the limit
+        s = st.stats().as_dict()["tiers"]["disk"]
+        assert s["capacity_bytes"] == 2 * seg * PAGE and s["blocks"] == 32 + 8
+        assert st.lookup(long, SCOPE).tokens_matched == 16 * 32  # the prefix kept, its tail evicted
+        assert st.lookup(pinned, SCOPE).tokens_matched == 16 * 8
+        st.check_integrity()
+        # No new page goes above the limit: a new chain finds room only by evicting below it.
+        other = prompt(16 * 4, seed=3)
+        st.put(other, pages_for(4, 3), SCOPE)
+        assert st.stats().as_dict()["tiers"]["disk"]["segments"] <= 3
+        st.set_priority(pinned, SCOPE, Priority.NORMAL)  # unpinned: the retry takes them
+        assert st.set_tier_limits() == 0
+        assert st.lookup(pinned, SCOPE).tokens_matched == 0
+        assert st.set_tier_limits(disk_bytes=64 * PAGE) == 0
+        assert st.put(prompt(16 * 20, seed=4), pages_for(20, 4), SCOPE).stored == 20
+        assert st.stats().as_dict()["tiers"]["disk"]["blocks"] > 32
+        st.check_integrity()

@@ -33,7 +33,8 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
               help="Optional: open a store for this page layout at start (num_layers=..,num_kv_heads=..,head_dim=..,"
                    "block_size=..,dtype=..). Not needed: clients declare their layout when they connect.")
 @click.option("--max-layouts", type=int, default=None,
-              help="Page layouts (models) served at once; each gets 1/N of every tier budget (default 4, or 1 with --layout).")
+              help="Page layouts (models) served at once (default 4, or 1 with --layout). The N layouts in use share "
+                   "each tier budget, 1/N each; staging is split 1/max-layouts.")
 @click.option("--workers", type=int, default=None,
               help="Threads that run store calls (default 8); disk reads and fsyncs overlap across them.")
 @click.option("--device", default=None, help="cuda:N or cpu (default: cuda:0 when available).")

@@ -56,8 +56,8 @@ class DaemonConfig:
     max_connections: int = 256
     max_inflight: int = 32  # concurrent requests per connection
     workers: int = 8  # threads that run store calls (the event loop never does)
-    # Page layouts served at once; each gets 1/max_layouts of every budget. None: 1 when
-    # ``layout`` is given (a one-model daemon, as before layouts were declared), else 4.
+    # Page layouts served at once; the N in use share each tier budget, 1/N each (layouts.py).
+    # None: 1 when ``layout`` is given (a one-model daemon, as before layouts were declared), else 4.
     max_layouts: int | None = None
     namespace_per_uid: bool = False  # prefix every namespace with "uid<N>/" (trusted side)
     allowed_uids: tuple[int, ...] = ()  # peers besides the daemon's own uid
