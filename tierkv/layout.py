@@ -24,18 +24,28 @@ from .errors import PageFormatError
 # GPUDirect reads (which need 4 KiB alignment of offset, size and buffer) can target them.
 ALIGN = 4096
 
+# Dtypes a model computes KV in (transformers runs in these; `--dtype` choices).
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# Dtypes an engine may *keep* KV in without computing in them: vLLM's fp8 KV caches
+# (``kv_cache_dtype`` fp8/fp8_e4m3 and fp8_e5m2). Pages hold the engine's raw fp8 bytes; the
+# scales the engine quantised with are part of the model version (integrations/vllm_config).
+# Names are torch's, and they are stored in homes and model versions: never rename them.
+FP8_DTYPES: dict[str, torch.dtype] = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+PAGE_DTYPES: dict[str, torch.dtype] = {**DTYPES, **FP8_DTYPES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
+    for name, value in PAGE_DTYPES.items():
         if value == dtype:
             return name
-    raise PageFormatError(f"unsupported KV dtype {dtype}", hint=f"use one of {sorted(DTYPES)}")
+    raise PageFormatError(f"unsupported KV dtype {dtype}", hint=f"use one of {sorted(PAGE_DTYPES)}")
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -57,12 +67,12 @@ class PageLayout:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"PageLayout.{field} must be a positive int, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"PageLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in PAGE_DTYPES:
+            raise ValueError(f"PageLayout.dtype must be one of {sorted(PAGE_DTYPES)}, got {self.dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return PAGE_DTYPES[self.dtype]
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -148,7 +158,7 @@ def pack_pages(
 
 # numpy moves bytes of any dtype through an integer view of the same width (it has no
 # bfloat16); a permuted copy is only byte moves, so the integer view is exact.
-_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32}
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def kv_buffer(layout: PageLayout, n_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -163,7 +173,7 @@ def kv_buffer(layout: PageLayout, n_blocks: int, device: torch.device | str = "c
     device = torch.device(device)
     if device.type != "cpu":
         return torch.empty(shape, dtype=layout.torch_dtype, device=device)
-    np_int = np.int16 if layout.torch_dtype.itemsize == 2 else np.int32
+    np_int = {1: np.uint8, 2: np.int16, 4: np.int32}[layout.torch_dtype.itemsize]
     return torch.from_numpy(np.empty(shape, dtype=np_int)).view(layout.torch_dtype)
 
 

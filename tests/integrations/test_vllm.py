@@ -154,6 +154,133 @@ def test_unexpected_cache_shapes_are_refused():
         PagedKV({"l.0.attn": torch.zeros(4, 2, B, 64), "l.1.attn": torch.zeros(4, 2, B, 64)}, layout, 4, KV_BY_TOKENS)
 
 
+# ---- fp8 KV caches (issue 14, item 1) -----------------------------------------------------
+def fake_vllm_config(cache_dtype="auto", quantization=None, skip=(), dtype=torch.float32):
+    """The fields of vLLM's VllmConfig that layout_from_vllm and kv_format read."""
+    mc = SimpleNamespace(dtype=dtype, quantization=quantization, use_mla=False, model="/nowhere",
+                         get_total_num_hidden_layers=lambda: 2, get_total_num_kv_heads=lambda: 2,
+                         get_head_size=lambda: 32)
+    cc = SimpleNamespace(cache_dtype=cache_dtype, block_size=B, kv_cache_dtype_skip_layers=list(skip))
+    return SimpleNamespace(model_config=mc, cache_config=cc,
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+
+def fp8_host() -> bool:
+    """Whether vLLM's CPU backend runs fp8 KV caches here (x86 with AVX-512 or AMX)."""
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_fp8_caches_move_as_raw_bytes(fp8, split, ratio):
+    # vLLM allocates fp8 caches as uint8; pages name the fp8 type and hold the same bytes, every
+    # one of the 256 codes (NaN and inf codes included) unchanged, out and back in.
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B, dtype=fp8)
+    n = B // ratio
+    caches = {f"l.{i}.attn": torch.randint(0, 256, (6 * ratio, 2, n, 64), dtype=torch.uint8) for i in range(2)}
+    paged = PagedKV(caches, layout, 6, split)
+    pages = paged.gather([4, 1])
+    assert pages.dtype == layout.torch_dtype and pages.shape == (2, *layout.shape)
+    for p, block in enumerate([4, 1]):
+        for layer in range(2):
+            for t in (0, 7, B - 1):
+                k, v = reference_kv(caches[f"l.{layer}.attn"], split, ratio, block, t)
+                assert torch.equal(pages[p, layer, 0, t].view(torch.uint8), k)
+                assert torch.equal(pages[p, layer, 1, t].view(torch.uint8), v)
+    blank = {name: torch.zeros_like(c) for name, c in caches.items()}
+    target = PagedKV(blank, layout, 6, split)
+    target.copy_in(pages.flip(0), [1, 0], [4, 1])  # from pool slots, as a lease hands them out
+    target.scatter(pages[:1], [2])
+    for name, cache in caches.items():
+        for block, src in ((4, 4), (1, 1), (2, 4)):
+            got = blank[name][block * ratio:(block + 1) * ratio]
+            assert torch.equal(got, cache[src * ratio:(src + 1) * ratio]), (name, block)
+    with pytest.raises(UnsupportedCacheError):  # a cache in another 1-byte dtype is not fp8 codes
+        PagedKV({k: v.view(torch.int8) for k, v in caches.items()}, layout, 6, split)
+
+
+def test_fp8_kv_format_names_the_bytes_and_their_scales():
+    from tierkv.integrations import vllm_config as vc
+
+    with mock.patch("vllm.v1.attention.backends.cpu_attn._get_attn_isa", return_value="vec"):
+        auto = vc.kv_format(fake_vllm_config())
+        fp8, e4m3, e5m2 = (vc.kv_format(fake_vllm_config(d)) for d in ("fp8", "fp8_e4m3", "fp8_e5m2"))
+        checkpoint = vc.kv_format(fake_vllm_config("fp8", quantization="compressed-tensors"))
+        layout = vc.layout_from_vllm(fake_vllm_config("fp8_e5m2"))
+    with mock.patch("vllm.v1.attention.backends.cpu_attn._get_attn_isa", return_value="amx"):
+        amx = vc.kv_format(fake_vllm_config("fp8"))
+    assert auto == vc.KVFormat("float32", "")  # unchanged: vLLM and `tierkv materialize` share pages
+    assert fp8 == e4m3 and fp8.dtype == "float8_e4m3fn" and e5m2.dtype == layout.dtype == "float8_e5m2"
+    assert fp8.identity == "kv=float8_e4m3fn;scales=unit;cpu-isa=vec"
+    assert checkpoint.identity == "kv=float8_e4m3fn;scales=checkpoint;quantization=compressed-tensors;cpu-isa=vec"
+    assert amx.identity != fp8.identity  # another kernel may pack the bytes differently
+    mv = "cd" * 32
+    versions = {vc.with_kv_identity(mv, f.identity) for f in (auto, fp8, e5m2, checkpoint, amx)}
+    assert vc.with_kv_identity(mv, "") == mv and len(versions) == 5
+    # An online-quantised model computes other KV from the same files, whatever the cache dtype.
+    assert vc.kv_format(fake_vllm_config(quantization="fp8")).identity == "quantization=fp8"
+
+
+@pytest.mark.parametrize("cache_dtype", ["nvfp4", "int8_per_token_head", "fp8_per_token_head", "fp8_inc", "fp8_ds_mla"])
+def test_other_quantised_caches_disable_the_connector_loudly(cache_dtype, caplog):
+    from tierkv.integrations.vllm import _identity
+
+    with caplog.at_level("WARNING", logger="tierkv.integrations.vllm"):
+        assert _identity(fake_vllm_config(cache_dtype), ConnectorConfig(home="/x"), None) == (None, None)
+    assert f"TierKVConnector disabled: kv cache dtype {cache_dtype!r} is not supported" in caplog.text
+
+
+def test_fp8_with_unquantised_layers_is_refused():
+    from tierkv.integrations.vllm_config import UnsupportedModelError, kv_format
+
+    with pytest.raises(UnsupportedModelError, match="kv_cache_dtype_skip_layers"):
+        kv_format(fake_vllm_config("fp8", skip=["0"]))
+
+
+@pytest.mark.skipif(fp8_host(), reason="this host runs fp8 KV caches: test_fp8_kv_hit_after_restart_is_exact covers it")
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_without_avx512_vllm_and_the_connector_refuse_fp8(cache_dtype):
+    # vLLM 0.32's CPU backend lists fp8 KV as supported but its kernels exist only in the
+    # AVX-512 build; elsewhere the engine fails to start (the attention metadata builder
+    # raises this). The connector's identity asks the same function, so it says why too.
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from tierkv.integrations.vllm_config import UnsupportedModelError, kv_format
+
+    with pytest.raises(NotImplementedError, match="FP8 KV cache on CPU requires x86 with AVX-512 or AMX"):
+        _get_attn_isa(torch.float32, B, 32, cache_dtype)
+    with pytest.raises(UnsupportedModelError, match="AVX-512"):
+        kv_format(fake_vllm_config(cache_dtype))
+
+
+def test_fp8_scales_other_than_one_disable_the_worker():
+    from tierkv.integrations.vllm_worker import check_unit_scales
+
+    check_unit_scales({"l.0.attn": (1.0, 1.0), "l.1.attn": (1.0, 1.0)})
+    with pytest.raises(UnsupportedCacheError, match="k_scale=0.5"):
+        check_unit_scales({"l.0.attn": (1.0, 1.0), "l.1.attn": (0.5, 1.0)})
+
+
+def test_fp8_pages_round_trip_through_a_store(tmp_path):
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B, dtype="float8_e5m2")
+    opts = dict(home=str(tmp_path / "home"), device_bytes=1 << 20, host_bytes=1 << 20, disk_bytes=4 << 20)
+    raw = torch.randint(0, 256, (2, *layout.shape), dtype=torch.uint8)
+    scope, tokens = Scope(MV), list(range(2 * B))
+    handle = StoreHandle(ConnectorConfig(**opts), layout)
+    assert handle.put(tokens, raw.view(layout.torch_dtype), scope, 0)
+    handle.close()
+    handle = StoreHandle(ConnectorConfig(**opts), layout)  # reopened: the pages come from disk
+    lease = handle.acquire(tokens, scope, 2)
+    assert lease is not None and lease.num_blocks == 2
+    try:
+        got = lease.pool[list(lease.slots)]
+        assert got.dtype == layout.torch_dtype and torch.equal(got.view(torch.uint8), raw)
+    finally:
+        lease.release()
+    handle.close()
+
+
 # ---- the scheduler side -----------------------------------------------------------------
 def scheduler_output(new=(), cached=(), spec=None):
     """The fields of vLLM's SchedulerOutput the connector reads."""
@@ -434,11 +561,12 @@ SHARED = 4 * B
 
 
 def run_engine(model_dir: Path, extra: dict | None = None, prompts=(PROMPT,), sequential: bool = False,
-               multiprocess: bool = False, **engine_kw):
-    """Generate 3 tokens greedily with a fresh engine (no vLLM prefix caching unless
-    ``engine_kw`` turns it on); ``prompts`` go in one batch, or one after the other with
-    ``sequential``. Returns (per prompt: token ids and first-token logprobs), scheduler
-    stats, worker stats (None with ``multiprocess``: the connectors live in other processes)."""
+               multiprocess: bool = False, max_tokens: int = 3, **engine_kw):
+    """Generate ``max_tokens`` tokens greedily with a fresh engine (no vLLM prefix caching
+    unless ``engine_kw`` turns it on); ``prompts`` go in one batch, or one after the other
+    with ``sequential`` (then a prompt may be a function of the results so far: a chat's
+    next turn). Returns (per prompt: token ids and first-token logprobs), scheduler stats,
+    worker stats (None with ``multiprocess``: the connectors live in other processes)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -452,15 +580,17 @@ def run_engine(model_dir: Path, extra: dict | None = None, prompts=(PROMPT,), se
     engine_kw = {"enable_prefix_caching": False, **engine_kw}
     env = mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"})
     env.start()
+    _no_dunder_lookups_on_llvmlite_lib()
     llm = LLM(model=str(model_dir), enforce_eager=True, distributed_executor_backend="uni", block_size=B,
               dtype="float32", max_model_len=1024, seed=0, **engine_kw, **kw)
     try:
-        inputs = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
-        params = SamplingParams(max_tokens=3, temperature=0, logprobs=5)
-        batches = [[p] for p in inputs] if sequential else [inputs]
-        outs = [o for batch in batches for o in llm.generate(batch, params)]
-        results = [(list(o.outputs[0].token_ids), {k: v.logprob for k, v in o.outputs[0].logprobs[0].items()})
-                   for o in outs]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=5)
+        results: list = []
+        for batch in ([[p] for p in prompts] if sequential else [list(prompts)]):
+            inputs = [p(results) if callable(p) else p for p in batch]
+            inputs = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in inputs]
+            results += [(list(o.outputs[0].token_ids), {k: v.logprob for k, v in o.outputs[0].logprobs[0].items()})
+                        for o in llm.generate(inputs, params)]
         sched = wstats = None
         if extra is not None and not multiprocess:
             sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.stats()
@@ -472,6 +602,30 @@ def run_engine(model_dir: Path, extra: dict | None = None, prompts=(PROMPT,), se
         cleanup_dist_env_and_memory()
         env.stop()
     return results, sched, wstats
+
+
+def _no_dunder_lookups_on_llvmlite_lib() -> None:
+    """Work around a vLLM 0.32 / llvmlite clash, not a tierkv one: at engine start vLLM scans
+    every module's globals with ``vars(value).get("kernel")`` where ``hasattr(value,
+    "__dict__")`` (triton_utils.dispatcher._rebind_kernels). Once the n-gram proposer's numba
+    code has loaded ``llvmlite.binding.ffi``, its ``lib`` answers *any* attribute, ``__dict__``
+    too, with a function wrapper, and the next engine in that process fails to start with
+    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``."""
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    wrapper = getattr(ffi, "_lib_wrapper", None)
+    if wrapper is None or getattr(wrapper, "_tierkv_patched", False):
+        return
+    original = wrapper.__getattr__
+
+    def getattr_(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return original(self, name)
+
+    wrapper.__getattr__ = getattr_
+    wrapper._tierkv_patched = True
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -744,3 +898,88 @@ def test_a_daemon_with_only_home_and_socket_serves_vllm(model_dir, reference, tm
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+# ---- issue 14: fp8 KV, multi-turn, speculative decoding on real engines ------------------
+ANSWER_TOKENS = 50  # 150 + 50 tokens: blocks 4-5 of the chain hold generated tokens
+USER2 = [11 + (i * 13) % 250 for i in range(20)]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def next_turn(results: list) -> list[int]:
+    """Turn 2 of a chat: the first turn's prompt and answer, then new user text."""
+    return PROMPT + results[0][0] + USER2
+
+
+def computed_blocks_tokens(prompt_len: int, answer_len: int) -> int:
+    """Tokens in the full blocks whose KV a request computed: its prompt and answer except the
+    last sampled token (never fed back)."""
+    return (prompt_len + answer_len - 1) // B * B
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fp8_host(), reason="vLLM's CPU backend refuses fp8 KV without AVX-512/AMX "
+                                           "(test_without_avx512_vllm_and_the_connector_refuse_fp8 checks the refusal)")
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])  # fp8_e4m3 is an alias of fp8 (same identity)
+def test_fp8_kv_hit_after_restart_is_exact(model_dir, cache_dtype, tmp_path):
+    home = tmp_path / "home"
+    want = run_engine(model_dir, kv_cache_dtype=cache_dtype)[0]
+    results, _, worker = run_engine(model_dir, store_options(home), kv_cache_dtype=cache_dtype)
+    assert worker["saved_tokens"] == SHARED and results[0][0] == want[0][0]
+    import json
+
+    layouts = json.dumps([json.loads(p.read_text()) for p in home.rglob("layout.json")])
+    results, sched, worker = run_engine(model_dir, store_options(home), kv_cache_dtype=cache_dtype)
+    assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED, layouts
+    assert results[0][0] == want[0][0]
+    assert max_diff(results[0][1], want[0][1]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_second_turn_hits_the_first_turns_prompt_and_answer_after_a_restart(model_dir, reference, tmp_path):
+    home = tmp_path / "home"
+    alone = run_engine(model_dir, prompts=(PROMPT, next_turn), sequential=True, max_tokens=ANSWER_TOKENS)[0]
+    (turn1,), _, worker = run_engine(model_dir, store_options(home), max_tokens=ANSWER_TOKENS)
+    assert turn1[0] == alone[0][0] and turn1[0][:3] == reference[0][0]
+    answered = computed_blocks_tokens(len(PROMPT), ANSWER_TOKENS)
+    assert answered >= len(PROMPT) // B * B + 2 * B  # the answer fills blocks of its own
+    assert worker["saved_tokens"] == answered  # the decoded blocks too, not only the prompt's
+    # A restarted engine: turn 2 repeats the answer and loads it from tierkv.
+    (turn2,), sched, worker = run_engine(model_dir, store_options(home), prompts=(next_turn([turn1]),),
+                                         max_tokens=ANSWER_TOKENS)
+    assert sched["hit_tokens"] == answered and worker["loaded_tokens"] == answered
+    assert worker["load_failed_blocks"] == 0
+    assert turn2[0] == alone[1][0]
+    assert max_diff(turn2[1], alone[1][1]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_ngram_speculative_decoding_saves_only_accepted_tokens(model_dir, tmp_path):
+    from tierkv.integrations.vllm_scheduler import SchedulerSide
+
+    home = tmp_path / "home"
+    spec = dict(max_tokens=ANSWER_TOKENS, speculative_config=NGRAM)
+    alone = run_engine(model_dir, prompts=(PROMPT, next_turn), sequential=True, **spec)[0]
+    drafts: list[int] = []
+    build = SchedulerSide.build
+
+    def spy(self, out):  # the draft tokens vLLM scheduled: the test is moot without them
+        drafts.extend(len(d) for d in out.scheduled_spec_decode_tokens.values())
+        return build(self, out)
+
+    with mock.patch.object(SchedulerSide, "build", spy):
+        (turn1,), _, worker = run_engine(model_dir, store_options(home), **spec)
+    assert turn1[0] == alone[0][0]
+    decode_steps = len(drafts)
+    assert sum(drafts) > 0 and decode_steps < ANSWER_TOKENS - 1  # drafts were accepted: fewer steps than tokens
+    answered = computed_blocks_tokens(len(PROMPT), ANSWER_TOKENS)
+    assert worker["saved_tokens"] == answered  # committed tokens only: a draft's block is never saved
+    # Restart: the same request hits its prompt's blocks, and the next turn hits through the
+    # answer, whose blocks were computed as accepted drafts; both match vLLM alone.
+    results, sched, worker = run_engine(model_dir, store_options(home), prompts=(PROMPT, next_turn),
+                                        sequential=True, **spec)
+    assert sched["hit_tokens"] == SHARED + answered and worker["loaded_tokens"] == SHARED + answered
+    assert worker["load_failed_blocks"] == 0
+    for got, want in zip(results, alone):
+        assert got[0] == want[0]
+        assert max_diff(got[1], want[1]) <= 1e-5

