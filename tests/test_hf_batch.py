@@ -113,7 +113,7 @@ def test_prefix_pages_are_leased_once_for_all_requests(model, store):
     original = cascade_attention.BatchAttention.begin_decode
 
     def spy(self, active):
-        blocks = [b for b in store.table.blocks.values() if b.leases]
+        blocks = [b for b in store.placement.table.blocks.values() if b.leases]
         seen.append((store.stats()["leased_blocks"], [b.leases for b in blocks]))
         return original(self, active)
 

@@ -126,4 +126,4 @@ def test_pin_covers_blocks_stored_by_an_earlier_unpinned_run(llama_lm, repo, sto
     made = materialize(store, llama_lm, [repo], pin=True)
     assert made.cached_tokens == 64 and made.stored_blocks > 0
     keys = store.lookup(document_tokens(llama_lm, [repo]).tokens, llama_lm.scope()).keys
-    assert {store.table.get(k).priority for k in keys} == {Priority.PINNED}
+    assert {store.placement.table.get(k).priority for k in keys} == {Priority.PINNED}

@@ -1,7 +1,7 @@
 """Ingest: ``put``, the write path of the store, and its undo.
 
-A mixin of :class:`tierkv.store.Store` (it uses the store's lock, table, tiers and index and
-the placement helpers of :class:`~tierkv.placement.Placement`). The order that makes a put
+:class:`Ingest` is given the store's :class:`~tierkv.placement.Placement` (its lock, table,
+tiers and index, and the allocation and write-back it does). The order that makes a put
 crash-safe: claim the keys and disk slots under the lock; outside it, write the pages and
 fsync them, then commit the index; only then enter the blocks in the table and return.
 A crash before the commit leaves slots nothing points to, reclaimed at the next open.
@@ -9,7 +9,6 @@ A crash before the commit leaves slots nothing points to, reclaimed at the next 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -43,12 +42,23 @@ class _PagesByKey(Mapping[bytes, torch.Tensor]):
         return len(self._rows)
 
 
-class Ingest(Placement):
-    _io_lock: threading.Lock  # serialises disk writes (one fsync stream); made by Store
-    _writing: set[bytes]  # keys a put has claimed and not yet entered or abandoned
-    _checksummer: ThreadPoolExecutor  # made by Store
+class Ingest:
+    """The write path: ``put`` and its undo."""
 
-    def _check_usable(self) -> None: ...  # provided by Store
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        # The placement's parts, bound once (they never change): read on every put.
+        self.config, self.layout, self.table = placement.config, placement.layout, placement.table
+        self.disk, self.index, self.stats_counters = placement.disk, placement.index, placement.stats_counters
+        self._lock = placement.lock
+        self._io_lock = threading.Lock()  # serialises a put's disk writes (one fsync stream)
+        self._writing: set[bytes] = set()  # keys a put has claimed and not yet entered or abandoned
+
+    def check_integrity(self) -> None:
+        """(held: the lock) A key is claimed by a put only while it is not in the table:
+        the put enters its blocks and drops its claims in one hold of the lock."""
+        claimed = self._writing & self.table.blocks.keys()
+        assert not claimed, f"{len(claimed)} key(s) claimed by a put are already in the table"
 
     def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
             start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
@@ -61,7 +71,6 @@ class Ingest(Placement):
         Raises PageFormatError, InvalidTokensError, or DiskWriteError (the tier is then marked
         degraded; later puts keep to memory until it recovers).
         """
-        self._check_usable()
         arr = as_token_array(tokens)
         n_full = len(arr) // self.layout.block_size
         n = int(pages.shape[0]) if isinstance(pages, torch.Tensor) and pages.dim() > 0 else 0
@@ -91,7 +100,7 @@ class Ingest(Placement):
                     # A stored block under this key with other token ids (a corrupt record or
                     # a collision): it can never be served, so the new block replaces it.
                     self.stats_counters.token_mismatch += 1
-                    if not self._quarantine(old, "stored token ids differ from a put's"):
+                    if not self.placement.quarantine(old, "stored token ids differ from a put's"):
                         continue  # the index refused the quarantine: keep the old one, store nothing
                     old = None
                 if keys[i] in self._writing or old is not None:
@@ -114,9 +123,9 @@ class Ingest(Placement):
                 if durable_wanted and self.disk.capacity_slots and not self.disk.degraded:
                     for blk in cached:
                         if DISK not in blk.loc and blk.priority != Priority.EPHEMERAL:
-                            self._flush_to_disk(blk)
+                            self.placement.flush_to_disk(blk)
                     for b in new:
-                        loc = self._alloc_disk(b.model_version, cached)
+                        loc = self.placement.alloc_disk(b.model_version, cached)
                         if loc is None:
                             break  # disk full of pinned/leased blocks: the rest stays in memory
                         disk_plan.append((loc, b))
@@ -134,7 +143,7 @@ class Ingest(Placement):
                 # Order matters: pages and their slot records written and fsynced, then the
                 # index commit, then we ack. A slot record carries the checksum, so it waits.
                 with self._io_lock:
-                    records = [self._record(b, loc) for loc, b in disk_plan]
+                    records = [self.placement.record(b, loc) for loc, b in disk_plan]
                     self.disk.write_pages(items, [r.slot_body() for r in records])
                     self.index.put_blocks(records)
         except BaseException:
@@ -165,7 +174,7 @@ class Ingest(Placement):
             if DISK in b.loc or self.table.get(b.key) is not b:
                 continue
             for t in list(b.loc):
-                self._free(b, t)
+                self.placement.free(b, t)
             if self.table.get(b.key) is b:
                 self.table.remove(b)
 
@@ -185,7 +194,7 @@ class Ingest(Placement):
                 self.table.add(b)
         chain = [blk for k in keys if (blk := get(k)) is not None]
         try:
-            with self._held(chain):
+            with self.placement.held(chain):
                 tiers = [DEVICE, HOST]
                 # Pages are copied in one batch per tier at the end: the slots are placed
                 # first, but every block of this put is held, so nothing moves or reads them
@@ -194,11 +203,11 @@ class Ingest(Placement):
 
                 def copy_pending() -> None:
                     for t, (slots, rows) in pending.items():
-                        self._tier(t).write_many(slots, pages, rows)
+                        self.placement.tier(t).write_many(slots, pages, rows)
                         slots.clear()
                         rows.clear()
 
-                alloc_mem, place = self._alloc_mem, self.table.place
+                alloc_mem, place = self.placement.alloc_mem, self.table.place
                 for b in new:
                     while tiers:
                         slot = alloc_mem(tiers[0])
@@ -211,7 +220,7 @@ class Ingest(Placement):
                         tiers.pop(0)
                     if not b.loc and b.priority != Priority.EPHEMERAL:
                         copy_pending()  # write-back may read this put's earlier pages from memory
-                        self._flush_to_disk(b, page_of[b.key])  # write-back: memory is full
+                        self.placement.flush_to_disk(b, page_of[b.key])  # write-back: memory is full
                     if not b.loc:
                         self.stats_counters.admissions_refused += 1
                         self.table.remove(b)  # nowhere to keep it: the put stored nothing for it

@@ -1,7 +1,9 @@
-"""Store operations: pinning, named manifests, invalidation, scrubbing, statistics and
-the integrity check. A mixin of :class:`tierkv.store.Store`: it uses the store's lock, block
-table, tiers and index, and the placement helpers (``_retire``, ``_quarantine``,
-``_flush_to_disk``) of :class:`tierkv.placement.Placement`.
+"""Store operations: pinning, named manifests, invalidation, scrubbing and statistics.
+
+:class:`StoreOperations` is given the store's :class:`~tierkv.placement.Placement`: it reads
+the block table, tiers and index under the placement's lock, and changes blocks only through
+the placement (``retire``, ``quarantine``, ``flush_to_disk``). :class:`~tierkv.store.Store`
+checks that it is usable (open, same process) before it calls any of these.
 """
 from __future__ import annotations
 
@@ -26,25 +28,26 @@ if TYPE_CHECKING:
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
-class StoreOperations(Placement):
-    # The store's state is declared on Placement. Provided by Store (declared for readers and
-    # type checkers); the placement helpers (_retire, _quarantine, _flush_to_disk, _record,
-    # _unbusy) come from Placement.
-    def _check_usable(self) -> None: ...
-    def _match(self, arr: np.ndarray, scope: "Scope", block_extra: Sequence[Sequence[str | bytes]] | None) -> list[Block]: ...
+class StoreOperations:
+    """The store's operations other than reads and writes of pages."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        # The placement's parts, bound once (they never change).
+        self.config, self.layout, self.table = placement.config, placement.layout, placement.table
+        self.index, self.stats_counters, self._lock = placement.index, placement.stats_counters, placement.lock
+        self.device, self.host, self.disk = placement.device, placement.host, placement.disk
 
     def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
         """Set the priority of the cached prefix of ``tokens`` (pin/unpin); returns the
         number of blocks changed. Pinned blocks are written to disk if they are not yet."""
-        self._check_usable()
         arr = as_token_array(tokens)
         with self._lock:
-            chain = self._match(arr, scope, None)
+            chain = self.placement.match(arr, scope, None)
             return self._set_priority_blocks(chain, priority)
 
     def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
         """Same as :meth:`set_priority` for the chain ending at ``last_key`` (from a manifest)."""
-        self._check_usable()
         with self._lock:
             chain: list[Block] = []
             b = self.table.get(last_key)
@@ -58,9 +61,9 @@ class StoreOperations(Placement):
         for b in chain:
             self.table.set_priority(b, priority)
             if DISK in b.loc:
-                records.append(self._record(b, b.loc[DISK]))
+                records.append(self.placement.record(b, b.loc[DISK]))
             elif priority == Priority.PINNED:
-                self._flush_to_disk(b)  # write-through for pinned prefixes
+                self.placement.flush_to_disk(b)  # write-through for pinned prefixes
         if records:
             self.index.put_blocks(records)
             # The slot records too, so that a rebuilt index keeps the pins (tierkv.repair).
@@ -69,13 +72,11 @@ class StoreOperations(Placement):
 
     def save_manifest(self, name: str, manifest: dict) -> None:
         """Record a named prefix (JSON-able dict) durably."""
-        self._check_usable()
         if not name or "/" in name or len(name) > 200:
             raise ValueError(f"bad manifest name {name!r}: 1-200 characters, no '/'")
         self.index.put_manifest(name, manifest)
 
     def get_manifest(self, name: str) -> dict:
-        self._check_usable()
         m = self.index.get_manifest(name)
         if m is None:
             known = ", ".join(sorted(self.index.list_manifests())) or "none"
@@ -83,16 +84,13 @@ class StoreOperations(Placement):
         return m
 
     def list_manifests(self) -> dict[str, dict]:
-        self._check_usable()
         return self.index.list_manifests()
 
     def delete_manifest(self, name: str) -> bool:
-        self._check_usable()
         return self.index.delete_manifest(name)
 
     def chain_residency(self, last_key: bytes) -> Residency:
         """Blocks of the chain ending at ``last_key``, and how many each tier holds."""
-        self._check_usable()
         with self._lock:
             counts = {t: 0 for t in TIERS}
             blocks = 0
@@ -108,7 +106,6 @@ class StoreOperations(Placement):
         """Token ids, model version and namespace of the stored chain ending at ``last_key``
         (for export, and for pinning a named prefix). Raises NotFoundError when any block of
         the chain is missing."""
-        self._check_usable()
         with self._lock:
             parts: list[bytes] = []
             b = self.table.get(last_key)
@@ -129,7 +126,6 @@ class StoreOperations(Placement):
         """Remove every block of ``model_version`` and/or ``namespace`` from every tier.
         Leased blocks become unreachable at once and are freed when their lease ends.
         Idempotent; segments left empty are deleted (disk space returned)."""
-        self._check_usable()
         if model_version is None and namespace is None:
             raise ValueError("invalidate needs model_version or namespace")
         with self._lock:
@@ -144,7 +140,7 @@ class StoreOperations(Placement):
             # One index transaction for all (index first), then the slots.
             self.index.delete_blocks(b.key for b in victims if DISK in b.loc)
             for b in victims:
-                self._retire(b, index_done=True)
+                self.placement.retire(b, index_done=True)
         return InvalidateResult(len(victims), size)
 
     def verify(self, repair: bool = False) -> VerifyResult:
@@ -153,7 +149,6 @@ class StoreOperations(Placement):
         Only a checksum mismatch or a slot its segment provably lacks makes a page corrupt.
         A page that cannot be read (an I/O error) is reported as unreadable, never
         quarantined: the error says nothing about the page (docs/operations.md)."""
-        self._check_usable()
         with self._lock:
             targets = [(b, b.loc[DISK]) for b in self.table.blocks.values() if DISK in b.loc]
             for b, _ in targets:
@@ -174,7 +169,7 @@ class StoreOperations(Placement):
         finally:
             with self._lock:
                 for b, _ in targets:
-                    self._unbusy(b)  # frees blocks invalidated while they were being read
+                    self.placement.unbusy(b)  # frees blocks invalidated while they were being read
                 for _, e in unreadable:
                     self.disk.note_read_error(e)
                 if targets and not unreadable:
@@ -182,14 +177,13 @@ class StoreOperations(Placement):
                 if repair:
                     for b in bad:
                         if not b.dead:
-                            self._quarantine(b, "page checksum mismatch or page missing (verify)")
+                            self.placement.quarantine(b, "page checksum mismatch or page missing (verify)")
         return VerifyResult(len(targets), tuple(b.key.hex() for b in bad), repair,
                             unreadable=tuple(b.key.hex() for b, _ in unreadable))
 
     def pinned_blocks(self, namespace_prefix: str = "") -> int:
         """Pinned blocks whose namespace starts with ``namespace_prefix`` (the daemon's
         per-tenant pinned quota; pinned blocks never leave the disk tier). O(blocks)."""
-        self._check_usable()
         with self._lock:
             return sum(1 for b in self.table.blocks.values()
                        if b.priority == Priority.PINNED and b.namespace.startswith(namespace_prefix))
@@ -197,7 +191,6 @@ class StoreOperations(Placement):
     def stats(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> StoreStats:
         """Per-tier occupancy and counters (``as_dict()`` is the JSON shape); ``namespaces``
         paged as :meth:`tierkv.api.StoreAPI.stats` says (all of them by default)."""
-        self._check_usable()
         with self._lock:
             tiers = {
                 t.value: TierStats(tier.slots.num_used, tier.used_bytes, tier.capacity_bytes, tier.describe())
@@ -218,25 +211,3 @@ class StoreOperations(Placement):
                 counters=CounterStats.from_dict({**self.stats_counters.as_dict(), **self.table.policy_stats()}),
                 index_resizes=self.index.resizes, stale_readers_cleared=self.index.stale_readers_cleared,
             )
-
-    def check_integrity(self) -> None:
-        """Recompute every total from its source of truth; AssertionError on a mismatch."""
-        self._check_usable()
-        with self._lock:
-            self.table.check_integrity()
-            self.device.check_integrity()
-            self.host.check_integrity()
-            self.disk.check_integrity()
-            for t, tier in ((DEVICE, self.device), (HOST, self.host)):
-                placed = {b.loc[t] for b in self.table.blocks.values() if t in b.loc}
-                placed |= {b.loc[t] for b in self._dead if t in b.loc}
-                assert placed == tier.slots.used_slots(), f"{t.value}: slot owners disagree with the allocator"
-            disk_blocks = {b.key: b.loc[DISK] for b in self.table.blocks.values() if DISK in b.loc}
-            assert len(set(disk_blocks.values())) == len(disk_blocks), "two blocks share a disk slot"
-            assert self.disk.num_used == len(disk_blocks) + sum(1 for b in self._dead if DISK in b.loc)
-            indexed = {k: rec for k, rec in self.index.iter_blocks()}
-            assert set(indexed) == set(disk_blocks), "index entries and disk-resident blocks differ"
-            for k, rec in indexed.items():
-                assert rec is not None and rec.disk_loc == disk_blocks[k], f"index location of {k.hex()[:12]} is stale"
-            self.index.check_integrity()
-

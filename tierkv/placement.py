@@ -1,8 +1,10 @@
 """Placement: which tier a block's pages live in, and the only code that moves them.
 
-A mixin of :class:`tierkv.store.Store`. Every method here runs with the store lock held and
-changes locations only through ``BlockTable.place`` / ``unplace`` paired with the tiers'
-``alloc`` / ``free``. Making room evicts least-recently-used evictable blocks (leaf first,
+:class:`Placement` owns the block table, the three tiers, the index, the store lock and the
+eviction listeners; :class:`tierkv.store.Store` builds it, and the parts that read and write
+pages (ingest, promotion, the store operations) are given it. Every method here runs with
+``lock`` held and changes locations only through ``BlockTable.place`` / ``unplace`` paired
+with the tiers' ``alloc`` / ``free``. Making room evicts least-recently-used evictable blocks (leaf first,
 see :meth:`BlockTable.victim`); a block evicted from memory moves one tier down
 (device -> host, or write-back to disk when it has no copy below), never silently lost
 while a tier below can take it. Write-back takes a block's missing prefix along first, so
@@ -20,17 +22,19 @@ from typing import TYPE_CHECKING, Sequence
 
 from .blocks import Block, BlockTable, Priority
 from .errors import DiskWriteError, IndexWriteError, LeaseError
+from .eviction import EvictionListeners
+from .identity import iter_block_keys
 from .index import BlockRecord
+from .stats import Counters
 from .tiers import TierName
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from .config import StoreConfig
-    from .eviction import EvictionListeners
+    from .identity import Scope
     from .index import Index
-    from .layout import PageLayout
-    from .stats import Counters
     from .tiers import DiskTier, MemoryTier
 
 log = logging.getLogger(__name__)
@@ -39,30 +43,58 @@ _TIER_VALUE = {t: t.value for t in TierName}
 
 
 class Placement:
-    config: "StoreConfig"
-    layout: "PageLayout"
-    table: BlockTable
-    index: "Index"
-    device: "MemoryTier"
-    host: "MemoryTier"
-    disk: "DiskTier"
-    stats_counters: "Counters"
-    _lock: threading.RLock
-    _dead: list[Block]
-    eviction_listeners: "EvictionListeners"
+    """The block table and the tiers and index its locations point into, under one lock."""
 
-    def _tier(self, t: TierName) -> "MemoryTier":
+    def __init__(self, config: "StoreConfig", index: "Index", device: "MemoryTier", host: "MemoryTier",
+                 disk: "DiskTier") -> None:
+        self.config = config
+        self.layout = config.layout
+        self.index, self.device, self.host, self.disk = index, device, host, disk
+        # One lock guards the table and the slot allocators (tierkv.store says what runs
+        # outside it).
+        self.lock = threading.RLock()
+        self.table = BlockTable(config.eviction_policy, {
+            DEVICE: device.slots.capacity, HOST: host.slots.capacity, DISK: disk.capacity_slots,
+        })
+        self.eviction_listeners = EvictionListeners()
+        self.stats_counters = Counters()
+        # Retired (dead) blocks whose pages wait for their last lease or in-flight read.
+        self._dead: list[Block] = []
+
+    def tier(self, t: TierName) -> "MemoryTier":
         return self.device if t == DEVICE else self.host
 
+    # ---- matching ------------------------------------------------------------------------
+    def match(self, arr: "np.ndarray", scope: "Scope",
+              block_extra: "Sequence[Sequence[str | bytes]] | None") -> list[Block]:
+        """The longest chain of stored blocks for ``arr`` whose token ids equal the
+        request's (held: the lock). A block whose stored ids differ is a collision or a
+        corrupt record: quarantined, and the chain ends there."""
+        bs = self.layout.block_size
+        step = 4 * bs
+        raw = arr.tobytes()
+        get = self.table.blocks.get
+        chain: list[Block] = []
+        for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra)):
+            b = get(key)
+            if b is None or b.dead:
+                break
+            if b.tokens != raw[i * step : (i + 1) * step]:
+                self.stats_counters.token_mismatch += 1
+                self.quarantine(b, "stored token ids differ from the request's")
+                break
+            chain.append(b)
+        return chain
+
     # ---- allocation with eviction -----------------------------------------------------
-    def _alloc_mem(self, t: TierName) -> int | None:
+    def alloc_mem(self, t: TierName) -> int | None:
         """A free slot of memory tier ``t``, evicting as needed; None when every block there
         is leased, busy or has an extension in the tier."""
-        alloc = self._tier(t).slots.alloc
+        alloc = self.tier(t).slots.alloc
         slot = alloc()
         if slot is not None:
             return slot
-        victim_of, evict = self.table.victim, self._evict
+        victim_of, evict = self.table.victim, self.evict
         while slot is None:
             victim = victim_of(t)
             if victim is None:
@@ -71,19 +103,19 @@ class Placement:
             slot = alloc()
         return slot
 
-    def _alloc_disk(self, model_version: str, keep: Sequence[Block] = ()) -> int | None:
+    def alloc_disk(self, model_version: str, keep: Sequence[Block] = ()) -> int | None:
         """A free disk slot for ``model_version``, never evicting the blocks in ``keep``;
         None when nothing can be evicted. Raises DiskWriteError when a new segment cannot be
         created (the tier is then degraded)."""
         loc = self.disk.alloc(model_version)
         if loc is not None:
             return loc  # the common case: no eviction, so nothing to protect
-        with self._held(keep):
+        with self.held(keep):
             while loc is None:
                 victim = self.table.victim(DISK)
                 if victim is None:
                     return None
-                self._evict(victim, DISK)
+                self.evict(victim, DISK)
                 loc = self.disk.alloc(model_version)
             return loc
 
@@ -96,7 +128,7 @@ class Placement:
             p = self.table.get(p.parent)
         return out
 
-    def _evict(self, b: Block, t: TierName) -> None:
+    def evict(self, b: Block, t: TierName) -> None:
         """Take ``b`` out of tier ``t``: demote it to the host when it leaves the device, and
         write it back to disk when this was its last copy (ephemeral blocks are just dropped)."""
         self.stats_counters.evictions[_TIER_VALUE[t]] += 1
@@ -108,7 +140,7 @@ class Placement:
             # memory tier, where this is every eviction.
             if self.eviction_listeners and len(b.loc) == 1:
                 self.eviction_listeners.notify(b, t.value, lambda: self._page_copy(b, t))
-            self._free(b, t, evicted=True)
+            self.free(b, t, evicted=True)
             return
         with self.table.held([b]):  # the nested evictions a move triggers never pick b
             if (t == DEVICE and HOST not in b.loc and self.host.slots.capacity
@@ -119,7 +151,7 @@ class Placement:
                 # Write-back (write_through=False, or a put that could not reach disk):
                 # the last memory copy goes to disk instead of being lost. Without a usable
                 # disk tier there is nothing to write (and no ancestor walk to pay for).
-                self._flush_to_disk(b)
+                self.flush_to_disk(b)
             if t == DISK:
                 # Index first, then the slot: a crash in between leaves an unreferenced slot,
                 # which the next open reclaims.
@@ -127,23 +159,23 @@ class Placement:
         if self.eviction_listeners and set(b.loc) == {t}:
             # Its last local copy is going: listeners (a cluster node) may keep it elsewhere.
             self.eviction_listeners.notify(b, t.value, lambda: self._page_copy(b, t))
-        self._free(b, t, evicted=True)
+        self.free(b, t, evicted=True)
 
     def _page_copy(self, b: Block, t: TierName) -> "torch.Tensor":
         """A CPU copy of ``b``'s page in tier ``t`` (held: the lock)."""
         if t == DISK:
             return self.disk.read_page(b.loc[DISK]).cpu()
-        return self._tier(t).page(b.loc[t]).detach().to("cpu", copy=True)
+        return self.tier(t).page(b.loc[t]).detach().to("cpu", copy=True)
 
     def _demote(self, b: Block, src: TierName, dst: TierName) -> None:
-        slot = self._alloc_mem(dst)
+        slot = self.alloc_mem(dst)
         if slot is None:
             return
-        self._tier(dst).write(slot, self._tier(src).page(b.loc[src]))
+        self.tier(dst).write(slot, self.tier(src).page(b.loc[src]))
         self.table.place(b, dst, slot)
         self.stats_counters.demoted_bytes += self.layout.page_bytes
 
-    def _flush_to_disk(self, b: Block, page: "torch.Tensor | None" = None) -> bool:
+    def flush_to_disk(self, b: Block, page: "torch.Tensor | None" = None) -> bool:
         """Write a block that is not on disk to disk and index it (write-back on eviction,
         pinning, close, or a put whose blocks no memory tier can take, then from ``page``).
 
@@ -168,7 +200,7 @@ class Placement:
             return False
         try:
             # Making room must not evict b nor its prefix.
-            loc = self._alloc_disk(b.model_version, [*keep, b])
+            loc = self.alloc_disk(b.model_version, [*keep, b])
         except (DiskWriteError, IndexWriteError) as e:  # write-back is best effort
             log.warning("write-back of block %s found no room: %s", b.key.hex()[:12], e)
             return False
@@ -176,10 +208,10 @@ class Placement:
             return False
         if page is None:
             src = DEVICE if DEVICE in b.loc else HOST
-            page = self._tier(src).page(b.loc[src])
+            page = self.tier(src).page(b.loc[src])
         try:
             # Data, fsync, then the index commit: the record never points at unwritten bytes.
-            record = self._record(b, loc)
+            record = self.record(b, loc)
             self.disk.write_pages([(loc, page.detach().cpu())], [record.slot_body()])
             self.index.put_blocks([record])
         except (DiskWriteError, IndexWriteError) as e:
@@ -192,16 +224,16 @@ class Placement:
         return True
 
     # ---- freeing -------------------------------------------------------------------------
-    def _free(self, b: Block, t: TierName, evicted: bool = False) -> None:
+    def free(self, b: Block, t: TierName, evicted: bool = False) -> None:
         slot = self.table.unplace(b, t, evicted)
         if t == DISK:
             self.disk.free(slot)
         else:
-            self._tier(t).slots.free(slot)
+            self.tier(t).slots.free(slot)
         if not b.loc:
             self.table.remove(b)
 
-    def _retire(self, b: Block, index_done: bool = False) -> int:
+    def retire(self, b: Block, index_done: bool = False) -> int:
         """Make ``b`` unreachable now (index first, unless the caller already committed the
         delete); free its pages now, or when its last lease or in-flight read ends. Returns
         the bytes freed now."""
@@ -221,16 +253,16 @@ class Placement:
             if t == DISK:
                 self.disk.free(slot)
             else:
-                self._tier(t).slots.free(slot)
+                self.tier(t).slots.free(slot)
         b.loc.clear()
         return freed
 
-    def _held(self, blocks: Sequence[Block]):  # type: ignore[no-untyped-def]
-        """``with self._held(blocks):`` keeps them busy for the scope; blocks retired
+    def held(self, blocks: Sequence[Block]):  # type: ignore[no-untyped-def]
+        """``with self.held(blocks):`` keeps them busy for the scope; blocks retired
         meanwhile are freed at its end if nothing else holds them."""
         return self.table.held(blocks, self._free_if_unheld)
 
-    def _unbusy(self, b: Block) -> None:
+    def unbusy(self, b: Block) -> None:
         """End an in-flight read of ``b``; a block retired meanwhile is freed now if nothing
         else holds it."""
         if self.table.unbusy(b):
@@ -241,7 +273,7 @@ class Placement:
             self._dead.remove(b)
             self._free_detached(b)
 
-    def _release_blocks(self, blocks: list[Block], ended: bool = True) -> None:
+    def release_blocks(self, blocks: list[Block], ended: bool = True) -> None:
         """Drop one lease from each block; free retired blocks whose last lease this was;
         drop ephemeral blocks when their lease ends (``ended=False``: the lease was never
         handed out, as when acquire stops short, so ephemeral blocks stay)."""
@@ -254,31 +286,68 @@ class Placement:
             if b.dead:
                 self._free_if_unheld(b)
             elif b.priority == Priority.EPHEMERAL and ended:
-                self._retire(b)
+                self.retire(b)
 
     # ---- quarantine ----------------------------------------------------------------------
-    def _quarantine_key(self, key: bytes, reason: str) -> None:
+    def quarantine_key(self, key: bytes, reason: str) -> None:
         log.warning("quarantined block %s: %s", key.hex()[:16], reason)
         self.index.quarantine(key, reason)
         self.stats_counters.quarantined += 1
 
-    def _quarantine(self, b: Block, reason: str) -> bool:
+    def quarantine(self, b: Block, reason: str) -> bool:
         """Drop a block proven bad (failed checksum, wrong token ids). Returns False when the
         index could not record it: the block then stays where it is, and since every read
         checks it again it is never served; it is quarantined at a later read or open.
         Dropping it from memory only would free its disk slot while the index still points
         there, and a new page in that slot would be lost to the stale record at the next open."""
         try:
-            self._quarantine_key(b.key, reason)  # records the reason and deletes the entry in one commit
+            self.quarantine_key(b.key, reason)  # records the reason and deletes the entry in one commit
         except IndexWriteError as e:
             self.stats_counters.quarantine_failed += 1
             log.error("could not quarantine block %s (%s): %s", b.key.hex()[:16], reason, e)
             return False
-        self._retire(b, index_done=True)
+        self.retire(b, index_done=True)
         return True
 
-    def _record(self, b: Block, disk_loc: int) -> BlockRecord:
+    def record(self, b: Block, disk_loc: int) -> BlockRecord:
         return BlockRecord(
             key=b.key, parent=b.parent, model_version=b.model_version, namespace=b.namespace,
             priority=int(b.priority), checksum=b.checksum, disk_loc=disk_loc, last_access=time.time(), tokens=b.tokens,
         )
+
+    # ---- whole-state checks and closing ----------------------------------------------------
+    def pending_frees(self) -> int:
+        """Retired blocks whose pages wait for a lease or an in-flight read to end (held:
+        the lock)."""
+        return len(self._dead)
+
+    def check_integrity(self) -> None:
+        """Recompute every total from its source of truth (held: the lock): the table, each
+        tier's allocator against the blocks placed in it, the disk against the index."""
+        self.table.check_integrity()
+        self.device.check_integrity()
+        self.host.check_integrity()
+        self.disk.check_integrity()
+        for b in self._dead:
+            assert b.dead and (b.leases or b.busy), f"retired block {b.key.hex()[:12]} is held by nothing"
+        for t, tier in ((DEVICE, self.device), (HOST, self.host)):
+            placed = {b.loc[t] for b in self.table.blocks.values() if t in b.loc}
+            placed |= {b.loc[t] for b in self._dead if t in b.loc}
+            assert placed == tier.slots.used_slots(), f"{t.value}: slot owners disagree with the allocator"
+        disk_blocks = {b.key: b.loc[DISK] for b in self.table.blocks.values() if DISK in b.loc}
+        assert len(set(disk_blocks.values())) == len(disk_blocks), "two blocks share a disk slot"
+        assert self.disk.num_used == len(disk_blocks) + sum(1 for b in self._dead if DISK in b.loc)
+        indexed = {k: rec for k, rec in self.index.iter_blocks()}
+        assert set(indexed) == set(disk_blocks), "index entries and disk-resident blocks differ"
+        for k, rec in indexed.items():
+            assert rec is not None and rec.disk_loc == disk_blocks[k], f"index location of {k.hex()[:12]} is stale"
+        self.index.check_integrity()
+
+    def close(self) -> None:
+        """Close the tiers and the index (held: the lock); each is closed even when another
+        fails (the shared memory must be unlinked, the LMDB environment released)."""
+        for part in (self.device, self.host, self.disk, self.index):
+            try:
+                part.close()
+            except Exception:  # noqa: BLE001 - the other parts still go
+                log.exception("closing %s failed", type(part).__name__)

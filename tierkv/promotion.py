@@ -1,11 +1,12 @@
 """Promotion: copying leased blocks' pages up into the device tier, and settling each one.
 
-A mixin of :class:`tierkv.store.Store` (as :class:`~tierkv.ingest.Ingest` is). ``acquire``
-plans under the store lock one :class:`PlannedRead` per block to bring up: the block is
-leased and busy (nothing moves or frees it), a device slot is reserved, and an event in
-``_promoting`` lets another acquire of the same block wait for this read instead of doing it
-twice. :meth:`Promotion._promote` then reads and verifies outside the lock, and settles
-every planned block in a ``finally``, one at a time, each in its own ``try``/``finally``:
+:class:`Promotion` is given the store's :class:`~tierkv.placement.Placement`. ``acquire``
+plans under the store lock one :class:`PlannedRead` per block to bring up
+(:meth:`Promotion.plan_read`): the block is leased and busy (nothing moves or frees it), a
+device slot is reserved, and an event (:meth:`Promotion.read_of`) lets another acquire of the
+same block wait for this read instead of doing it twice. :meth:`Promotion.promote` then
+reads and verifies outside the lock, and settles every planned block in a ``finally``, one
+at a time, each in its own ``try``/``finally``:
 the slot is placed or freed, the busy count dropped and the event set, whatever else fails
 (an index that refuses to record a quarantine, an interrupt). Waiters wait at most
 ``PROMOTION_WAIT_S``; then that block is a miss for them, counted in ``wait_timeouts``.
@@ -60,17 +61,45 @@ class PlannedRead:
     error: OSError | None = None
 
 
-class Promotion(Placement):
-    _promoting: dict[bytes, threading.Event]  # made by Store
-    _checksummer: ThreadPoolExecutor  # made by Store
+class Promotion:
+    """Reads into the device tier for ``acquire``: planned under the lock, read outside it."""
 
-    def _plan_read(self, pos: int, b: Block, slot: int) -> PlannedRead:
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        # The placement's parts, bound once (they never change).
+        self.layout, self.table, self.stats_counters = placement.layout, placement.table, placement.stats_counters
+        self.device, self.host, self.disk = placement.device, placement.host, placement.disk
+        self._lock = placement.lock
+        # Reads in flight, by block key: set (and dropped) when the read is settled.
+        self._promoting: dict[bytes, threading.Event] = {}
+        # Verifies promoted pages while the next run is read (xxhash releases the GIL).
+        self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-verify")
+
+    def read_of(self, key: bytes) -> threading.Event | None:
+        """The event of a read of ``key`` in flight, set when it is settled (held: the lock)."""
+        return self._promoting.get(key)
+
+    def reads_in_flight(self) -> int:
+        """Planned reads not yet settled (held: the lock)."""
+        return len(self._promoting)
+
+    def check_integrity(self) -> None:
+        """(held: the lock) No read listed as in flight is settled: settling sets the event
+        and drops it from the list in one hold of the lock."""
+        for key, ev in self._promoting.items():
+            assert not ev.is_set(), f"read of {key.hex()[:12]} settled but still listed"
+
+    def close(self) -> None:
+        """Wait for the verifying thread (after the last acquire has returned)."""
+        self._checksummer.shutdown(wait=True)
+
+    def plan_read(self, pos: int, b: Block, slot: int) -> PlannedRead:
         """Reserve ``b``'s promotion into device ``slot`` (held: the lock; ``b`` is leased)."""
         self.table.busy(b)
         self._promoting[b.key] = threading.Event()
         return PlannedRead(pos, b, slot, HOST if HOST in b.loc else DISK)
 
-    def _promote(self, plan: list[PlannedRead]) -> int | None:
+    def promote(self, plan: list[PlannedRead]) -> int | None:
         """Read and verify the planned pages into their device slots, outside the lock.
         Returns the chain position of the first block that is not promoted, or None. Every
         planned block is settled and its waiters woken, also when this raises."""
@@ -85,7 +114,7 @@ class Promotion(Placement):
             if direct:
                 self._read_direct(direct)
         finally:
-            first_failed = self._settle(plan)
+            first_failed = self.settle(plan)
         return first_failed
 
     def _read_one(self, r: PlannedRead) -> None:
@@ -155,7 +184,7 @@ class Promotion(Placement):
             else:
                 r.outcome, r.detail = ReadOutcome.BAD, "page checksum mismatch on read"
 
-    def _settle(self, plan: list[PlannedRead]) -> int | None:
+    def settle(self, plan: list[PlannedRead]) -> int | None:
         """Place or free each planned slot, drop each busy count, wake each waiter. An error
         settling one block skips nothing: it is raised after all are settled."""
         first_failed: int | None = None
@@ -169,7 +198,7 @@ class Promotion(Placement):
                     log.exception("settling the promotion of block %s failed", r.block.key.hex()[:16])
                     error = error or e
                 finally:
-                    self._unbusy(r.block)
+                    self.placement.unbusy(r.block)
                     ev = self._promoting.pop(r.block.key, None)
                     if ev is not None:
                         ev.set()
@@ -191,13 +220,13 @@ class Promotion(Placement):
             return True
         self.device.slots.free(r.slot)
         if r.outcome is ReadOutcome.BAD and not b.dead:
-            self._quarantine(b, f"read failed: {r.detail}")
+            self.placement.quarantine(b, f"read failed: {r.detail}")
         elif r.outcome is ReadOutcome.IO_ERROR:
             self.disk.note_read_error(r.error or OSError(r.detail))
             log.warning("read of block %s failed (%s): a miss; the block stays stored", b.key.hex()[:16], r.detail)
         return False
 
-    def _await_reads(self, waits: list[tuple[int, threading.Event]], chain: list[Block],
+    def await_reads(self, waits: list[tuple[int, threading.Event]], chain: list[Block],
                      failed: int | None) -> int | None:
         """Wait (bounded) for other threads' reads of blocks in ``chain``; returns the first
         position that is not in the device tier (or ``failed`` if earlier)."""

@@ -1,6 +1,9 @@
 """The store: the embedded API over the three tiers, the block table and the durable index.
 
-Concurrency: one lock (``self._lock``) guards the block table and the slot allocators. Page
+The store is built from parts (see :class:`Store`); this module opens and closes them, and
+holds the read path.
+
+Concurrency: one lock (``placement.lock``) guards the block table and the slot allocators. Page
 I/O from disk (promotion in ``acquire``) and page writes in ``put`` happen *outside* it, on
 blocks pinned by a lease or a ``busy`` count, so a slow disk read never stalls lookups of
 blocks already in memory. Write-back from host to disk (only with ``write_through=False``)
@@ -16,25 +19,27 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from .api import StoreAPI
-from .blocks import Block, BlockTable, Priority
+from .blocks import Block, Priority
 from .config import StoreConfig
 from .errors import ForkedStoreError, LayoutMismatchError, LeaseError, NotFoundError, TierKVError
-from .eviction import EvictedBlock, EvictionListeners
+from .eviction import EvictedBlock
 from .home import HomeLock
-from .identity import Scope, as_token_array, iter_block_keys
+from .identity import Scope, as_token_array
 from .index import NO_DISK, Index
 from .layout import PageLayout
 from .ingest import Ingest
 from .operations import StoreOperations
+from .placement import Placement
 from .promotion import PlannedRead, Promotion
-from .results import Lease, LookupResult
-from .stats import Counters
+from .results import (
+    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
+)
 from .tiers import DiskTier, MemoryTier, TierName
 from .tiers.shm import default_shm_dir, reap_stale_regions
 
@@ -43,22 +48,30 @@ FORMAT_VERSION = "1"
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
-class Store(StoreOperations, Ingest, Promotion, StoreAPI):
+class Store(StoreAPI):
     """A tierkv store opened in this process. Build with :func:`tierkv.open`.
 
-    The read path (lookup, acquire, release, prefetch) lives here, the reads that bring
-    blocks into the device tier in :class:`~tierkv.promotion.Promotion`; ``put`` in
-    :class:`~tierkv.ingest.Ingest`; operations (pin,
-    invalidate, verify, stats, manifests) in :class:`~tierkv.operations.StoreOperations`;
-    the placement machinery (allocation, eviction, demotion, write-back, retirement) in
-    :class:`~tierkv.placement.Placement`."""
+    Built from parts, each given what it needs in its constructor:
+
+    - ``placement`` (:class:`~tierkv.placement.Placement`) owns the block table, the tiers,
+      the index, the lock and the eviction listeners; it allocates, evicts, demotes, writes
+      back, retires and quarantines, and is the only code that moves pages between tiers;
+    - ``ingest`` (:class:`~tierkv.ingest.Ingest`): ``put``;
+    - ``promotion`` (:class:`~tierkv.promotion.Promotion`): the reads that bring leased
+      blocks into the device tier;
+    - ``operations`` (:class:`~tierkv.operations.StoreOperations`): pinning, manifests,
+      chains, invalidate, verify, stats.
+
+    The read path (lookup, acquire, release, prefetch), opening and closing live here.
+    Every public method checks that the store is usable (open, and used by the process
+    that opened it), then does its work or delegates it. ``index``, ``device``, ``host`` and
+    ``disk`` are the parts the placement was given, for inspection (the daemon shares the
+    memory tiers with its clients)."""
 
     def __init__(self, config: StoreConfig, socket_path: str | None = None) -> None:
         self.config = config
         self.layout: PageLayout = config.layout
         self._pid = os.getpid()
-        self._lock = threading.RLock()
-        self._io_lock = threading.Lock()  # serialises disk writes (one fsync stream)
         self._closed = False
         home = config.home
         self._home_lock = HomeLock(home, socket_path)
@@ -74,24 +87,21 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
                 home / "segments", self.layout, config.disk_bytes, config.segment_pages,
                 odirect=config.odirect, fsync=config.fsync,
             )
-            self.table = BlockTable(config.eviction_policy, {
-                DEVICE: self.device.slots.capacity, HOST: self.host.slots.capacity, DISK: self.disk.capacity_slots,
-            })
-            self.eviction_listeners = EvictionListeners()
-            self.stats_counters = Counters()
-            self._writing: set[bytes] = set()
-            self._promoting: dict[bytes, threading.Event] = {}
-            self._dead: list[Block] = []
+            self.placement = Placement(config, self.index, self.device, self.host, self.disk)
+            self._lock = self.placement.lock
+            self.ingest = Ingest(self.placement)
+            self.promotion = Promotion(self.placement)
+            self.operations = StoreOperations(self.placement)
             self._load_index()
             self._executor = ThreadPoolExecutor(max(1, config.prefetch_workers), thread_name_prefix="tierkv-prefetch")
-            # Verifies promoted pages while the next run is read (xxhash releases the GIL).
-            self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-verify")
         except BaseException:
             # Close what was opened: the LMDB environment (opening it twice in one process
             # breaks its locking) and the shared-memory files (nothing else unlinks them).
             for part in ("device", "host", "disk", "index"):
                 if hasattr(self, part):
                     getattr(self, part).close()
+            if hasattr(self, "promotion"):
+                self.promotion.close()
             self._home_lock.release()
             raise
         log.info(
@@ -113,25 +123,26 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
     def _load_index(self) -> None:
         """Rebuild the block table from the index: drop entries whose page is missing, short
         or (with verify_on_open='full') fails its checksum; reclaim unreferenced slots."""
+        placement, table = self.placement, self.placement.table
         for key, rec in self.index.iter_blocks():
             if rec is None:
-                self._quarantine_key(key, "undecodable index record")
+                placement.quarantine_key(key, "undecodable index record")
                 continue
             if rec.priority not in set(Priority) or len(rec.tokens) != 4 * self.layout.block_size:
-                self._quarantine_key(key, "index record out of range")
+                placement.quarantine_key(key, "index record out of range")
                 continue
             if rec.disk_loc == NO_DISK or not self.disk.claim(rec.disk_loc, rec.model_version):
-                self._quarantine_key(key, "page missing or segment truncated")
+                placement.quarantine_key(key, "page missing or segment truncated")
                 continue
             block = Block(
                 key=key, parent=rec.parent, model_version=rec.model_version, namespace=rec.namespace,
                 tokens=rec.tokens, checksum=rec.checksum, priority=Priority(rec.priority),
             )
-            self.table.add(block)
-            self.table.place(block, DISK, rec.disk_loc)
-        self.table.rebuild_children()
+            table.add(block)
+            table.place(block, DISK, rec.disk_loc)
+        table.rebuild_children()
         if self.config.verify_on_open == "full":
-            self.verify(repair=True)
+            self.operations.verify(repair=True)
         self.disk.reclaim_empty()
 
     def _check_usable(self) -> None:
@@ -140,38 +151,23 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
         if self._closed:
             raise NotFoundError("the store is closed", hint="open it again with tierkv.open()")
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (every method but ``close`` then raises)."""
+        return self._closed
+
     def add_eviction_listener(self, fn: Callable[[EvictedBlock], None],
                               wants: Callable[[str, Priority], bool] | None = None) -> None:
         """Call ``fn`` with an :class:`~tierkv.eviction.EvictedBlock` (metadata and a CPU
         copy of the page) whenever a block that ``wants(namespace, priority)`` accepts
         leaves its last local tier. ``fn`` runs under the store lock: it must be quick and
         must not call the store (see :mod:`tierkv.eviction`)."""
-        self.eviction_listeners.add(fn, wants)
+        self.placement.eviction_listeners.add(fn, wants)
 
     def remove_eviction_listener(self, fn: Callable[[EvictedBlock], None]) -> None:
-        self.eviction_listeners.remove(fn)
+        self.placement.eviction_listeners.remove(fn)
 
     # ---- lookup ----------------------------------------------------------------------
-    def _match(self, arr: np.ndarray, scope: Scope, block_extra: Sequence[Sequence[str | bytes]] | None) -> list[Block]:
-        """The longest chain of stored blocks for ``arr`` whose token ids equal the
-        request's (held: the lock). A block whose stored ids differ is a collision or a
-        corrupt record: quarantined, and the chain ends there."""
-        bs = self.layout.block_size
-        step = 4 * bs
-        raw = arr.tobytes()
-        get = self.table.blocks.get
-        chain: list[Block] = []
-        for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra)):
-            b = get(key)
-            if b is None or b.dead:
-                break
-            if b.tokens != raw[i * step : (i + 1) * step]:
-                self.stats_counters.token_mismatch += 1
-                self._quarantine(b, "stored token ids differ from the request's")
-                break
-            chain.append(b)
-        return chain
-
     def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                block_extra: Sequence[Sequence[str | bytes]] | None = None) -> LookupResult:
         """Longest cached prefix of ``tokens`` across all tiers, token ids verified.
@@ -182,9 +178,10 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
         arr = as_token_array(tokens)
         t0 = time.perf_counter()
         with self._lock:
-            chain = self._match(arr, scope, block_extra)
+            chain = self.placement.match(arr, scope, block_extra)
             tiers = tuple(b.top for b in chain)
-            self.stats_counters.record_lookup(len(arr) // self.layout.block_size, tiers, time.perf_counter() - t0)
+            self.placement.stats_counters.record_lookup(len(arr) // self.layout.block_size, tiers,
+                                                        time.perf_counter() - t0)
         return LookupResult(len(chain) * self.layout.block_size, tuple(b.key for b in chain), tiers)
 
     # ---- acquire / release -------------------------------------------------------------
@@ -205,13 +202,14 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
         """
         self._check_usable()
         arr = as_token_array(tokens)
+        placement, promotion = self.placement, self.promotion
         with self._lock:
             if start_block < 0:
                 raise ValueError("start_block must be >= 0")
-            chain = self._match(arr, scope, block_extra)[start_block:]
+            chain = placement.match(arr, scope, block_extra)[start_block:]
             if max_blocks is not None:
                 chain = chain[:max_blocks]
-            self.table.touch_chain(chain)
+            placement.table.touch_chain(chain)
             plan: list[PlannedRead] = []
             waits: list[tuple[int, threading.Event]] = []
             # Lease block by block: blocks further along the chain are not leased yet, so
@@ -223,38 +221,39 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
                         # Making room for an earlier block evicted this one from every tier.
                         chain = chain[:i]
                         break
-                    self.table.lease(b)
+                    placement.table.lease(b)
                     leased = i + 1
                     if DEVICE in b.loc:
                         continue
-                    if b.key in self._promoting:
-                        waits.append((i, self._promoting[b.key]))
+                    in_flight = promotion.read_of(b.key)
+                    if in_flight is not None:
+                        waits.append((i, in_flight))
                         continue
-                    slot = self._alloc_mem(DEVICE)
+                    slot = placement.alloc_mem(DEVICE)
                     if slot is None:
-                        self._release_blocks([b], ended=False)
+                        placement.release_blocks([b], ended=False)
                         chain = chain[:i]
                         break
-                    plan.append(self._plan_read(i, b, slot))
+                    plan.append(promotion.plan_read(i, b, slot))
             except BaseException:
                 # Making room failed (the index could not record an eviction): undo this
                 # acquire's leases and plans so that nothing stays pinned or waited on.
                 try:
-                    self._settle(plan)  # nothing was read: every slot freed, every waiter woken
+                    promotion.settle(plan)  # nothing was read: every slot freed, every waiter woken
                 finally:
-                    self._release_blocks(chain[:leased], ended=False)
+                    placement.release_blocks(chain[:leased], ended=False)
                 raise
-            self.stats_counters.record_acquire(tuple(b.top for b in chain))
+            placement.stats_counters.record_acquire(tuple(b.top for b in chain))
         try:
-            failed = self._promote(plan)
-            failed = self._await_reads(waits, chain, failed)
+            failed = promotion.promote(plan)
+            failed = promotion.await_reads(waits, chain, failed)
         except BaseException:
             with self._lock:
-                self._release_blocks(chain, ended=False)  # the lease is never handed out
+                placement.release_blocks(chain, ended=False)  # the lease is never handed out
             raise
         if failed is not None:
             with self._lock:
-                self._release_blocks(chain[failed:], ended=False)
+                placement.release_blocks(chain[failed:], ended=False)
                 chain = chain[:failed]
         return Lease(
             store=self, layout=self.layout, keys=tuple(b.key for b in chain),
@@ -270,9 +269,8 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
             if lease.released:
                 raise LeaseError("lease released twice")
             lease.released = True
-            self._release_blocks(lease.blocks)
+            self.placement.release_blocks(lease.blocks)
 
-    # ---- put -------------------------------------------------------------------------
     def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:
         """Start promoting the cached prefix of ``tokens`` to the device tier in the
@@ -286,6 +284,75 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
 
         return self._executor.submit(run)
 
+    # ---- put (tierkv.ingest) -------------------------------------------------------------
+    def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
+            start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
+            priority: Priority = Priority.NORMAL) -> PutResult:
+        """See :meth:`tierkv.ingest.Ingest.put`."""
+        self._check_usable()
+        return self.ingest.put(tokens, pages, scope, start_block=start_block, block_extra=block_extra,
+                               priority=priority)
+
+    # ---- operations (tierkv.operations) ---------------------------------------------------
+    def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
+        self._check_usable()
+        return self.operations.set_priority(tokens, scope, priority)
+
+    def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
+        self._check_usable()
+        return self.operations.set_priority_from(last_key, priority)
+
+    def chain_tokens(self, last_key: bytes) -> ChainTokens:
+        self._check_usable()
+        return self.operations.chain_tokens(last_key)
+
+    def chain_residency(self, last_key: bytes) -> Residency:
+        self._check_usable()
+        return self.operations.chain_residency(last_key)
+
+    def save_manifest(self, name: str, manifest: dict[str, Any]) -> None:
+        self._check_usable()
+        self.operations.save_manifest(name, manifest)
+
+    def get_manifest(self, name: str) -> dict[str, Any]:
+        self._check_usable()
+        return self.operations.get_manifest(name)
+
+    def list_manifests(self) -> dict[str, dict[str, Any]]:
+        self._check_usable()
+        return self.operations.list_manifests()
+
+    def delete_manifest(self, name: str) -> bool:
+        self._check_usable()
+        return self.operations.delete_manifest(name)
+
+    def invalidate(self, *, model_version: str | None = None, namespace: str | None = None,
+                   dry_run: bool = False) -> InvalidateResult:
+        self._check_usable()
+        return self.operations.invalidate(model_version=model_version, namespace=namespace, dry_run=dry_run)
+
+    def verify(self, repair: bool = False) -> VerifyResult:
+        self._check_usable()
+        return self.operations.verify(repair)
+
+    def pinned_blocks(self, namespace_prefix: str = "") -> int:
+        self._check_usable()
+        return self.operations.pinned_blocks(namespace_prefix)
+
+    def stats(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> StoreStats:
+        self._check_usable()
+        return self.operations.stats(namespace_limit, namespace_after)
+
+    def check_integrity(self) -> None:
+        """Recompute every part's totals from its source of truth, in one hold of the lock;
+        AssertionError on a mismatch."""
+        self._check_usable()
+        with self._lock:
+            self.placement.check_integrity()
+            self.ingest.check_integrity()
+            self.promotion.check_integrity()
+
+    # ---- closing -------------------------------------------------------------------------
     def close(self) -> None:
         """Write memory-only blocks to disk (write-back), then release everything: the
         shared memory, the index and the home lock are released even when the final
@@ -295,7 +362,7 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
             return
         try:
             self._executor.shutdown(wait=True)
-            self._checksummer.shutdown(wait=True)
+            self.promotion.close()
             with self._lock:
                 self._closed = True
                 if not self.config.write_through:
@@ -303,26 +370,24 @@ class Store(StoreOperations, Ingest, Promotion, StoreAPI):
         finally:
             with self._lock:
                 self._closed = True
-                for part in (self.device, self.host, self.disk, self.index):
-                    try:
-                        part.close()
-                    except Exception:  # noqa: BLE001 - the other parts and the lock still go
-                        log.exception("closing %s failed", type(part).__name__)
-                self._home_lock.release()
+                try:
+                    self.placement.close()
+                finally:
+                    self._home_lock.release()
 
     def _flush_all(self) -> int:
         """Write-back at close (held: the lock); returns how many blocks stayed memory-only."""
         lost = 0
-        for b in list(self.table.blocks.values()):
+        for b in list(self.placement.table.blocks.values()):
             if DISK in b.loc or b.priority == Priority.EPHEMERAL or b.dead:
                 continue
             try:
-                ok = self._flush_to_disk(b)
+                ok = self.placement.flush_to_disk(b)
             except TierKVError as e:
                 log.error("close: writing block %s to disk failed: %s", b.key.hex()[:16], e)
                 ok = False
             lost += not ok
-        self.stats_counters.unflushed_at_close = lost
+        self.placement.stats_counters.unflushed_at_close = lost
         if lost:
             log.error("close: %d memory-only block(s) could not be written to disk (disk degraded: %s)",
                       lost, self.disk.degraded_reason)

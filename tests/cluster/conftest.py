@@ -31,6 +31,6 @@ def nodes(tmp_path: Path, cluster: FakeCluster, clock: Clock):
 
     yield make
     for n in opened:
-        if not n.store._closed:
+        if not n.store.closed:
             n.check_integrity()
             n.close()

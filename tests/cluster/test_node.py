@@ -149,7 +149,7 @@ def test_blocks_evicted_from_the_last_tier_are_written_back_through_the_listener
 
 def test_no_listener_without_write_back(nodes, cluster):
     a = nodes("a")
-    assert not a.store.eviction_listeners
+    assert not a.store.placement.eviction_listeners
     for i in range(20):
         t = toks(400 + i, 4)
         a.put(t, pages_for(t), SCOPE)

@@ -337,13 +337,13 @@ def test_check_integrity_sees_a_damaged_store(kind):
         put_all(impl.api, tokens(18, 2))
         impl.api.check_integrity()
         local = impl.local
-        with local._lock:  # damage: a device slot freed behind the block table's back
-            block = next(b for b in local.table.blocks.values() if "device" in {t.value for t in b.loc})
+        with local.placement.lock:  # damage: a device slot freed behind the block table's back
+            block = next(b for b in local.placement.table.blocks.values() if "device" in {t.value for t in b.loc})
             slot = next(s for t, s in block.loc.items() if t.value == "device")
             local.device.slots.free(slot)
         with pytest.raises(AssertionError, match="device"):
             impl.api.check_integrity()
-        with local._lock:
+        with local.placement.lock:
             assert local.device.slots.alloc() == slot  # repaired, so that closing is clean
     finally:
         impl.close()

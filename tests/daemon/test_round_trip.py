@@ -72,7 +72,7 @@ def test_token_ids_are_checked_against_the_stored_ones(daemon):
         toks = prompt(64, seed=23)
         c.put(toks, pages_for(4, 23), SCOPE)
         key = block_keys(toks, SCOPE, LAYOUT.block_size)[2]
-        block = daemon.daemon.store.table.blocks[key]
+        block = daemon.daemon.store.placement.table.blocks[key]
         damaged = bytearray(block.tokens)
         damaged[0] ^= 1
         block.tokens = bytes(damaged)  # as if another prompt had hashed to this key

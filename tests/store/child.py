@@ -69,9 +69,9 @@ def corrupt_one_page(store, rng: random.Random, acked: list[int], seed: int) -> 
 
     for i in rng.sample(acked, min(len(acked), 8)):
         tokens, scope = chain_tokens(seed, i), scope_of(seed, i)
-        with store._lock:
+        with store.placement.lock:
             for key in block_keys(tokens, scope, BS):
-                b = store.table.get(key)
+                b = store.placement.table.get(key)
                 if b is not None and set(b.loc) == {TierName.DISK} and not b.leases and not b.busy:
                     seg, off = store.disk._offset(b.loc[TierName.DISK])[::2]
                     print(f"CORRUPT {i}", flush=True)  # logged first: the chain may be lost now
@@ -150,15 +150,15 @@ HOOKS = {
     "records-write": ("tierkv.tiers.disk.DiskTier", "_write_records"),  # pages written, records next, nothing synced
     "disk-write": ("tierkv.tiers.disk.DiskTier", "_write_pages"),  # after: pages and records synced, not indexed
     "index-put": ("tierkv.index.Index", "put_blocks"),  # after: indexed, not acknowledged
-    "evict": ("tierkv.placement.Placement", "_evict"),
+    "evict": ("tierkv.placement.Placement", "evict"),
     "demote": ("tierkv.placement.Placement", "_demote"),
     "write-back": ("tierkv.placement.Placement", "_write_back"),
     "index-delete": ("tierkv.index.Index", "delete_blocks"),  # after: deleted, slot not freed
     "slot-free": ("tierkv.tiers.disk.DiskTier", "free"),
     "record-wipe": ("tierkv.tiers.disk.DiskTier", "_wipe_record"),
     "invalidate": ("tierkv.operations.StoreOperations", "invalidate"),  # after: done, not acknowledged
-    "retire": ("tierkv.placement.Placement", "_retire"),
-    "quarantine": ("tierkv.placement.Placement", "_quarantine"),
+    "retire": ("tierkv.placement.Placement", "retire"),
+    "quarantine": ("tierkv.placement.Placement", "quarantine"),
     "index-quarantine": ("tierkv.index.Index", "quarantine"),
 }
 POINTS = tuple(f"{hook}:{when}" for hook in HOOKS for when in ("before", "after"))

@@ -30,7 +30,7 @@ def make_store(tmp_path: Path, home: Path):
 
     yield make
     for s in opened:
-        if not s._closed:
+        if not s.closed:
             try:
                 s.check_integrity()
             finally:

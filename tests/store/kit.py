@@ -65,8 +65,8 @@ def keys_of(tokens: Sequence[int], scope: Scope = SCOPE) -> list[bytes]:
 def tier_keys(store: Store) -> dict[str, set[bytes]]:
     """Which blocks each tier holds right now."""
     out: dict[str, set[bytes]] = {t.value: set() for t in TierName}
-    with store._lock:
-        for b in store.table.blocks.values():
+    with store.placement.lock:
+        for b in store.placement.table.blocks.values():
             for t in b.loc:
                 out[t.value].add(b.key)
     return out
@@ -87,9 +87,9 @@ def assert_prefix_order(store: Store) -> None:
     """Leaf first, tier by tier: a block held in a tier has its prefix in that tier or a
     faster one (device < host < disk), whenever the prefix is cached at all."""
     order = {TierName.DEVICE: 0, TierName.HOST: 1, TierName.DISK: 2}
-    with store._lock:
-        for b in store.table.blocks.values():
-            parent = store.table.get(b.parent)
+    with store.placement.lock:
+        for b in store.placement.table.blocks.values():
+            parent = store.placement.table.get(b.parent)
             if parent is None:
                 continue
             for t in b.loc:
@@ -108,8 +108,8 @@ def slot_offset(store: Store, key: bytes) -> tuple[Path, int]:
     from tierkv.tiers.disk import split_location
     from tierkv.tiers.segments import read_header
 
-    with store._lock:
-        loc = store.table.get(key).loc[TierName.DISK]
+    with store.placement.lock:
+        loc = store.placement.table.get(key).loc[TierName.DISK]
     seg_id, index = split_location(loc)
     path = store.config.home / "segments" / f"seg-{seg_id:06d}.safetensors"
     return path, read_header(path).data_offset + index * LAYOUT.slot_bytes

@@ -156,7 +156,7 @@ def test_invalidate_during_verify_frees_space(make_store):
         t.join(30)
     store.check_integrity()
     assert tier_counts(store) == {"device": 0, "host": 0, "disk": 0}
-    assert store._dead == []
+    assert store.placement.pending_frees() == 0
 
 
 def test_acquire_waits_for_a_promotion_in_flight(make_store):
@@ -268,6 +268,7 @@ def test_waiting_for_a_stuck_read_is_bounded(make_store, monkeypatch):
     assert results[0].num_blocks == 2
     assert_lease_exact(results[0])
     results[0].release()
-    with store._lock:
-        assert store._promoting == {} and all(b.busy == 0 and b.leases == 0 for b in store.table.blocks.values())
+    with store.placement.lock:
+        assert store.promotion.reads_in_flight() == 0
+        assert all(b.busy == 0 and b.leases == 0 for b in store.placement.table.blocks.values())
     store.check_integrity()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tierkv.ingest
-import tierkv.store
+import tierkv.placement
 from tierkv import Scope
 from tierkv.index import BlockRecord
 from tierkv.tiers.segments import read_header
@@ -189,7 +189,7 @@ def _colliding_keys(tokens, seed, block_size, block_extra=None):
 
 
 def test_forced_key_collision_is_a_miss(make_store, monkeypatch):
-    monkeypatch.setattr(tierkv.store, "iter_block_keys", _colliding_keys)  # lookup, acquire
+    monkeypatch.setattr(tierkv.placement, "iter_block_keys", _colliding_keys)  # lookup, acquire
     monkeypatch.setattr(tierkv.ingest, "iter_block_keys", _colliding_keys)  # put
     store = make_store()
     a, b = toks(330, 2), toks(331, 2)

@@ -63,7 +63,7 @@ def test_extension_stored_before_prefix_is_known_as_child(make_store):
     store.put(chain, pages[1:], SCOPE, start_block=1)
     store.put(chain, pages[:1], SCOPE)
     k0, k1 = keys_of(chain)
-    assert k1 in store.table.get(k0).children
+    assert k1 in store.placement.table.get(k0).children
     put_chain(store, toks(121, 3))  # disk pressure: 4 slots
     assert _is_prefix(_chain_prefix_in(store, chain, "disk"))
 
@@ -112,11 +112,11 @@ def test_leased_blocks_never_evicted_or_moved(make_store):
     with store.acquire(chain, SCOPE) as lease:
         slots = lease.slots
         snapshot = lease.pages().clone()
-        locs = [dict(store.table.get(k).loc) for k in lease.keys]
+        locs = [dict(store.placement.table.get(k).loc) for k in lease.keys]
         for i in range(10):  # device, host and disk pressure
             put_chain(store, toks(181 + i, 2))
             assert lease.slots == slots
-            assert [dict(store.table.get(k).loc) for k in lease.keys] == locs
+            assert [dict(store.placement.table.get(k).loc) for k in lease.keys] == locs
             assert torch.equal(lease.pages(), snapshot)
             store.check_integrity()
         assert_lease_exact(lease)

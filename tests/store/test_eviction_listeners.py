@@ -53,4 +53,4 @@ def test_wants_filters_before_the_page_is_read_and_a_failing_listener_is_skipped
     assert asked and seen and all(ev.namespace == "other" for ev in seen)
     store.remove_eviction_listener(seen.append)
     store.remove_eviction_listener(broken)
-    assert not store.eviction_listeners
+    assert not store.placement.eviction_listeners

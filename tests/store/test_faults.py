@@ -317,7 +317,7 @@ def test_failure_while_making_room_in_acquire_leaves_nothing_leased(make_store):
     put_chain(store, chain)
     for i in range(3):
         put_chain(store, toks(431 + i, 4))  # the chain is on disk only now
-    real = type(store)._alloc_mem
+    real = type(store.placement).alloc_mem
     calls = []
 
     def failing(self, t):
@@ -326,11 +326,11 @@ def test_failure_while_making_room_in_acquire_leaves_nothing_leased(make_store):
             raise IndexFullError("index full while evicting")
         return real(self, t)
 
-    with mock.patch.object(type(store), "_alloc_mem", failing):
+    with mock.patch.object(type(store.placement), "alloc_mem", failing):
         with pytest.raises(IndexFullError):
             store.acquire(chain, SCOPE)
     store.check_integrity()
-    assert store.stats()["leased_blocks"] == 0 and store._promoting == {}
+    assert store.stats()["leased_blocks"] == 0 and store.promotion.reads_in_flight() == 0
     with store.acquire(chain, SCOPE) as lease:
         assert lease.num_blocks == 3
         assert_lease_exact(lease)

@@ -49,7 +49,7 @@ def test_policy_keeps_leaf_first_pinned_and_leased(make_store, policy):
     assert lease.num_blocks == 2
     held_keys = set(keys_of(held))
     evicted: list[str] = []
-    unplace = store.table.unplace
+    unplace = store.placement.table.unplace
 
     def checked_unplace(block, tier, evicted_=False):
         # The policy's rules, checked at the moment of every eviction: never a leased or
@@ -58,12 +58,12 @@ def test_policy_keeps_leaf_first_pinned_and_leased(make_store, policy):
         if evicted_:
             assert not block.leases and block.busy <= 1, "evicted a leased or busy block"
             assert not (block.priority == Priority.PINNED and tier.value == "disk"), "evicted a pinned block from disk"
-            kids = [store.table.get(c) for c in block.children]
+            kids = [store.placement.table.get(c) for c in block.children]
             assert not any(k is not None and tier in k.loc for k in kids), "evicted a block before its extension"
             evicted.append(tier.value)
         return unplace(block, tier, evicted_)
 
-    store.table.unplace = checked_unplace
+    store.placement.table.unplace = checked_unplace
     convs = [toks(600 + c, 1) for c in range(5)]
     for step in range(60):
         c = rng.randrange(len(convs))

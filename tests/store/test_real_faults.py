@@ -52,9 +52,9 @@ def _in_thread(fn, timeout: float = 60):
 
 def _settled(store) -> None:
     """Nothing leased, busy or being promoted; every count back to zero."""
-    with store._lock:
-        assert store._promoting == {}
-        for b in store.table.blocks.values():
+    with store.placement.lock:
+        assert store.promotion.reads_in_flight() == 0
+        for b in store.placement.table.blocks.values():
             assert b.leases == 0 and b.busy == 0, f"block {b.key.hex()[:12]}: leases {b.leases}, busy {b.busy}"
     store.check_integrity()
 

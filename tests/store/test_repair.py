@@ -56,7 +56,7 @@ def test_rebuild_after_the_index_is_deleted(tmp_path):
     assert_all_served(home, shm)
     with open_store(home, shm_dir=shm, **OPTS) as store:  # the pinned chain is pinned again
         pinned = keys_of(*CHAINS[3])
-        assert all(store.table.get(k).priority == Priority.PINNED for k in pinned)
+        assert all(store.placement.table.get(k).priority == Priority.PINNED for k in pinned)
 
 
 def test_rebuild_keeps_a_pin_made_after_the_write(tmp_path):
@@ -68,8 +68,8 @@ def test_rebuild_keeps_a_pin_made_after_the_write(tmp_path):
     shutil.rmtree(home / "index")
     rebuild_index(home)
     with open_store(home, shm_dir=shm, **OPTS) as store:
-        assert all(store.table.get(k).priority == Priority.PINNED for k in keys_of(t, scope))
-        assert store.table.get(keys_of(*CHAINS[7])[0]).priority == Priority.NORMAL
+        assert all(store.placement.table.get(k).priority == Priority.PINNED for k in keys_of(t, scope))
+        assert store.placement.table.get(keys_of(*CHAINS[7])[0]).priority == Priority.NORMAL
 
 
 def test_verify_repair_rebuilds_a_truncated_index(tmp_path):
