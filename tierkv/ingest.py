@@ -136,10 +136,12 @@ class Ingest:
             # Checksums first, in one pass over the batch: the slot records written with the
             # pages carry them, so there is nothing to overlap them with (a thread-pool job
             # per block cost more than the hashing of small pages).
-            for b, s in zip(new, page_checksums([b.key for b in new], pages, [row_of[b.key] for b in new])):
+            # With a page codec the checksum covers the stored (encoded) form (tierkv/codec.py).
+            stored = self.disk.codec.to_stored(pages)
+            for b, s in zip(new, page_checksums([b.key for b in new], stored, [row_of[b.key] for b in new])):
                 b.checksum = s
             if disk_plan:
-                items = [(loc, page_of[b.key].detach().cpu()) for loc, b in disk_plan]
+                items = [(loc, stored[row_of[b.key]].detach().cpu()) for loc, b in disk_plan]
                 # Order matters: pages and their slot records written and fsynced, then the
                 # index commit, then we ack. A slot record carries the checksum, so it waits.
                 with self._io_lock:
