@@ -26,6 +26,7 @@ import torch
 
 from .api import StoreAPI
 from .blocks import Block, Priority
+from .codec import open_home_codec
 from .config import StoreConfig
 from .errors import ForkedStoreError, LayoutMismatchError, LeaseError, NotFoundError, TierKVError
 from .eviction import EvictedBlock
@@ -77,15 +78,17 @@ class Store(StoreAPI):
         self._home_lock = HomeLock(home, socket_path)
         try:
             self.index = Index(home / "index", config.index_map_bytes)
+            codec = open_home_codec(self.index, config.page_codec, self.layout, home)  # before a new home's layout
             self._check_layout()
             shm_dir = config.shm_dir or default_shm_dir()
             reap_stale_regions(shm_dir)  # tiers of killed processes: nobody else unlinks them
             cuda = torch.cuda.is_available()
-            self.device = MemoryTier(DEVICE, self.layout, config.device_bytes, config.resolved_device(), shm_dir)
-            self.host = MemoryTier(HOST, self.layout, config.host_bytes, "cpu", shm_dir, pin=cuda)
+            self.device = MemoryTier(DEVICE, self.layout, config.device_bytes, config.resolved_device(), shm_dir,
+                                     codec=codec)
+            self.host = MemoryTier(HOST, self.layout, config.host_bytes, "cpu", shm_dir, pin=cuda, codec=codec)
             self.disk = DiskTier(
                 home / "segments", self.layout, config.disk_bytes, config.segment_pages,
-                odirect=config.odirect, fsync=config.fsync,
+                odirect=config.odirect, fsync=config.fsync, codec=codec,
             )
             self.placement = Placement(config, self.index, self.device, self.host, self.disk)
             self._lock = self.placement.lock
