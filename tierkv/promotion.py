@@ -105,14 +105,19 @@ class Promotion:
         planned block is settled and its waiters woken, also when this raises."""
         try:
             direct: list[tuple[PlannedRead, memoryview]] = []
+            staged: list[PlannedRead] = []  # stored pages of a codec: decoded on the way in
             for r in plan:
                 target = self.device.direct_target(r.slot) if r.src == DISK else None
                 if target is not None and len(target) == self.layout.slot_bytes:
                     direct.append((r, target))
+                elif r.src == DISK and not self.disk.codec.exact:
+                    staged.append(r)
                 else:
                     self._read_one(r)
             if direct:
                 self._read_direct(direct)
+            if staged:
+                self._read_staged(staged)
         finally:
             first_failed = self.settle(plan)
         return first_failed
@@ -183,6 +188,46 @@ class Promotion:
                 r.outcome = ReadOutcome.OK
             else:
                 r.outcome, r.detail = ReadOutcome.BAD, "page checksum mismatch on read"
+
+    def _read_staged(self, reads: list[PlannedRead]) -> None:
+        """Disk pages in a codec's stored form (tierkv/codec.py): consecutive slots read in one
+        request into the disk tier's staging buffer, each verified there (the checksum covers
+        the stored bytes), then the good ones decoded into their device slots in one batch."""
+        staging, views = self.disk.staging(len(reads))
+        page_bytes = self.disk.page_bytes
+        unread: set[int] = set()
+        sums: dict[int, Future[int]] = {}
+
+        def verify_run(positions: list[int]) -> None:
+            for p in positions:  # checksummed by a helper thread while the next run is read
+                sums[p] = self._checksummer.submit(page_checksum, reads[p].block.key, staging[p, :page_bytes])
+
+        try:
+            self.disk.read_many([(r.block.loc[DISK], views[p]) for p, r in enumerate(reads)], verify_run)
+        except OSError:
+            for f in sums.values():
+                f.cancel()
+            sums.clear()
+            for p, r in enumerate(reads):  # one by one: a failed read fails only its own page
+                try:
+                    self.disk.read_into(r.block.loc[DISK], views[p])
+                except OSError as e:
+                    self._read_failed(r, e)
+                    unread.add(p)
+        good: list[int] = []
+        for p, r in enumerate(reads):
+            if p in unread:
+                continue
+            got = sums[p].result() if p in sums else page_checksum(r.block.key, staging[p, :page_bytes])
+            if got == r.block.checksum:
+                good.append(p)
+            else:
+                r.outcome, r.detail = ReadOutcome.BAD, "page checksum mismatch on read"
+        if good:
+            # Placed only after this returns (settle), so a half-written slot is never seen.
+            self.device.write_many([reads[p].slot for p in good], staging[:, :page_bytes], good)
+            for p in good:
+                reads[p].outcome = ReadOutcome.OK
 
     def settle(self, plan: list[PlannedRead]) -> int | None:
         """Place or free each planned slot, drop each busy count, wake each waiter. An error

@@ -284,3 +284,32 @@ def test_default_store_is_unchanged(make_store, home):
     with store.acquire(chain, SCOPE) as lease:
         for i, key in enumerate(lease.keys):
             assert torch.equal(lease.page(i), page_for(key))  # bit-exact
+
+
+def test_staged_reads_fall_back_page_by_page_and_an_io_error_is_a_plain_miss(make_store):
+    from unittest import mock
+
+    store = make_store(page_codec="int8")
+    chain = toks(77, 4)
+    put_chain(store, chain)
+    store.close()
+    store = make_store()
+    bad_loc = None
+    real_read_into = type(store.disk).read_into
+
+    def read_into(self, loc, buf):  # the third block's page cannot be read (EIO)
+        if loc == bad_loc:
+            raise OSError(5, "EIO")
+        return real_read_into(self, loc, buf)
+
+    with store.placement.lock:
+        bad_loc = store.placement.table.get(keys_of(chain)[2]).loc[TierName.DISK]
+    with mock.patch.object(type(store.disk), "read_many", side_effect=OSError(5, "EIO")), \
+            mock.patch.object(type(store.disk), "read_into", read_into):
+        with store.acquire(chain, SCOPE) as lease:
+            assert lease.num_blocks == 2  # re-read one by one; the lease stops at the unreadable page
+            _assert_lease_decoded(lease)
+    assert store.stats()["quarantined"] == 0  # an I/O error proves nothing about the page
+    with store.acquire(chain, SCOPE) as lease:  # the next acquire is the retry
+        assert lease.num_blocks == 4
+        _assert_lease_decoded(lease)

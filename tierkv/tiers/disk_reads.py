@@ -118,6 +118,16 @@ class DiskReads:
             if on_run is not None:
                 on_run(run)
 
+    def staging(self, n: int) -> tuple[torch.Tensor, list[memoryview]]:
+        """This thread's aligned staging buffer for ``n`` whole slots: as ``[n, slot_bytes]``
+        uint8 and as one writable view per slot (for :meth:`read_many`). Valid until this
+        thread's next read through the tier. With a codec, pages are read here, verified,
+        then decoded into the device tier (they cannot land in a device slot as they are)."""
+        bounce = self._bounce(n * self.slot_bytes)
+        mm = memoryview(bounce.mm)
+        views = [mm[p * self.slot_bytes : (p + 1) * self.slot_bytes] for p in range(n)]
+        return bounce.tensor[: n * self.slot_bytes].view(n, self.slot_bytes), views
+
     def read_page(self, loc: int) -> torch.Tensor:
         """The page at ``loc`` as a new CPU tensor, as stored: in the layout's shape and dtype
         (codec ``none``), else the codec's stored form (``[stored_bytes]`` uint8, which the
