@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from tierkv.identity import Scope  # noqa: E402
 from tierkv.integrations import vllm_pages  # noqa: E402
-from tierkv.integrations.vllm_config import ConnectorConfig, scope_of  # noqa: E402
+from tierkv.integrations.vllm_config import FP8_CACHE_DTYPES, ConnectorConfig, scope_of  # noqa: E402
 from tierkv.integrations.vllm_pages import KV_BY_CHANNELS, KV_BY_TOKENS, PagedKV, UnsupportedCacheError  # noqa: E402
 from tierkv.integrations.vllm_scheduler import LoadSpec, SchedulerSide, TierKVConnectorMetadata  # noqa: E402
 from tierkv.integrations.vllm_store import StoreHandle  # noqa: E402
@@ -262,23 +262,46 @@ def test_fp8_scales_other_than_one_disable_the_worker():
         check_unit_scales({"l.0.attn": (1.0, 1.0), "l.1.attn": (0.5, 1.0)})
 
 
-def test_fp8_pages_round_trip_through_a_store(tmp_path):
+@pytest.mark.parametrize("where", ["home", "daemon"])
+def test_fp8_pages_round_trip_through_a_store(where, tmp_path):
+    import subprocess
+    import sys
+    import time
+
     layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B, dtype="float8_e5m2")
-    opts = dict(home=str(tmp_path / "home"), device_bytes=1 << 20, host_bytes=1 << 20, disk_bytes=4 << 20)
-    raw = torch.randint(0, 256, (2, *layout.shape), dtype=torch.uint8)
-    scope, tokens = Scope(MV), list(range(2 * B))
-    handle = StoreHandle(ConnectorConfig(**opts), layout)
-    assert handle.put(tokens, raw.view(layout.torch_dtype), scope, 0)
-    handle.close()
-    handle = StoreHandle(ConnectorConfig(**opts), layout)  # reopened: the pages come from disk
-    lease = handle.acquire(tokens, scope, 2)
-    assert lease is not None and lease.num_blocks == 2
+    if where == "home":
+        opts = dict(home=str(tmp_path / "home"), device_bytes=1 << 20, host_bytes=1 << 20, disk_bytes=4 << 20)
+        proc = None
+    else:  # a daemon with no layout typed opens the fp8 layout the connector declares
+        (tmp_path / "run").mkdir(mode=0o700)
+        sock = tmp_path / "run" / "tierkv.sock"
+        opts = dict(socket=str(sock), timeout_s=30)
+        proc = subprocess.Popen([sys.executable, "-c", "from tierkv.cli import main; main()", "serve", "--home",
+                                 str(tmp_path / "home"), "--socket", str(sock)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.1)
     try:
-        got = lease.pool[list(lease.slots)]
-        assert got.dtype == layout.torch_dtype and torch.equal(got.view(torch.uint8), raw)
+        raw = torch.randint(0, 256, (2, *layout.shape), dtype=torch.uint8)
+        scope, tokens = Scope(MV), list(range(2 * B))
+        handle = StoreHandle(ConnectorConfig(**opts), layout)
+        assert handle.put(tokens, raw.view(layout.torch_dtype), scope, 0)
+        handle.close()
+        handle = StoreHandle(ConnectorConfig(**opts), layout)  # reopened (embedded: the pages come from disk)
+        lease = handle.acquire(tokens, scope, 2)
+        assert lease is not None and lease.num_blocks == 2
+        try:
+            got = lease.pool[list(lease.slots)]
+            assert got.dtype == layout.torch_dtype and torch.equal(got.view(torch.uint8), raw)
+        finally:
+            lease.release()
+        handle.close()
     finally:
-        lease.release()
-    handle.close()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 # ---- the scheduler side -----------------------------------------------------------------
@@ -917,22 +940,41 @@ def computed_blocks_tokens(prompt_len: int, answer_len: int) -> int:
     return (prompt_len + answer_len - 1) // B * B
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not fp8_host(), reason="vLLM's CPU backend refuses fp8 KV without AVX-512/AMX "
-                                           "(test_without_avx512_vllm_and_the_connector_refuse_fp8 checks the refusal)")
-@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])  # fp8_e4m3 is an alias of fp8 (same identity)
-def test_fp8_kv_hit_after_restart_is_exact(model_dir, cache_dtype, tmp_path):
-    home = tmp_path / "home"
+def check_fp8_restart(model_dir: Path, cache_dtype: str, home: Path, float_reference) -> None:
+    """vLLM alone and two engines with tierkv (the second after a restart) with an fp8 KV
+    cache: the second loads the first's raw fp8 pages and its greedy output is vLLM's."""
     want = run_engine(model_dir, kv_cache_dtype=cache_dtype)[0]
+    # fp8 KV is not float32 KV: a test that compared float pages would notice.
+    assert max_diff(want[0][1], float_reference[0][1]) > 1e-4
     results, _, worker = run_engine(model_dir, store_options(home), kv_cache_dtype=cache_dtype)
+    assert worker["layout"]["dtype"] == FP8_CACHE_DTYPES[cache_dtype]
     assert worker["saved_tokens"] == SHARED and results[0][0] == want[0][0]
-    import json
-
-    layouts = json.dumps([json.loads(p.read_text()) for p in home.rglob("layout.json")])
     results, sched, worker = run_engine(model_dir, store_options(home), kv_cache_dtype=cache_dtype)
-    assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED, layouts
+    assert sched["hit_tokens"] == SHARED and worker["loaded_tokens"] == SHARED
+    assert worker["load_failed_blocks"] == 0
     assert results[0][0] == want[0][0]
     assert max_diff(results[0][1], want[0][1]) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fp8_host(), reason="vLLM's CPU backend refuses fp8 KV without AVX-512/AMX "
+                                           "(test_without_avx512_vllm_and_the_connector_refuse_fp8 checks the refusal; "
+                                           "test_fp8_kv_hit_after_restart_with_emulated_kernels runs the connector)")
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])  # fp8_e4m3 is an alias of fp8 (same identity)
+def test_fp8_kv_hit_after_restart_is_exact(model_dir, reference, cache_dtype, tmp_path):
+    check_fp8_restart(model_dir, cache_dtype, tmp_path / "home", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fp8_host(), reason="the real fp8 kernels run here (test_fp8_kv_hit_after_restart_is_exact)")
+def test_fp8_kv_hit_after_restart_with_emulated_kernels(model_dir, reference, tmp_path):
+    # Without AVX-512 vLLM has no fp8 kernels; torch stand-ins (tests/integrations/
+    # vllm_fp8_kernels.py) let a real engine keep fp8 KV, so the connector runs end to end:
+    # vLLM's uint8 cache, its layers' scales, the fp8 identity, raw pages across a restart.
+    from vllm_fp8_kernels import emulated_fp8_kernels
+
+    with emulated_fp8_kernels():
+        check_fp8_restart(model_dir, "fp8", tmp_path / "home", reference)
 
 
 @pytest.mark.slow

@@ -202,7 +202,8 @@ class TierKVConnector(KVConnectorBase_V1):
         counters = side.counters.snapshot() if side is not None else {}
         enabled = self.model_version is not None and (self.worker is None or self.worker.enabled)
         return {"role": self.role.name, "enabled": enabled,
-                "model_version": self.model_version, "store_errors": self.handle.errors,
+                "model_version": self.model_version, "layout": self.layout.to_dict() if self.layout else None,
+                "store_errors": self.handle.errors,
                 **counters, "store": self.handle.stats()}
 
     def shutdown(self) -> None:
