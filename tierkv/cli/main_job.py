@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
+from ..codec import CODECS
 from ..document import DEFAULT_MAX_FILE_BYTES, DocumentOptions
 from ..hf import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_TOKENS, DTYPE_CHOICES, LoadedModel, SamplingConfig, generate
 from ..hf import load_model as _load_model
@@ -73,6 +74,19 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def page_codec_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--page-codec", type=click.Choice(CODECS), default=None,
+        help="How a new home stores pages in its host and disk tiers: none (exact, the default) or int8 "
+             "(about half of bfloat16's bytes, lossy: docs/performance.md). A home keeps the codec it was "
+             "created with; naming another is an error. Not with --socket (the daemon's --page-codec).")(f)
+
+
+def _check_codec(page_codec: str | None, socket_path: Path | None) -> None:
+    if page_codec and socket_path:
+        raise click.UsageError("--page-codec is the daemon's setting (tierkv serve --page-codec): drop it with --socket")
+
+
 def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None) -> LoadedModel:
     quiet_transformers()
     return _load_model(model_dir, dtype=dtype, block_size=block_size, device=_device(device), memo_path=default_memo_path())
@@ -88,22 +102,24 @@ def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None)
 @click.option("--pin", is_flag=True, help="Store the prefix's blocks as pinned (never evicted).")
 @namespace_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@page_codec_option
 @home_option
 @socket_option
 @json_option
 def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size: int, device: str | None,
                 include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
                 max_tokens: int | None, name: str | None, chunk_tokens: int, pin: bool, namespace: str, no_progress: bool,
-                home: Path, socket_path: Path | None, as_json: bool) -> None:
+                page_codec: str | None, home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Prefill the files and trees PATHS into the store as one prefix document.
 
     Resumable: an interrupted run continues from its last stored chunk, and a repeated
     run does no work."""
     from ..materialize import materialize as run
 
+    _check_codec(page_codec, socket_path)
     lm = load_model(model_dir, dtype, block_size, device)
     progress, close_bar = progress_bar("prefill", enabled=not no_progress)
-    with open_store(home, lm.layout, socket_path) as store:
+    with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
         try:
             result = run(store, lm, list(paths), _doc_options(include, exclude, max_file_bytes, no_gitignore),
                          name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens, pin=pin, namespace=namespace,
@@ -143,6 +159,7 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
               help="Do not store the blocks the generated tokens complete (a next turn repeating them misses).")
 @click.option("--namespace", default=None,
               help="Tenant salt of the block keys [default: the prefix's namespace, else 'default'].")
+@page_codec_option
 @home_option
 @socket_option
 @json_option
@@ -150,12 +167,14 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
                  prefix_paths: tuple[Path, ...], include: tuple[str, ...], exclude: tuple[str, ...],
                  max_file_bytes: int, no_gitignore: bool, max_tokens: int | None, prompt: str,
                  max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool,
-                 no_store_output: bool, namespace: str | None, home: Path, socket_path: Path | None, as_json: bool) -> None:
+                 no_store_output: bool, namespace: str | None, page_codec: str | None, home: Path,
+                 socket_path: Path | None, as_json: bool) -> None:
     """Generate text after a prefix, restoring what the store holds of it."""
     from ..materialize import document_tokens, load_prefix
 
     if prefix_name and prefix_paths:
         raise click.UsageError("pass --prefix NAME or --prefix-from PATH, not both")
+    _check_codec(page_codec, socket_path)
     lm = load_model(model_dir, dtype, block_size, device)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, seed=seed)
     opts = _doc_options(include, exclude, max_file_bytes, no_gitignore)
@@ -179,7 +198,7 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
             tokens, _ = request(None)
         result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling)
     else:
-        with open_store(home, lm.layout, socket_path) as store:
+        with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
             tokens, ns = request(store)
             result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
                               sampling=sampling, store_output=not no_store_output)
