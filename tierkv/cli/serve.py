@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from ..codec import CODECS
 from ..errors import TierKVError
 from ..policy import POLICIES
 from ..daemon.config import DaemonConfig, merge, read_config_file
@@ -43,6 +44,9 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
 @click.option("--disk-bytes", default=None, help="Disk tier budget, shared by the layouts.")
 @click.option("--eviction-policy", type=click.Choice(POLICIES), default=None,
               help="Victim order of every tier: arc (adaptive, default) or lru (see docs/architecture.md).")
+@click.option("--page-codec", type=click.Choice(CODECS), default=None,
+              help="How new homes store pages in the host and disk tiers: none (exact, default) or int8 (about half "
+                   "of bfloat16's bytes, lossy: docs/performance.md). A home keeps the codec it was created with.")
 @click.option("--staging-bytes", default=None, help="Shared staging region for pages clients put.")
 @click.option("--lease-timeout", "lease_timeout_s", type=float, default=None,
               help="Seconds a lease may go without renew before the daemon releases it (default 600).")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..codec import CODECS
 from ..config import HOME_ENV, SOCKET_ENV, GiB, MiB, check_sizes, default_home
 from ..errors import ConfigError
 from ..layout import PageLayout
@@ -48,6 +49,9 @@ class DaemonConfig:
     disk_bytes: int = 16 * GiB
     write_through: bool = True
     eviction_policy: str = DEFAULT_POLICY  # tierkv/policy.py: "arc" or "lru"
+    # tierkv/codec.py: how new homes store pages in the host and disk tiers ("none" or "int8");
+    # None: each home's own ("none" for a new one). Read when a layout's store is opened.
+    page_codec: str | None = None
     metrics_port: int | None = None  # Prometheus text endpoint on 127.0.0.1; None: off
     pid_file: Path | None = None  # default: next to the socket, "<socket>.pid"
     lease_timeout_s: float = 600.0  # a lease not renewed for this long is released
@@ -94,6 +98,8 @@ class DaemonConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.eviction_policy not in POLICIES:
             raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
+        if self.page_codec is not None and self.page_codec not in CODECS:
+            raise ValueError(f"page_codec must be one of {CODECS}, got {self.page_codec!r}")
         if not self.lease_timeout_s > 0:
             raise ValueError("lease_timeout_s must be positive")
         for name in ("max_connections", "max_inflight", "workers", "resolved_max_layouts"):

@@ -189,7 +189,7 @@ class Handlers(OperationHandlers):
             st, pool = entry.local, entry.staging_pool  # the tiers clients map are the local store's
             header.update({
                 "layout": entry.layout.to_dict(), "layout_id": entry.layout_id,
-                "device": region_info(st.device, fds), "host": region_info(st.host, fds),
+                "device": region_info(st.device, fds), "host": None if st.host.encoded else region_info(st.host, fds),  # int8 pages: not the layout's
                 "device_ipc": cuda_ipc_info(st.device),
                 "staging": {"nbytes": pool.numel() * pool.element_size(), "stride_bytes": entry.layout.page_bytes,
                             "slots": pool.shape[0]},

@@ -102,7 +102,7 @@ class Daemon(RemoteKeeper):
             host_bytes=cfg.host_bytes // n if cuda else cfg.host_bytes, disk_bytes=cfg.disk_bytes,
             device_limit_bytes=limits.device_bytes, host_limit_bytes=limits.host_bytes,
             disk_limit_bytes=limits.disk_bytes, segment_pages=segment_pages, write_through=cfg.write_through,
-            shm_dir=cfg.shm_dir, eviction_policy=cfg.eviction_policy,
+            shm_dir=cfg.shm_dir, eviction_policy=cfg.eviction_policy, page_codec=cfg.page_codec,
         ), socket_path=str(cfg.socket))
         if cfg.remote_enabled:
             try:
