@@ -128,7 +128,7 @@ STATS_PER_PROCESS = {"lookups", "lookup_blocks", "hits", "hit_rate", "hit_rate_b
                      "evictions", "promoted_bytes", "demoted_bytes", "puts", "blocks_stored", "lookups_per_s",
                      "mean_lookup_ms", "daemon", "device", "host", "index_resizes", "stale_readers_cleared",
                      "disk_read_path", "read_path", "layouts",
-                     "capacity_bytes"}  # the command opens a home with default capacities
+                     "capacity_bytes", "limit_segments"}  # the command opens a home with default capacities
 
 
 def test_stats_and_ls(twins):
@@ -209,3 +209,125 @@ def test_materialize_generate_route(twins, repo):
     assert sum(tiers[0].values()) == sum(tiers[1].values())
     mv = run_json("model-version", twins.model_dir)  # needs no store
     assert mv["model_version"] == twins.mv
+
+
+# ---- a home with two page layouts (what a daemon serving two models makes) -------------------
+OTHER = PageLayout(num_layers=3, num_kv_heads=1, head_dim=32, block_size=32, dtype="bfloat16")
+MV_O = hashlib.sha256(b"conformance cli model o").hexdigest()
+
+
+class TwoLayoutDaemon(DaemonRunner):
+    """A daemon that serves two layouts on its home (DaemonRunner gives one layout the
+    whole budget, max_layouts=1)."""
+
+    def __init__(self, workdir: Path, layout: PageLayout) -> None:
+        import threading
+
+        from tierkv.daemon.config import DaemonConfig
+        from tierkv.daemon.server import Daemon
+
+        self.config = DaemonConfig(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
+                                   staging_bytes=256 * layout.slot_bytes, client_staging_bytes=64 * layout.slot_bytes,
+                                   shm_dir=workdir / "shm", workers=2, max_layouts=2, **SIZES)
+        self.daemon = Daemon(self.config, install_signals=False)
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.daemon.ready.wait(30), "daemon did not start"
+        if self.error is not None:
+            raise self.error
+
+
+def fill_other(api: Any) -> None:
+    """A named prefix 'other-docs' (5 blocks of OTHER, namespace t2, its manifest naming its
+    layout) and 2 blocks of MV_B: another model's blocks in the second layout's store."""
+    bs = OTHER.block_size
+    docs, scope = tokens(11, 5 * bs), Scope(MV_O, "t2")
+    for sc, toks in ((scope, docs), (Scope(MV_B), tokens(12, 2 * bs))):
+        assert api.put(toks, pages_for(toks, sc, OTHER), sc).durable
+    api.save_manifest("other-docs", {**manifest_for(docs, scope, OTHER), "namespace": "t2"})
+
+
+class TwoLayoutTwins(Twins):
+    def restart_daemon(self) -> None:
+        workdir = self.runner.config.home.parent
+        self.runner.stop()
+        self.runner = TwoLayoutDaemon(workdir, self.layout)
+
+
+@pytest.fixture
+def twins2(llama_dir, monkeypatch, tmp_path):
+    """A home holding the model's layout at its root and OTHER under layouts/<id> (made
+    here, as a daemon would), and a daemon serving both on a home of its own."""
+    from tierkv.cli.home_stores import store_home
+    from tierkv.hf import version_of
+
+    monkeypatch.delenv("TIERKV_SOCKET", raising=False)
+    monkeypatch.setenv("TIERKV_KEYS", str(tmp_path / "keys"))
+    layout, mv = version_of(llama_dir)
+    hdir, ddir = short_dir("tkvcli2-h-"), short_dir("tkvcli2-d-")
+    home = hdir / "home"
+    with tierkv.open(home, layout, device="cpu", shm_dir=hdir / "shm", **SIZES) as s:
+        fill(s, layout, mv)
+    assert store_home(home, OTHER) == home / "layouts" / "bfloat16-l3-h1-d32-b32"
+    with tierkv.open(store_home(home, OTHER), OTHER, device="cpu", shm_dir=hdir / "shm", **SIZES) as s:
+        fill_other(s)
+    runner = TwoLayoutDaemon(ddir, layout)
+    t = TwoLayoutTwins(home, runner, llama_dir, layout, mv)
+    try:
+        with tierkv.connect(runner.socket, layout=layout) as c:
+            fill(c, layout, mv)
+        with tierkv.connect(runner.socket, layout=OTHER) as c:
+            fill_other(c)
+        t.restart_daemon()  # nothing in memory on either side
+        yield t
+    finally:
+        t.runner.stop()
+        remove(hdir)
+        remove(ddir)
+
+
+def test_home_commands_reach_every_layout_as_the_daemon_does(twins2):
+    """Before: a --home command opened the root store only (the first layout), so stats,
+    ls, invalidate, gc and verify missed the other layouts that --socket reaches."""
+    from tierkv.daemon.layouts import layout_id
+
+    ids = {layout_id(twins2.layout), layout_id(OTHER)}
+    s = twins2.same("stats", ignore=STATS_PER_PROCESS - {"layouts"})
+    assert s["blocks"] == 13 + 7 and set(s["layouts"]) == ids
+    assert s["layouts"][layout_id(OTHER)]["blocks"] == 7
+    assert s["model_versions"] == {twins2.mv: 9, MV_B: 6, MV_O: 5}
+    listing = twins2.same("ls")
+    assert [p["name"] for p in listing["prefixes"]] == ["docs", "other-docs"]
+    assert listing["prefixes"][1]["resident"]["disk"] == 5 and listing["prefixes"][1]["complete"]
+    assert listing["layouts"][layout_id(OTHER)] == {"blocks": 7, "model_versions": {MV_O: 5, MV_B: 2}}
+    assert run("ls", "--home", twins2.home).stdout == run("ls", "--socket", twins2.socket).stdout
+    v = twins2.same("verify")
+    assert v["ok"] and v["checked"] == 20 and v["integrity_error"] is None
+    assert twins2.same("pin", "other-docs")["blocks"] == 5
+    assert twins2.same("ls")["prefixes"][1]["pinned"] is True
+    assert twins2.same("unpin", "other-docs")["blocks"] == 5
+    assert twins2.same("invalidate", "--model-version", MV_B, "--dry-run")["removed_blocks"] == 6
+    assert twins2.same("invalidate", "--namespace", "t2", "--dry-run")["removed_blocks"] == 5
+    assert twins2.same("gc", "--dry-run")["removed_blocks"] == 3 + 6
+    # route picks the model's layout on a node serving two (before: the daemon node could
+    # not answer a client that declared none).
+    toks = twins2.home.parent / "docs.json"
+    toks.write_text(json.dumps(tokens(1, 6 * twins2.layout.block_size).tolist()))  # the 'docs' prefix (fill)
+    r = run_json("route", "--node", twins2.home, "--node", twins2.socket, "--tokens-file", toks, "--model",
+                 twins2.model_dir)
+    assert list(r["per_node"].values()) == [6 * twins2.layout.block_size] * 2 and not r["errors"]
+
+
+def test_export_import_of_a_second_layout_prefix(twins2, tmp_path):
+    out_h, out_s = tmp_path / "h.tkv", tmp_path / "s.tkv"
+    a = run_json("export", "other-docs", "-o", out_h, "--home", twins2.home)
+    b = run_json("export", "other-docs", "-o", out_s, "--socket", twins2.socket)
+    assert drop(a) == drop(b) and a["blocks"] == 5
+    twins2.restart_daemon()  # export leased the pages into the daemon's device tier
+    twins2.same("invalidate", "--namespace", "t2")
+    ih = run_json("import", out_s, "--home", twins2.home)
+    isock = run_json("import", out_h, "--socket", twins2.socket)
+    assert drop(ih) == drop(isock) and ih["stored_blocks"] == 5
+    twins2.restart_daemon()
+    assert twins2.same("ls")["prefixes"][1]["complete"]

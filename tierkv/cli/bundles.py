@@ -3,13 +3,67 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
 
 import click
 
+from ..errors import ConfigError
 from ..model_version import default_memo_path
 from .common import OPS_STORE_OPTIONS, emit, fmt_bytes, warn
 from .keys import keys_option
 from .targets import short, target, target_options
+
+if TYPE_CHECKING:
+    from ..api import StoreAPI
+    from ..layout import PageLayout
+
+
+@contextlib.contextmanager
+def _layout_of_prefix(store: "StoreAPI", name: str, socket_path: Path | None) -> Iterator["StoreAPI"]:
+    """The store that holds the prefix ``name`` with its pages: ``store`` itself when it has
+    one layout; across several (a home or a daemon serving several models), the store of
+    the layout its manifest names (a client of the daemon declaring that layout)."""
+    from ..layout import PageLayout
+    from .common import connect_daemon
+    from .home_stores import HomeStores
+
+    if store.layout is not None:
+        yield store
+        return
+    raw = store.get_manifest(name).get("layout")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"prefix {name!r} names no page layout, and the store holds several",
+                          hint="materialise the prefix again (materialize records its layout)")
+    layout = PageLayout.from_dict(raw)
+    if isinstance(store, HomeStores):
+        yield store.store_for(layout)
+        return
+    assert socket_path is not None
+    with connect_daemon(socket_path, layout) as client:
+        yield client
+
+
+def _daemon_for(socket_path: Path, layout: "PageLayout") -> "contextlib.AbstractContextManager[StoreAPI]":
+    """A client of the daemon for a bundle of ``layout``: declaring it when the daemon
+    serves it among several, else an operations client (the daemon's only layout, checked
+    against the bundle's by import_bundle), as ``--home`` picks the home's store."""
+    from ..daemon.layouts import layout_id
+    from .common import connect_daemon
+
+    ops = connect_daemon(socket_path)
+    if ops.layout is None and layout_id(layout) in ops.layouts:
+        ops.close()
+        return contextlib.closing(connect_daemon(socket_path, layout))
+    return contextlib.closing(ops)
+
+
+def _import_home(home: Path, layout: "PageLayout") -> Path:
+    """Where a bundle of ``layout`` goes in ``home``: the store of that layout when the home
+    holds one (a home a daemon serving several models made), else the root (checked against
+    the root's layout, as always)."""
+    from ..daemon.layouts import find_layouts
+
+    return next((h for h, lo in find_layouts(home) if lo == layout), home)
 
 
 # ---- export / import -------------------------------------------------------------------
@@ -32,8 +86,8 @@ def export_cmd(name: str, output: Path, keys_dir: Path, home: Path, socket_path:
         public = keyring.generate()
         warn(f"created a signing key in {keys_dir}; importers trust your bundles after "
              f"`tierkv keys trust NAME {public.hex()}`")
-    with target(home, socket_path) as store:
-        r = export_prefix(store, name, output, signer=keyring.sign)
+    with target(home, socket_path) as store, _layout_of_prefix(store, name, socket_path) as source:
+        r = export_prefix(source, name, output, signer=keyring.sign)
     emit(as_json, {"name": r.name, "path": str(r.path), "tokens": r.tokens, "blocks": r.blocks,
                    "model_version": r.model_version, "namespace": r.namespace, "file_bytes": r.file_bytes},
          [("prefix", r.name), ("file", str(r.path)), ("tokens", r.tokens), ("blocks", r.blocks),
@@ -68,6 +122,8 @@ def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bo
     # page is read), the whole file and who vouches for it, then the model version.
     trust = Trust(keys=tuple(k.public_key for k in Keyring(keys_dir).trusted()),
                   model_check=model_checker(verify_model) if verify_model else None)
+    if socket_path is None:
+        home = _import_home(home, read_header(bundle).layout)
     if socket_path is None and (home / "index" / "data.mdb").exists():
         layout = tierkv.home_layout(home)
     elif socket_path is None:
@@ -83,7 +139,7 @@ def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bo
         check_compatible(header, tierkv.home_layout(home) if exists else header.layout, expected, force)
         store_cm = contextlib.closing(tierkv.open(home, header.layout, **OPS_STORE_OPTIONS))
     else:
-        store_cm = target(home, socket_path)
+        store_cm = _daemon_for(socket_path, header.layout)
     with store_cm as store:
         r = import_bundle(store, bundle, name=name, force=force, model_version=expected, trust=trust, verified=verified)
     for w in r.warnings:

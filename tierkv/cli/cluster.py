@@ -89,15 +89,15 @@ def route_cmd(node_specs: tuple[str, ...], prefix_name: str | None, prompt: str 
         raise click.UsageError("pass --prefix NAME, --prompt TEXT or --tokens-file PATH")
     if model_dir is None and (prefix_name or prompt or model_version is None):
         raise click.UsageError("--model DIR is needed (or --model-version with --tokens-file)")
+    lm = _tokenizer_model(model_dir, dtype, block_size) if model_dir is not None else None
     nodes: dict[str, Any] = {}
     for spec in node_specs:
-        try:
-            nodes[spec] = open_node(spec)
+        try:  # the model's layout picks its store on a node serving several
+            nodes[spec] = open_node(spec, layout=lm.layout if lm is not None else None)
         except Exception as e:  # noqa: BLE001 - reported as that node's answer
             warn(f"node {spec}: {e}")
             nodes[spec] = _Unreachable(e)
     try:
-        lm = _tokenizer_model(model_dir, dtype, block_size) if model_dir is not None else None
         if tokens_file is not None:
             tokens = _read_tokens(tokens_file)
         else:

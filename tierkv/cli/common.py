@@ -79,9 +79,12 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     command line (None means the store's default)."""
     import tierkv
 
+    from .home_stores import store_home
+
     if socket_path is not None:
         return connect_daemon(socket_path, layout)
-    return tierkv.open(home, layout, **{k: v for k, v in options.items() if v is not None})
+    # The layout's own store in a home that holds several (as the daemon would open it).
+    return tierkv.open(store_home(home, layout), layout, **{k: v for k, v in options.items() if v is not None})
 
 
 # Operations need the disk tier only: keep the memory tiers in (sparse) host memory, so an
@@ -90,16 +93,17 @@ OPS_STORE_OPTIONS: dict[str, Any] = {"device": "cpu", "host_bytes": 0}
 
 
 def open_target(home: Path, socket_path: Path | None, **options: Any) -> "StoreAPI":
-    """A :class:`~tierkv.Store` on ``home`` (opened with its own layout), or, with
-    ``socket_path``, a client of the daemon serving it (same API). ``options`` are StoreConfig
+    """Every store of ``home`` (each page layout it holds, opened here as one target:
+    :class:`~tierkv.cli.home_stores.HomeStores`), or, with ``socket_path``, a client of the
+    daemon serving it; both answer the same across layouts. ``options`` are StoreConfig
     fields for a home opened here. Raises NotFoundError for a home without a store,
     DaemonOwnsHomeError when a daemon holds the home, DaemonUnavailableError when the
     daemon cannot be reached."""
-    import tierkv
+    from .home_stores import HomeStores
 
     if socket_path is not None:
         return connect_daemon(socket_path)
-    return tierkv.open(home, None, **{**OPS_STORE_OPTIONS, **options})
+    return HomeStores.open(home, **{**OPS_STORE_OPTIONS, **options})
 
 
 def warn(message: str) -> None:

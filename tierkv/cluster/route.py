@@ -97,13 +97,22 @@ def route(tokens: Sequence[int] | np.ndarray, nodes: Mapping[str, Lookupable], s
     return RouteResult(best.node if best else None, per_node, tuple(answers), len(arr))
 
 
+def _layout_id(layout: Any) -> str:
+    from ..daemon.layouts import layout_id
+
+    return layout_id(layout)
+
+
 def open_node(spec: str | os.PathLike[str], connect: Callable[[Path], Any] | None = None,
-              **store_options: Any) -> Any:
+              layout: Any = None, **store_options: Any) -> Any:
     """A lookup-able handle on a node: a socket path gives a daemon client
     (``tierkv.connect``); a store home directory gives an embedded store opened with its
     own layout (for tests and single-host use; it takes the home's lock; ``store_options``
     default to a CPU device tier and no host tier, as the operations tools open homes).
-    Raises NotFoundError otherwise."""
+    ``layout`` (the request's page layout) picks that layout's store on a node holding
+    several (a daemon serving several models, or the home it made); a node without it is
+    asked as before (it holds no block of the request), and none is created. Raises
+    NotFoundError otherwise."""
     import tierkv
 
     path = Path(spec)
@@ -113,9 +122,18 @@ def open_node(spec: str | os.PathLike[str], connect: Callable[[Path], Any] | Non
         raise NotFoundError(f"no tierkv node at {path}",
                             hint="pass a daemon socket (tierkv serve) or a store home") from None
     if stat.S_ISSOCK(mode):
-        return (connect or tierkv.connect)(path)
+        client = (connect or tierkv.connect)(path)
+        if layout is not None and client.layout is None and _layout_id(layout) in getattr(client, "layouts", ()):
+            client.close()
+            client = tierkv.connect(path, layout=layout)
+        return client
     if stat.S_ISDIR(mode):
-        return tierkv.open(path, None, **{"device": "cpu", "host_bytes": 0, **store_options})
+        home = path
+        if layout is not None:
+            from ..daemon.layouts import find_layouts
+
+            home = next((h for h, lo in find_layouts(path) if lo == layout), path)
+        return tierkv.open(home, None, **{"device": "cpu", "host_bytes": 0, **store_options})
     raise NotFoundError(f"{path} is neither a socket nor a store home")
 
 

@@ -1,0 +1,226 @@
+"""Every store of a home, opened in this process as one target: what the operations commands
+get with ``--home``, so that they reach every page layout of a home a daemon made
+(``HOME/layouts/<id>/``) exactly as ``--socket`` reaches them through the daemon.
+
+:class:`HomeStores` answers as the daemon's operations do across its layouts
+(tierkv/daemon/operations.py): chains and manifests are found in whichever store holds them
+(a manifest naming its ``layout`` is saved in that layout's store), ``invalidate``,
+``verify``, ``check_integrity`` and ``stats`` cover every store, and ``stats`` has the
+daemon's shape (sums, with ``layouts``: each store's own figures). Like a daemon client
+that declared no layout, it stores and reads pages only when the home holds one layout.
+
+Rejected: a command looping over the stores itself (each command would re-implement the
+daemon's rules, and ``--home`` and ``--socket`` would drift apart again); opening only the
+layout a command names (stats, ls, gc and verify name none).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..api import StoreAPI
+from ..blocks import Priority
+from ..daemon.layouts import LAYOUTS_DIR, find_layouts, layout_id, merge_stats
+from ..errors import ConfigError, NotFoundError
+from ..identity import Scope
+from ..layout import PageLayout
+from ..results import (
+    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
+    namespace_page,
+)
+from ..store import Store
+
+
+def store_home(home: Path, layout: PageLayout) -> Path:
+    """Where the store of ``layout`` lives in ``home``: where it is; else the root when the
+    root holds no store yet; else ``HOME/layouts/<id>`` (as a daemon would create it)."""
+    found = find_layouts(home)
+    for h, lo in found:
+        if lo == layout:
+            return h
+    if not any(h == home for h, _ in found):
+        return home
+    return home / LAYOUTS_DIR / layout_id(layout)
+
+
+class HomeStores(StoreAPI):
+    """The stores of one home (root first). Build with :meth:`open`."""
+
+    def __init__(self, home: Path, stores: Sequence[Store]) -> None:
+        self.home = home
+        self.stores = list(stores)
+        self.layouts = tuple(layout_id(s.layout) for s in self.stores)
+        self.layout: PageLayout | None = self.stores[0].layout if len(self.stores) == 1 else None
+
+    @classmethod
+    def open(cls, home: Path, **options: Any) -> "HomeStores":
+        """Open every store ``home`` holds (``options``: StoreConfig fields for each). Raises
+        NotFoundError when it holds none, StoreLockedError/DaemonOwnsHomeError when another
+        process has it."""
+        found = find_layouts(home)
+        if not found:
+            raise NotFoundError(f"{home} holds no tierkv store", hint="materialise a prefix first, or check --home")
+        stores: list[Store] = []
+        try:
+            for h, layout in found:
+                stores.append(Store(_config(h, layout, options)))
+        except BaseException:
+            for s in stores:
+                s.close()
+            raise
+        return cls(home, stores)
+
+    def store_for(self, layout: PageLayout) -> Store:
+        """The store of ``layout``; ConfigError when the home holds none."""
+        for s in self.stores:
+            if s.layout == layout:
+                return s
+        raise ConfigError(f"{self.home} holds no store of layout {layout_id(layout)} (it holds {', '.join(self.layouts)})")
+
+    # ---- the data path: only with one layout (as a daemon client that declared none) --------
+    def _only(self) -> Store:
+        if self.layout is None:
+            raise ConfigError(f"{self.home} holds {len(self.stores)} page layouts ({', '.join(self.layouts)}); "
+                              "storing or reading pages needs one", hint="open the layout's store with tierkv.open")
+        return self.stores[0]
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+               block_extra: Sequence[Sequence[str | bytes]] | None = None) -> LookupResult:
+        return self._only().lookup(tokens, scope, block_extra)
+
+    def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+                block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
+                start_block: int = 0) -> Lease:
+        return self._only().acquire(tokens, scope, block_extra, max_blocks, start_block)
+
+    def release(self, lease: Lease) -> None:
+        self._only().release(lease)
+
+    def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+                 block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:
+        return self._only().prefetch(tokens, scope, block_extra)
+
+    def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
+            start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
+            priority: Priority = Priority.NORMAL) -> PutResult:
+        return self._only().put(tokens, pages, scope, start_block=start_block, block_extra=block_extra,
+                                priority=priority)
+
+    def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
+        return self._only().set_priority(tokens, scope, priority)
+
+    # ---- chains: in the store that holds them (keys are unique across layouts) ------------
+    def _chain(self, last_key: bytes) -> tuple[Store, ChainTokens]:
+        for s in self.stores:
+            try:
+                return s, s.chain_tokens(last_key)
+            except NotFoundError:
+                continue
+        raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
+
+    def chain_tokens(self, last_key: bytes) -> ChainTokens:
+        return self._chain(last_key)[1]
+
+    def chain_residency(self, last_key: bytes) -> Residency:
+        try:
+            s, _ = self._chain(last_key)
+        except NotFoundError:
+            return Residency()
+        return s.chain_residency(last_key)
+
+    def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
+        try:
+            s, _ = self._chain(last_key)
+        except NotFoundError:
+            return 0
+        return s.set_priority_from(last_key, priority)
+
+    # ---- manifests -------------------------------------------------------------------------
+    def save_manifest(self, name: str, manifest: dict[str, Any]) -> None:
+        raw = manifest.get("layout")
+        target = None
+        if isinstance(raw, dict):
+            try:
+                target = self.store_for(PageLayout.from_dict(raw))
+            except (ConfigError, ValueError, TypeError, KeyError):
+                target = None
+        if target is None and self.layout is None:
+            raise ConfigError(f"the manifest names no layout that {self.home} holds, and it holds several",
+                              hint="give the manifest its 'layout' (as materialize writes it)")
+        (target or self.stores[0]).save_manifest(name, manifest)
+
+    def _all_manifests(self) -> dict[str, tuple[Store, dict[str, Any]]]:
+        out: dict[str, tuple[Store, dict[str, Any]]] = {}
+        for s in reversed(self.stores):  # the root's wins a name two stores hold, as in the daemon
+            out.update({k: (s, v) for k, v in s.list_manifests().items()})
+        return out
+
+    def get_manifest(self, name: str) -> dict[str, Any]:
+        every = self._all_manifests()
+        if name not in every:
+            raise NotFoundError(f"no prefix named {name!r} (known: {', '.join(sorted(every)) or 'none'})")
+        return every[name][1]
+
+    def list_manifests(self) -> dict[str, dict[str, Any]]:
+        return {k: v for k, (_, v) in self._all_manifests().items()}
+
+    def delete_manifest(self, name: str) -> bool:
+        return any([s.delete_manifest(name) for s in self.stores])  # a list: every store, not the first
+
+    # ---- across every store ----------------------------------------------------------------
+    def invalidate(self, *, model_version: str | None = None, namespace: str | None = None,
+                   dry_run: bool = False) -> InvalidateResult:
+        if model_version is None and namespace is None:
+            raise ValueError("invalidate needs model_version or namespace")
+        rs = [s.invalidate(model_version=model_version, namespace=namespace, dry_run=dry_run) for s in self.stores]
+        return InvalidateResult(sum(r.removed_blocks for r in rs), sum(r.freed_bytes for r in rs), dry_run)
+
+    def verify(self, repair: bool = False) -> VerifyResult:
+        rs = [s.verify(repair) for s in self.stores]
+        return VerifyResult(sum(r.checked for r in rs), tuple(k for r in rs for k in r.corrupt), repair,
+                            tuple(k for r in rs for k in r.unreadable))
+
+    def stats(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> StoreStats:
+        """Every store's stats summed, with ``layouts`` (layout id -> that store's figures),
+        the namespaces paged as :meth:`tierkv.api.StoreAPI.stats` says (each layout's
+        figures carry the namespaces of the page only), as the daemon answers."""
+        namespace_page({}, namespace_limit, namespace_after)  # ValueError on a bad limit, as the Store's
+        merged = merge_stats({lid: s.stats().as_dict() for lid, s in zip(self.layouts, self.stores)}, str(self.home))
+        merged["namespaces"], after = namespace_page(merged["namespaces"], namespace_limit, namespace_after)
+        if after is not None:
+            merged["namespaces_next"] = after
+        merged["layouts"] = {lid: {**ls, "namespaces": {ns: n for ns, n in ls["namespaces"].items()
+                                                        if ns in merged["namespaces"]}}
+                             for lid, ls in merged["layouts"].items()}
+        return StoreStats.from_dict(merged)
+
+    def check_integrity(self) -> None:
+        for s in self.stores:
+            s.check_integrity()
+
+    def close(self) -> None:
+        """Close every store (each even when another fails)."""
+        errors: list[BaseException] = []
+        for s in self.stores:
+            try:
+                s.close()
+            except Exception as e:  # noqa: BLE001 - the others must still be closed
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> "HomeStores":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _config(home: Path, layout: PageLayout, options: dict[str, Any]) -> Any:
+    from ..config import StoreConfig
+
+    return StoreConfig(home=home, layout=layout, **options)
