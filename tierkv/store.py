@@ -84,8 +84,9 @@ class Store(StoreAPI):
             reap_stale_regions(shm_dir)  # tiers of killed processes: nobody else unlinks them
             cuda = torch.cuda.is_available()
             self.device = MemoryTier(DEVICE, self.layout, config.device_bytes, config.resolved_device(), shm_dir,
-                                     codec=codec)
-            self.host = MemoryTier(HOST, self.layout, config.host_bytes, "cpu", shm_dir, pin=cuda, codec=codec)
+                                     codec=codec, limit_bytes=config.device_limit_bytes)
+            self.host = MemoryTier(HOST, self.layout, config.host_bytes, "cpu", shm_dir, pin=cuda, codec=codec,
+                                   limit_bytes=config.host_limit_bytes)
             self.disk = DiskTier(
                 home / "segments", self.layout, config.disk_bytes, config.segment_pages,
                 odirect=config.odirect, fsync=config.fsync, codec=codec,
@@ -96,6 +97,8 @@ class Store(StoreAPI):
             self.promotion = Promotion(self.placement)
             self.operations = StoreOperations(self.placement)
             self._load_index()
+            if config.disk_limit_bytes is not None:  # the memory tiers took theirs above
+                self.set_tier_limits(disk_bytes=config.disk_limit_bytes)
             self._executor = ThreadPoolExecutor(max(1, config.prefetch_workers), thread_name_prefix="tierkv-prefetch")
         except BaseException:
             # Close what was opened: the LMDB environment (opening it twice in one process
@@ -401,3 +404,46 @@ class Store(StoreAPI):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ---- tier limits: a daemon's layouts share its budgets (tierkv/daemon/layouts.py) --------
+    def set_tier_limits(self, device_bytes: int | None = None, host_bytes: int | None = None,
+                        disk_bytes: int | None = None) -> int:
+        """Let each tier hold at most this many bytes from now on (None: keep its limit; at
+        most the ``*_bytes`` it was opened with) and evict what lies above the limits, through
+        the normal eviction (demotion, write-back, listeners, index first on disk), leaf
+        first. A tier's limit bounds slot positions as well as counts, so the memory beyond
+        it is never touched and is given back (tiers/memory.py).
+
+        Blocks that cannot go now (leased, being read, pinned on disk, or a prefix of one of
+        those) stay, and the tier makes no new allocation above its limit meanwhile. Returns
+        how many slots are still used above the limits; call again (no arguments) to retry."""
+        self._check_usable()
+        with self._lock:
+            for tier, limit in ((self.device, device_bytes), (self.host, host_bytes), (self.disk, disk_bytes)):
+                if limit is not None:
+                    tier.set_limit(limit)
+            for t in (DEVICE, HOST, DISK):
+                self._evict_above_limit(t)
+            return (len(self.device.slots.used_above_limit()) + len(self.host.slots.used_above_limit())
+                    + self.disk.used_above_limit())
+
+    def _evict_above_limit(self, t: TierName) -> None:
+        """Evict every block placed above tier ``t``'s limit, each after its extensions in
+        ``t`` (leaf first keeps prefixes whole; held: the lock)."""
+        table, evict = self.placement.table, self.placement.evict
+        if t == DISK:
+            above = self.disk.over_limit
+        else:
+            limit = self.placement.tier(t).slots.limit
+            above = limit.__le__
+        for b in [b for b in table.blocks.values() if t in b.loc and above(b.loc[t])]:
+            if t not in b.loc:
+                continue  # gone already, as an extension of an earlier one
+            order, todo = [], [b]  # b and its extensions in t, parents before children
+            while todo:
+                x = todo.pop()
+                order.append(x)
+                todo.extend(c for c in map(table.get, x.children) if c is not None and t in c.loc)
+            for x in reversed(order):
+                if t in x.loc and table.evictable(x, t):
+                    evict(x, t)
