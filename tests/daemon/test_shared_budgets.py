@@ -52,12 +52,14 @@ def test_one_layout_uses_every_budget_and_halves_when_a_second_opens(workdir):
             toks = fill(a, 150, seed=100)  # 600 pages: more than any share but the whole holds
             s = stats_json(cfg.socket)
             tiers = s["layouts"][A]["tiers"]
-            # The one layout in use may use each whole budget, and does.
+            # The one layout in use may use each whole budget, and does. (On a CUDA host the
+            # host pool is page-locked, which touches all of it: it keeps 1/max_layouts.)
+            host_alone = cfg.host_bytes // 4 if torch.cuda.is_available() else cfg.host_bytes
             assert tiers["device"]["capacity_bytes"] == cfg.device_bytes
-            assert tiers["host"]["capacity_bytes"] == cfg.host_bytes
+            assert tiers["host"]["capacity_bytes"] == host_alone
             assert tiers["disk"]["capacity_bytes"] == cfg.disk_bytes
             assert tiers["device"]["used_bytes"] == cfg.device_bytes > cfg.device_bytes // 4
-            assert tiers["host"]["used_bytes"] > cfg.host_bytes // 4
+            assert tiers["host"]["used_bytes"] > host_alone // 2
             assert tiers["disk"]["blocks"] == 600 > cfg.disk_bytes // 2 // PAGE
             dev_a, host_a = tiers["device"]["shm_path"], tiers["host"]["shm_path"]
             assert touched(dev_a) <= cfg.device_bytes and touched(host_a) <= cfg.host_bytes
