@@ -255,11 +255,20 @@ def test_without_avx512_vllm_and_the_connector_refuse_fp8(cache_dtype):
 
 
 def test_fp8_scales_other_than_one_disable_the_worker():
-    from tierkv.integrations.vllm_worker import check_unit_scales
+    from tierkv.integrations import vllm_worker
 
-    check_unit_scales({"l.0.attn": (1.0, 1.0), "l.1.attn": (1.0, 1.0)})
+    vllm_worker.check_unit_scales({"l.0.attn": (1.0, 1.0), "l.1.attn": (1.0, 1.0)})
     with pytest.raises(UnsupportedCacheError, match="k_scale=0.5"):
-        check_unit_scales({"l.0.attn": (1.0, 1.0), "l.1.attn": (0.5, 1.0)})
+        vllm_worker.check_unit_scales({"l.0.attn": (1.0, 1.0), "l.1.attn": (0.5, 1.0)})
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B, dtype="float8_e4m3fn")
+    caches = {f"l.{i}.attn": torch.zeros(4, 2, B, 64, dtype=torch.uint8) for i in range(2)}
+    for scales, enabled in (((1.0, 1.0), True), ((1.0, 0.25), False)):
+        worker = WorkerSide(FakeHandle(layout), layout, enabled=True, unit_scales=True)
+        with mock.patch.object(vllm_worker, "backend_kv_split", return_value=KV_BY_TOKENS), \
+                mock.patch.object(vllm_worker, "layer_kv_scales", return_value={n: scales for n in caches}):
+            worker.register(None, caches, 4)
+        assert worker.enabled is enabled and (worker.paged is not None) is enabled
+        worker.close()
 
 
 @pytest.mark.parametrize("where", ["home", "daemon"])
