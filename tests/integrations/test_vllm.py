@@ -8,6 +8,7 @@ injected; the slow ones run real single-process CPU engines on a tiny random Lla
 from __future__ import annotations
 
 import gc
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -211,6 +212,7 @@ def test_fp8_kv_format_names_the_bytes_and_their_scales():
     with mock.patch("vllm.v1.attention.backends.cpu_attn._get_attn_isa", return_value="amx"):
         amx = vc.kv_format(fake_vllm_config("fp8"))
     assert auto == vc.KVFormat("float32", "")  # unchanged: vLLM and `tierkv materialize` share pages
+    assert PageLayout.from_dict(json.loads(layout.to_json())) == layout and layout.page_bytes == layout.numel
     assert fp8 == e4m3 and fp8.dtype == "float8_e4m3fn" and e5m2.dtype == layout.dtype == "float8_e5m2"
     assert fp8.identity == "kv=float8_e4m3fn;scales=unit;cpu-isa=vec"
     assert checkpoint.identity == "kv=float8_e4m3fn;scales=checkpoint;quantization=compressed-tensors;cpu-isa=vec"

@@ -22,11 +22,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-
 from ..config import check_sizes
 from ..identity import Scope, enc_field, enc_str
-from ..layout import PAGE_DTYPES, PageLayout, dtype_name
+from ..layout import PageLayout, dtype_name
 from ..model_version import model_version
 
 log = logging.getLogger(__name__)
@@ -156,11 +154,6 @@ def _kernel_part(vllm_config: Any, cache_dtype: str) -> str:
     except NotImplementedError as e:  # e.g. fp8 without AVX-512: vLLM refuses to start too
         raise UnsupportedModelError(f"vLLM's CPU backend has no {cache_dtype} KV cache here: {e}") from e
     return f"cpu-isa={isa}"
-
-
-def kv_dtype(vllm_config: Any) -> torch.dtype:
-    """The dtype of the pages of vLLM's KV cache (fp8 caches: their float8 type)."""
-    return PAGE_DTYPES[kv_format(vllm_config).dtype]
 
 
 def layout_from_vllm(vllm_config: Any) -> PageLayout:
