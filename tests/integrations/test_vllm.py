@@ -214,7 +214,8 @@ def test_fp8_kv_format_names_the_bytes_and_their_scales():
     assert auto == vc.KVFormat("float32", "")  # unchanged: vLLM and `tierkv materialize` share pages
     assert PageLayout.from_dict(json.loads(layout.to_json())) == layout and layout.page_bytes == layout.numel
     assert fp8 == e4m3 and fp8.dtype == "float8_e4m3fn" and e5m2.dtype == layout.dtype == "float8_e5m2"
-    assert fp8.identity == "kv=float8_e4m3fn;scales=unit;cpu-isa=vec"
+    assert fp8.identity == "kv=float8_e4m3fn;scales=unit;cpu-isa=vec" and fp8.unit_scales
+    assert not checkpoint.unit_scales and not auto.unit_scales
     assert checkpoint.identity == "kv=float8_e4m3fn;scales=checkpoint;quantization=compressed-tensors;cpu-isa=vec"
     assert amx.identity != fp8.identity  # another kernel may pack the bytes differently
     mv = "cd" * 32

@@ -107,7 +107,7 @@ class TierKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.handle, layout, mv if enabled else None, self.config.save)
         else:
-            unit_scales = enabled and "scales=unit" in kv_format(vllm_config).identity.split(";")
+            unit_scales = enabled and kv_format(vllm_config).unit_scales
             self.worker = WorkerSide(self.handle, layout, enabled, self.config.save_queue_bytes, unit_scales)
         self._reported: dict[str, Any] = {k: 0 for k in STAT_KEYS}
         log.info("TierKVConnector (%s) for vLLM %s: %s, model version %s, layout %s", role.name, VLLM_VERSION,

@@ -108,12 +108,13 @@ class KVFormat:
 
     dtype: str
     identity: str = ""
+    unit_scales: bool = False  # an fp8 cache whose k/v scales must be 1.0 on every layer
 
 
 def kv_format(vllm_config: Any) -> KVFormat:
     """The KV format of the served engine.
 
-    ``auto`` keeps the model dtype. fp8 caches keep 1-byte codes ``round(x / scale)``; the
+    ``auto`` keeps the model dtype. fp8 caches keep the 1-byte fp8 codes of ``x / scale``; the
     per-tensor ``k_scale``/``v_scale`` are constants that are either 1.0 (no quantization
     config: vLLM's default) or come from the checkpoint (covered by the weights digest),
     so the identity names which, and on the CPU the attention ISA whose kernels wrote the
@@ -137,7 +138,7 @@ def kv_format(vllm_config: Any) -> KVFormat:
         raise UnsupportedModelError("kv_cache_dtype_skip_layers mixes fp8 and unquantised layers in one page")
     dtype = FP8_CACHE_DTYPES[cache_dtype]
     parts = [f"kv={dtype}", f"scales={'checkpoint' if quant else 'unit'}", quant_part, _kernel_part(vllm_config, cache_dtype)]
-    return KVFormat(dtype, ";".join(p for p in parts if p))
+    return KVFormat(dtype, ";".join(p for p in parts if p), unit_scales=not quant)
 
 
 def _kernel_part(vllm_config: Any, cache_dtype: str) -> str:
