@@ -221,6 +221,9 @@ def test_fp8_kv_format_names_the_bytes_and_their_scales():
     mv = "cd" * 32
     versions = {vc.with_kv_identity(mv, f.identity) for f in (auto, fp8, e5m2, checkpoint, amx)}
     assert vc.with_kv_identity(mv, "") == mv and len(versions) == 5
+    # Pinned (docs/format.md): stored fp8 pages stay reachable across releases.
+    assert vc.with_kv_identity("00" * 32, "kv=float8_e4m3fn;scales=unit;cpu-isa=vec") == (
+        "a50d2984e520e87bdf24099f6e9d33b944569e920fea47d3ecb1fba750ed6520")
     # An online-quantised model computes other KV from the same files, whatever the cache dtype.
     assert vc.kv_format(fake_vllm_config(quantization="fp8")).identity == "quantization=fp8"
 
