@@ -6,10 +6,11 @@ which the home's codec, fixed when the home is created (index meta ``page_codec`
 
 - ``none`` (the default): the stored form is the page itself, byte for byte.
 - ``int8``: symmetric int8 with power-of-two scales kept in the page. The page's values
-  ``[L, 2, B, H, D]`` are cut into groups of ``head_dim`` values, one per (layer, K/V,
-  token, head); each group keeps ``q = round(x / 2**e)`` as int8 and its exponent ``e`` as
-  one signed byte. Stored form: ``numel`` int8 values, then ``L*2*B*H`` exponent bytes
-  (``page_bytes / itemsize * (1 + 1/head_dim)`` bytes; see :attr:`PageCodec.stored_bytes`).
+  ``[L, 2, B, H, D]`` are cut into groups of ``block_size`` values, one per (layer, K/V,
+  head, channel): a channel's values over the block's tokens. Each group keeps
+  ``q = round(x / 2**e)`` as int8 and its exponent ``e`` as one signed byte. Stored form:
+  ``numel`` int8 values (in the page's order), then ``L*2*H*D`` exponent bytes (in
+  ``[L, 2, H, D]`` order): ``numel * (1 + 1/block_size)`` bytes (:attr:`PageCodec.stored_bytes`).
 
 Why power-of-two scales (the OCP Microscaling MXINT8 choice, with one shared E8M0-like
 exponent per group): decoding ``q * 2**e`` is exact in bfloat16, float16 and float32 (``q``
@@ -21,11 +22,11 @@ average but loses that property (the decoded value is rounded to the page's dtyp
 re-encoded page would fail its checksum and be dropped. Rejected for the same reason:
 scales in the page's own dtype.
 
-Why groups of ``head_dim`` values per token (not one scale per head and block, nor per
-channel): measured on scripts/bench_ttft.py's model (docs/performance.md, "int8 pages"),
-per-token groups had the smallest error of the three at 1 byte of scale per ``head_dim``
-values; per-channel scales (KIVI's choice for keys of trained models with outlier channels)
-cost 1 byte per ``block_size`` values and were no better there.
+Why per-channel groups (KIVI's choice for keys, whose channels differ in magnitude):
+measured with scripts/codec_groups.py on scripts/bench_ttft.py's model (docs/performance.md,
+"int8 pages"), they had about half the RMS error of one scale per (token, head) or per
+(head, block), for both K and V, at 1 byte of scale per ``block_size`` values (bfloat16
+pages of 16-token blocks: 0.53 of the exact bytes instead of 0.51).
 
 ``e`` is chosen as the least exponent with ``max|x| / 2**e <= 127``, clamped below at the
 smallest exponent whose multiples the page dtype holds exactly (float16: -24; bfloat16 and
@@ -76,9 +77,9 @@ class PageCodec:
 
     @property
     def groups(self) -> int:
-        """Scale groups per page (one per layer, K/V, token and head)."""
-        L, _, B, H, _ = self.layout.shape
-        return L * 2 * B * H
+        """Scale groups per page (one per layer, K/V, head and channel)."""
+        L, _, _, H, D = self.layout.shape
+        return L * 2 * H * D
 
     @property
     def stored_bytes(self) -> int:
@@ -139,28 +140,30 @@ def encode_int8(pages: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     lead = tuple(pages.shape[: pages.dim() - 5])
     if tuple(pages.shape[-5:]) != layout.shape or pages.dtype != layout.torch_dtype:
         raise PageFormatError(f"pages of shape {tuple(pages.shape)} and dtype {pages.dtype} are not of layout {layout.to_json()}")
-    D, numel = layout.head_dim, layout.numel
+    B, HD, numel = layout.block_size, layout.num_kv_heads * layout.head_dim, layout.numel
     lo, hi = _MIN_EXP[layout.torch_dtype], _MAX_EXP[layout.torch_dtype]
-    out = torch.empty((*lead, numel + numel // D), dtype=torch.uint8, device=pages.device)
+    out = torch.empty((*lead, numel + numel // B), dtype=torch.uint8, device=pages.device)
     flat = out.reshape(-1, out.shape[-1])
     pages = pages.detach().contiguous()
     if pages.device.type == "cpu":
-        _encode_numpy(pages, flat, D, lo, hi)
+        _encode_numpy(pages, flat, B, HD, lo, hi)
     else:
-        _encode_torch(pages, flat, D, lo, hi)
+        _encode_torch(pages, flat, B, HD, lo, hi)
     return out
 
 
-def _encode_numpy(pages: torch.Tensor, flat: torch.Tensor, D: int, lo: int, hi: int) -> None:
-    numel = flat.shape[1] - flat.shape[1] // (D + 1)
-    x = _np_float32(pages).reshape(-1, D)
-    amax = np.abs(x).max(axis=1) if x.size else np.zeros(0, np.float32)
+# Pages seen as [n * L * 2, B, H * D]: a group is one column (a channel of a head) over the
+# block's B tokens, so its scale broadcasts along axis 1 with no transposed copy.
+def _encode_numpy(pages: torch.Tensor, flat: torch.Tensor, B: int, HD: int, lo: int, hi: int) -> None:
+    numel = flat.shape[1] - flat.shape[1] // (B + 1)
+    x = _np_float32(pages).reshape(-1, B, HD)
+    amax = np.abs(x).max(axis=1) if x.size else np.zeros((0, HD), np.float32)
     _check_finite(bool(np.isfinite(amax).all()))
     # amax = m * 2**k, m in [0.5, 1): the least e with amax / 2**e <= 127 is k - 7, or
     # k - 6 when m > 127/128 (both exact: scaling by powers of two is exact).
     m, k = np.frexp(amax)
     e = np.clip(k - 7 + (m > _QMAX / 128), lo, hi).astype(np.int8)
-    y = x * _np_pow2(-e.astype(np.int32))[:, None]
+    y = x * _np_pow2(-e.astype(np.int32))[:, None, :]
     np.rint(y, out=y)
     np.clip(y, -_QMAX, _QMAX, out=y)  # only float16's clamped exponent reaches past 127
     fnp = flat.numpy()
@@ -168,10 +171,10 @@ def _encode_numpy(pages: torch.Tensor, flat: torch.Tensor, D: int, lo: int, hi: 
     fnp[:, numel:] = e.view(np.uint8).reshape(flat.shape[0], -1)
 
 
-def _encode_torch(pages: torch.Tensor, flat: torch.Tensor, D: int, lo: int, hi: int) -> None:
+def _encode_torch(pages: torch.Tensor, flat: torch.Tensor, B: int, HD: int, lo: int, hi: int) -> None:
     """The same on any device (the CUDA path; tests check it equals the numpy one)."""
-    numel = flat.shape[1] - flat.shape[1] // (D + 1)
-    x = pages.reshape(-1, D).float()
+    numel = flat.shape[1] - flat.shape[1] // (B + 1)
+    x = pages.reshape(-1, B, HD).float()
     amax = x.abs().amax(dim=1)
     _check_finite(bool(torch.isfinite(amax).all()))
     mt, kt = torch.frexp(amax)
@@ -190,35 +193,35 @@ def _check_finite(finite: bool) -> None:
 def decode_int8(stored: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     """``[*, stored_bytes]`` uint8 back to pages ``[*, L, 2, B, H, D]`` in ``layout``'s dtype
     (exact products: ``q`` has 7 significant bits and the scale is a power of two)."""
-    numel, D = layout.numel, layout.head_dim
+    numel, B, HD = layout.numel, layout.block_size, layout.num_kv_heads * layout.head_dim
     lead = tuple(stored.shape[:-1])
     flat = stored.detach().reshape(-1, stored.shape[-1])
-    if stored.dtype != torch.uint8 or flat.shape[1] != numel + numel // D:
+    if stored.dtype != torch.uint8 or flat.shape[1] != numel + numel // B:
         raise PageFormatError(f"{tuple(stored.shape)} {stored.dtype} is not an int8-coded page of layout {layout.to_json()}")
     lo, hi = _MIN_EXP[layout.torch_dtype], _MAX_EXP[layout.torch_dtype]
     out = torch.empty((*lead, *layout.shape), dtype=layout.torch_dtype, device=stored.device)
     if stored.device.type == "cpu":
-        _decode_numpy(flat, out, numel, D, lo, hi)
+        _decode_numpy(flat, out, numel, B, HD, lo, hi)
     else:
-        _decode_torch(flat, out, numel, D, lo, hi)
+        _decode_torch(flat, out, numel, B, HD, lo, hi)
     return out
 
 
-def _decode_numpy(flat: torch.Tensor, out: torch.Tensor, numel: int, D: int, lo: int, hi: int) -> None:
+def _decode_numpy(flat: torch.Tensor, out: torch.Tensor, numel: int, B: int, HD: int, lo: int, hi: int) -> None:
     fnp = flat.numpy()
-    q = fnp[:, :numel].view(np.int8).reshape(-1, D)
-    e = np.clip(fnp[:, numel:].view(np.int8).reshape(-1), lo, hi)
-    x = np.multiply(q, _np_pow2(e)[:, None], dtype=np.float32)
+    q = fnp[:, :numel].view(np.int8).reshape(-1, B, HD)
+    e = np.clip(fnp[:, numel:].view(np.int8).reshape(-1, HD), lo, hi)
+    x = np.multiply(q, _np_pow2(e)[:, None, :], dtype=np.float32)
     if out.dtype == torch.bfloat16:  # exact in bfloat16: its bits are the high half
         out.view(torch.int16).numpy().reshape(-1)[:] = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.int16).reshape(-1)
     else:
         out.numpy().reshape(-1)[:] = x.reshape(-1)
 
 
-def _decode_torch(flat: torch.Tensor, out: torch.Tensor, numel: int, D: int, lo: int, hi: int) -> None:
-    q = flat[:, :numel].view(torch.int8).reshape(-1, D)
-    e = flat[:, numel:].view(torch.int8).reshape(-1).clamp(lo, hi)
-    out.view(-1, D).copy_(q.float() * _pow2(e).unsqueeze(1))
+def _decode_torch(flat: torch.Tensor, out: torch.Tensor, numel: int, B: int, HD: int, lo: int, hi: int) -> None:
+    q = flat[:, :numel].view(torch.int8).reshape(-1, B, HD)
+    e = flat[:, numel:].view(torch.int8).reshape(-1, HD).clamp(lo, hi)
+    out.view(-1, B, HD).copy_(q.float() * _pow2(e).unsqueeze(1))
 
 
 def open_home_codec(index: "Index", requested: str | None, layout: PageLayout, home: object) -> PageCodec:
