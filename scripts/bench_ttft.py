@@ -10,7 +10,12 @@ SmolLM-like), a 4,096-token prefix and a 64-token question, side by side in one 
 3. tierkv, memory tiers: the same request again, pages already promoted (on a CPU-only machine
    the device tier is host RAM, so this is the host-memory restore);
 4. torch.save / torch.load of the per-layer (K, V) tensors (file dropped from the page cache);
-5. safetensors save_file / load_file of the same tensors (file dropped from the page cache).
+5. safetensors save_file / load_file of the same tensors (file dropped from the page cache);
+6. with ``--page-codec int8`` (the default compares both), the same disk-tier restore and TTFT
+   from a second home whose host and disk tiers hold int8 pages (tierkv/codec.py), reported
+   as ``*_int8`` beside the exact figures: restore time, TTFT, the logits' max abs diff
+   against recomputation, greedy-token agreement over ``--gen-tokens`` generated tokens, and
+   the bytes on disk.
 
 "restore" is lookup + read + copy into a transformers DynamicCache, on a store already open
 (a server opens its store once); ``open_store_s`` is ``tierkv.open`` of the cold home, reported
@@ -59,6 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--home", type=Path, default=None, help="store home (default: a temporary directory)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--page-codec", choices=("none", "int8"), default="int8",
+                    help="also measure a home with this page codec beside the exact one (none: skip)")
+    ap.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens compared against recomputation")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -116,7 +124,18 @@ def main(argv: list[str] | None = None) -> dict:
         materialize_s = time.perf_counter() - t0
         with store.acquire(prefix, scope) as lease:  # the baselines save the very KV the store serves
             layer_kv = [(k.cpu(), v.cpu()) for k, v in lease_kv(lease, layout)]
+        disk_bytes_exact = store.stats()["tiers"]["disk"]["used_bytes"]
     segments = [p for p in sorted((home / "segments").glob("*")) if p.is_file()]
+    codec = args.page_codec if args.page_codec != "none" else None
+    home_c = work / f"home-{codec}"
+    codec_opts = {**store_opts, "page_codec": codec}
+    if codec:
+        log(f"materialising the prefix into a {codec} home ...")
+        with tierkv.open(home_c, layout, **codec_opts) as store:
+            cached_prefill(model, prefix, store=store, scope=scope, need_logits=False)
+            disk_bytes_codec = store.stats()["tiers"]["disk"]["used_bytes"]
+            disk_slot_codec = store.disk.slot_bytes
+    segments_c = [p for p in sorted(home_c.glob("segments/*")) if p.is_file()]
     pt, st = work / "cache.pt", work / "cache.safetensors"
     torch.save(layer_kv, pt)
     save_file({f"{kind}{i}": t for i, kv in enumerate(layer_kv) for kind, t in zip("kv", kv)}, str(st))
@@ -131,6 +150,12 @@ def main(argv: list[str] | None = None) -> dict:
     def cold_store() -> Any:
         drop_page_cache(segments)
         return tierkv.open(home, layout, **store_opts)
+
+    def cold_codec_store() -> Any:
+        drop_page_cache(segments_c)
+        return tierkv.open(home_c, layout, **codec_opts)
+
+    codec_diffs: list[float] = []
 
     def timed(fn: Callable[[], Any]) -> float:
         t0 = time.perf_counter()
@@ -182,6 +207,16 @@ def main(argv: list[str] | None = None) -> dict:
             add("restore_disk_with_open_s", time.perf_counter() - t0)
         with cold_store() as store:
             add("ttft_disk_s", store_ttft(store))
+        if codec:
+            with cold_codec_store() as store:
+                t1 = time.perf_counter()
+                restore(store)
+                add(f"restore_disk_{codec}_s", time.perf_counter() - t1)
+            with cold_codec_store() as store:
+                n_diffs = len(diffs)
+                add(f"ttft_disk_{codec}_s", store_ttft(store))
+                codec_diffs.extend(diffs[n_diffs:])  # not the exact paths' figure
+                del diffs[n_diffs:]
         with tierkv.open(home, layout, **store_opts) as store:
             restore(store)  # promoted into the memory tiers
             tiers = store.lookup(prefix, scope).tiers
@@ -193,8 +228,30 @@ def main(argv: list[str] | None = None) -> dict:
         add("restore_safetensors_s", timed(load_st))
         add("ttft_torch_load_s", file_ttft(load_pt, pt))
         add("ttft_safetensors_s", file_ttft(load_st, st))
+    agreement: dict[str, Any] = {}
+    if args.gen_tokens:
+        # Greedy tokens with the prefix restored from each home (cold), against recomputation.
+        log(f"greedy agreement over {args.gen_tokens} tokens ...")
+        ref = generate(model, tokens, max_new_tokens=args.gen_tokens).tokens
+        homes = [("exact", cold_store)] + ([(codec, cold_codec_store)] if codec else [])
+        for name, opener in homes:
+            with opener() as store:
+                got = generate(model, tokens, store=store, scope=scope, max_new_tokens=args.gen_tokens,
+                               store_new=False, store_output=False).tokens
+            same = sum(a == b for a, b in zip(ref, got))
+            first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+            agreement[f"greedy_agreement_{name}"] = same / max(1, len(ref))
+            agreement[f"greedy_identical_prefix_{name}"] = first
     tmp.cleanup()
     med = {k: statistics.median(v) for k, v in samples.items()}
+    if codec:
+        agreement.update({
+            f"logits_max_abs_diff_{codec}": max(codec_diffs), f"disk_used_bytes_{codec}": disk_bytes_codec,
+            "disk_used_bytes_exact": disk_bytes_exact, f"disk_slot_bytes_{codec}": disk_slot_codec,
+            "disk_slot_bytes_exact": layout.slot_bytes,
+            f"restore_ratio_{codec}_vs_exact": med[f"restore_disk_{codec}_s"] / med["restore_disk_s"],
+            f"ttft_ratio_{codec}_vs_exact": med[f"ttft_disk_{codec}_s"] / med["ttft_disk_s"],
+        })
 
     result = {
         "model_params_m": round(params / 1e6, 1), "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
@@ -211,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
         "restore_with_open_speedup_vs_torch_load": med["restore_torch_load_s"] / med["restore_disk_with_open_s"],
         "restore_with_open_speedup_vs_safetensors": med["restore_safetensors_s"] / med["restore_disk_with_open_s"],
         "logits_max_abs_diff": max(diffs),
+        "reference_logits_max_abs": reference[0].abs().max().item(),
+        "gen_tokens": args.gen_tokens, **agreement,
     }
     if args.json:
         print(json.dumps(result, sort_keys=True))
