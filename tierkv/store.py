@@ -447,3 +447,15 @@ class Store(StoreAPI):
             for x in reversed(order):
                 if t in x.loc and table.evictable(x, t):
                     evict(x, t)
+
+    def keys_of(self, *, model_version: str | None = None, namespace: str | None = None) -> list[bytes]:
+        """The keys of the stored blocks of ``model_version`` and/or ``namespace``: what
+        :meth:`invalidate` with the same arguments removes (a cluster node removes the
+        remote tier's copies of these, whose objects are named by key)."""
+        if model_version is None and namespace is None:
+            raise ValueError("keys_of needs model_version or namespace")
+        self._check_usable()
+        with self._lock:
+            return [b.key for b in self.placement.table.blocks.values()
+                    if (model_version is None or b.model_version == model_version)
+                    and (namespace is None or b.namespace == namespace)]

@@ -306,9 +306,28 @@ class ClusterNode(StoreAPI):
 
     def invalidate(self, *, model_version: str | None = None, namespace: str | None = None,
                    dry_run: bool = False) -> InvalidateResult:
-        """Local blocks only: objects already published stay in the remote tier (they are
-        still correct KV for their model version; they age out there)."""
-        return self.store.invalidate(model_version=model_version, namespace=namespace, dry_run=dry_run)
+        """The local blocks, and the remote tier's copies of them (counted in
+        ``cluster.invalidated_remote``); the result counts the local blocks.
+
+        What stays in the remote tier: objects of blocks this node does not hold (published
+        by another node, or by this one before it evicted them). An object is named by its
+        block key alone, and finding the others would mean listing every object of the
+        cluster, which the remote tier's client does not offer. So a later request here may
+        pull such a copy back (verified as always: the same model version, namespace and
+        token ids). To remove a model version or namespace from the whole cluster, run the
+        invalidation on every node: each removes the copies of what it holds; objects that
+        no node holds stay until the remote store evicts them. A remote tier that is down
+        keeps its copies (the local invalidation goes on; nothing is retried)."""
+        remote = self.remote
+        keys: list[bytes] = []
+        if (not dry_run and remote is not None and remote.available
+                and (namespace is None or self.policy.fetches(namespace))):  # local-only: never published
+            keys = self.store.keys_of(model_version=model_version, namespace=namespace)
+        r = self.store.invalidate(model_version=model_version, namespace=namespace, dry_run=dry_run)
+        if keys:
+            assert remote is not None
+            self._count("invalidated_remote", remote.remove_pages(keys))
+        return r
 
     def verify(self, repair: bool = False) -> VerifyResult:
         return self.store.verify(repair)

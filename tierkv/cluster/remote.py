@@ -339,6 +339,26 @@ class RemoteTier:
         self._count(self.counters, "fetched_bytes", len(blob))
         return page
 
+    def remove_pages(self, keys: Sequence[bytes]) -> int:
+        """Remove the objects of ``keys`` that the remote store holds (an invalidation);
+        returns how many went. One existence check, then one remove per object present.
+        Stops at the first fault (the tier is then down): the rest stay. An object the store
+        refuses to remove (a reader holds it) stays too, counted under ``remove_refused``."""
+        present = [k for k, p in zip(keys, self.exists(keys)) if p]
+        removed = 0
+        for k in present:
+            try:
+                client = self._connected()
+                rc = self._call(client, "remove", client.remove, self.name(k))
+            except _Down:
+                break
+            if rc == 0:
+                removed += 1
+            else:
+                self._count(self.faults, "remove_refused", detail=f"status {rc}")
+        self._count(self.counters, "removed", removed)
+        return removed
+
     # ---- operations --------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
         with self._lock:
