@@ -134,7 +134,8 @@ class StoreOperations:
                 if (model_version is None or b.model_version == model_version)
                 and (namespace is None or b.namespace == namespace)
             ]
-            size = sum(self.layout.slot_bytes if t == DISK else self.layout.page_bytes for b in victims for t in b.loc)
+            place = self.placement  # bytes as stored (a page codec's host and disk pages are smaller)
+            size = sum(place.disk.slot_bytes if t == DISK else place.tier(t).page_bytes for b in victims for t in b.loc)
             if dry_run:
                 return InvalidateResult(len(victims), size, dry_run=True)
             # One index transaction for all (index first), then the slots.

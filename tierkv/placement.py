@@ -249,7 +249,7 @@ class Placement:
     def _free_detached(self, b: Block) -> int:
         freed = 0
         for t, slot in list(b.loc.items()):
-            freed += self.layout.slot_bytes if t == DISK else self.layout.page_bytes
+            freed += self.disk.slot_bytes if t == DISK else self.tier(t).page_bytes  # as stored (page codec)
             if t == DISK:
                 self.disk.free(slot)
             else:

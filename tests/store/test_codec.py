@@ -314,3 +314,15 @@ def test_staged_reads_fall_back_page_by_page_and_an_io_error_is_a_plain_miss(mak
     with store.acquire(chain, SCOPE) as lease:  # the next acquire is the retry
         assert lease.num_blocks == 4
         _assert_lease_decoded(lease)
+
+
+def test_invalidate_counts_the_stored_bytes(make_store):
+    store = make_store(page_codec="int8")
+    chain = toks(88, 2)
+    put_chain(store, chain)  # write-through: each block on disk, and in the device tier
+    with store.placement.lock:
+        tiers = [t for k in keys_of(chain) for t in store.placement.table.get(k).loc]
+    want = sum(INT8.slot_bytes if t == TierName.DISK else
+               (INT8.stored_bytes if t == TierName.HOST else LAYOUT.page_bytes) for t in tiers)
+    r = store.invalidate(model_version=SCOPE.model_version, dry_run=True)
+    assert r.removed_blocks == 2 and r.freed_bytes == want
