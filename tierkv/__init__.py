@@ -29,8 +29,9 @@ def open(home: str | os.PathLike[str], layout: PageLayout | None = None, **optio
 
     ``layout=None`` opens an existing home with the layout it was created with (operations
     tools do this). ``options`` are :class:`StoreConfig` fields (``device``, ``device_bytes``,
-    ``host_bytes``, ``disk_bytes``, ``write_through``, ...). Raises LayoutMismatchError when
-    the home holds another layout, StoreLockedError when another process has it open,
+    ``host_bytes``, ``disk_bytes``, ``write_through``, ``page_codec``: ``"int8"`` keeps a new
+    home's host and disk pages as int8, see tierkv/codec.py ...). Raises LayoutMismatchError when
+    the home holds another layout (CodecMismatchError: another page codec), StoreLockedError when another process has it open,
     NotFoundError when ``layout`` is None and the home holds no store.
     """
     if layout is None:

@@ -137,7 +137,7 @@ class Ingest:
             # pages carry them, so there is nothing to overlap them with (a thread-pool job
             # per block cost more than the hashing of small pages).
             # With a page codec the checksum covers the stored (encoded) form (tierkv/codec.py).
-            stored = self.disk.codec.to_stored(pages)
+            stored = self.disk.codec.to_stored(pages) if new else pages  # nothing to encode for a repeat
             for b, s in zip(new, page_checksums([b.key for b in new], stored, [row_of[b.key] for b in new])):
                 b.checksum = s
             if disk_plan:
