@@ -428,3 +428,37 @@ def test_commands_through_a_daemon(daemon_socket):
     assert run_json("ls", *sock)["prefixes"][0]["resident"]["blocks"] == 4
     assert run_json("pin", "docs", *sock)["blocks"] == 4
     assert run_json("gc", "--dry-run", *sock)["removed_blocks"] == 0
+
+
+def test_verify_repair_with_home_rebuilds_a_damaged_index_of_any_layout(tmp_path):
+    """A home with two layouts (as a daemon serving two models makes it): --home commands
+    cover both stores, and verify --repair rebuilds the second layout's index too."""
+    import os
+
+    from tierkv.cli.home_stores import store_home
+
+    home, shm = tmp_path / "home", tmp_path / "shm"
+    a = PageLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
+    b = PageLayout(num_layers=3, num_kv_heads=1, head_dim=32, block_size=32, dtype="bfloat16")
+    scope = Scope("ab" * 32, "n")
+    for lo, n in ((a, 3), (b, 2)):
+        toks = np.arange(n * lo.block_size, dtype=np.int32)
+        with tierkv.open(store_home(home, lo), lo, device="cpu", host_bytes=0, disk_bytes=8 << 20,
+                          shm_dir=shm) as st:
+            st.put(toks, torch.randn((n, *lo.shape)).to(lo.torch_dtype), scope)
+    assert store_home(home, b) != home and store_home(home, a) == home
+
+    def run(*args):
+        return CliRunner().invoke(main, [*args, "--home", str(home), "--json"])
+
+    r = run("stats")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["blocks"] == 5  # before: the root store's 3 only
+    data = store_home(home, b) / "index" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    assert run("verify").exit_code != 0  # the damaged layout is not skipped
+    r = run("verify", "--repair")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["checked"] == 5 and out["index_rebuilt"] is None
+    assert [x["rebuilt"] for x in out["layouts_rebuilt"].values()] == [2]

@@ -126,7 +126,8 @@ def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | Non
     """Re-read every disk page and check its checksum, then check the index against the tiers.
 
     Exits 1 when corruption was found and not repaired, or the integrity check fails."""
-    rebuilt = _rebuild_if_damaged(home, as_json) if repair and socket_path is None else None
+    rebuilt_all = _rebuild_if_damaged(home, as_json) if repair and socket_path is None else {}
+    rebuilt = rebuilt_all.pop(".", None)  # the root store's; the other layouts' (if any) below
     with target(home, socket_path) as store:
         r = store.verify(repair=repair)
         integrity_error: str | None = None
@@ -138,6 +139,8 @@ def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | Non
     out = {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": bool(r.repaired and r.corrupt),
            "integrity_checked": True, "integrity_error": integrity_error,
            "index_rebuilt": rebuilt, "unreadable": list(r.unreadable)}
+    if rebuilt_all:
+        out["layouts_rebuilt"] = rebuilt_all
     ok = (not r.corrupt or repair) and integrity_error is None
     out["ok"] = ok
     if as_json:
@@ -146,7 +149,8 @@ def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | Non
         print_table([("pages checked", r.checked), ("corrupt", len(r.corrupt)),
                      ("quarantined", len(r.corrupt) if repair else 0), ("unreadable (I/O errors)", len(r.unreadable)),
                      ("index consistent", integrity_error or "yes")]
-                    + ([(f"index rebuilt: {k}", v) for k, v in rebuilt.items()] if rebuilt else []))
+                    + ([(f"index rebuilt: {k}", v) for k, v in rebuilt.items()] if rebuilt else [])
+                    + [(f"index of {d} rebuilt: blocks", x["rebuilt"]) for d, x in rebuilt_all.items()])
         for key in r.corrupt:
             click.echo(f"  corrupt block {key}")
         if r.corrupt and not repair:
@@ -155,21 +159,29 @@ def verify(ctx: click.Context, repair: bool, home: Path, socket_path: Path | Non
         ctx.exit(1)
 
 
-def _rebuild_if_damaged(home: Path, as_json: bool) -> dict[str, Any] | None:
-    """``verify --repair`` on a home whose index cannot be opened: rebuild it from the
-    segments (tierkv.repair) before verifying. None when the index was fine."""
+def _rebuild_if_damaged(home: Path, as_json: bool) -> dict[str, dict[str, Any]]:
+    """``verify --repair`` on a home whose index (or the index of one of its layouts'
+    stores, ``HOME/layouts/<id>``) cannot be opened: rebuild it from the segments
+    (tierkv.repair) before verifying. Returns each rebuilt store's result by its directory
+    relative to the home ("." for the root); empty when every index was fine."""
+    from ..daemon.layouts import LAYOUTS_DIR
     from ..repair import index_damaged, rebuild_index
 
-    why = index_damaged(home)
-    if why is None:
-        return None
-    warn(f"{why}; rebuilding the index from the segments")
-    progress, close = progress_bar("rebuilding index", enabled=not as_json)
-    try:
-        result = rebuild_index(home, progress=progress)
-    finally:
-        close()
-    if result.corrupt or result.unrecoverable:
-        warn(f"{result.corrupt} corrupt slots left out; {result.unrecoverable} slots of format-1 segments cannot be "
-             "rebuilt (their blocks are gone)")
-    return result.to_dict()
+    sub = home / LAYOUTS_DIR
+    dirs = [home, *sorted(d for d in sub.iterdir() if (d / "segments").is_dir())] if sub.is_dir() else [home]
+    out: dict[str, dict[str, Any]] = {}
+    for d in dirs:
+        why = index_damaged(d)
+        if why is None:
+            continue
+        warn(f"{why}; rebuilding the index from the segments")
+        progress, close = progress_bar("rebuilding index", enabled=not as_json)
+        try:
+            result = rebuild_index(d, progress=progress)
+        finally:
+            close()
+        if result.corrupt or result.unrecoverable:
+            warn(f"{result.corrupt} corrupt slots left out; {result.unrecoverable} slots of format-1 segments cannot "
+                 "be rebuilt (their blocks are gone)")
+        out[str(d.relative_to(home))] = result.to_dict()
+    return out
