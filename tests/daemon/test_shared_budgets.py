@@ -161,3 +161,22 @@ def test_set_tier_limits_evicts_leaf_first_keeps_pins_and_grows_back(workdir):
         assert st.put(prompt(16 * 20, seed=4), pages_for(20, 4), SCOPE).stored == 20
         assert st.stats().as_dict()["tiers"]["disk"]["blocks"] > 32
         st.check_integrity()
+
+
+def test_a_region_is_populated_up_to_its_bound_and_gives_back_what_is_discarded(workdir):
+    """What keeps a share's memory within it: the background populator stops at the bound
+    (raised: it goes on; lowered: it stops), and a discarded range holds no memory."""
+    from tierkv.tiers.shm import SharedRegion
+
+    r = SharedRegion.create(workdir, "tierkv-host", 8 * MiB, populate_bytes=2 * MiB)
+    try:
+        assert wait_for(lambda: touched(str(r.path)) == 2 * MiB, timeout=10)
+        r.set_populate_end(6 * MiB)
+        assert wait_for(lambda: touched(str(r.path)) == 6 * MiB, timeout=10)
+        r.set_populate_end(1 * MiB)  # lowered: nothing more is faulted in ...
+        assert r.discard(1 * MiB, 7 * MiB)  # ... and what was, above it, is given back
+        assert touched(str(r.path)) == 1 * MiB
+        r.set_populate_end(3 * MiB)
+        assert wait_for(lambda: touched(str(r.path)) == 3 * MiB, timeout=10)
+    finally:
+        r.close()
