@@ -25,8 +25,10 @@ it and gives their pages back (MADV_REMOVE) as they go; on disk, segments above 
 emptied and deleted and no new one is made while as many files exist. The sum of the limits
 never exceeds a budget, so the memory and files actually in use never do either, except
 for what a lowering could not evict yet: a leased, in-flight or pinned block (and its prefix)
-stays until released, while its tier makes no new allocation; the daemon retries every
-second (:meth:`Layouts.retrim`). Tiers that cannot be sparse are mapped at a fixed share,
+stays until released, and meanwhile its tier allocates only while its use is below the
+limit (so it never grows past it); the daemon retries every second (:meth:`Layouts.retrim`).
+A layout stays open until the daemon stops, so shares shrink as layouts open and never grow
+back while it runs (a restart gives each layout the home holds ``1/N``). Tiers that cannot be sparse are mapped at a fixed share,
 ``budget // max_layouts``, and limited within it: a CUDA device pool (one allocation of GPU
 memory, shared with clients by an IPC handle) and, on a CUDA host, the page-locked host pool
 (cudaHostRegister locks every page of the mapping).
