@@ -409,44 +409,23 @@ class Store(StoreAPI):
     def set_tier_limits(self, device_bytes: int | None = None, host_bytes: int | None = None,
                         disk_bytes: int | None = None) -> int:
         """Let each tier hold at most this many bytes from now on (None: keep its limit; at
-        most the ``*_bytes`` it was opened with) and evict what lies above the limits, through
-        the normal eviction (demotion, write-back, listeners, index first on disk), leaf
-        first. A tier's limit bounds slot positions as well as counts, so the memory beyond
-        it is never touched and is given back (tiers/memory.py).
+        most the ``*_bytes`` it was opened with) and bring it under the new limits: the
+        normal eviction down to the count, then blocks placed above a limit move below it,
+        or are evicted (tierkv/tier_limits.py). A limit bounds slot positions as well as
+        counts, so the memory beyond it is never touched and is given back.
 
         Blocks that cannot go now (leased, being read, pinned on disk, or a prefix of one of
-        those) stay, and the tier makes no new allocation above its limit meanwhile. Returns
-        how many slots are still used above the limits; call again (no arguments) to retry."""
+        those) stay; the tier allocates only while its use is below the limit meanwhile.
+        Returns how many slots are still used above the limits; call again (no arguments)
+        to retry."""
+        from .tier_limits import fit_under_limits
+
         self._check_usable()
         with self._lock:
             for tier, limit in ((self.device, device_bytes), (self.host, host_bytes), (self.disk, disk_bytes)):
                 if limit is not None:
                     tier.set_limit(limit)
-            for t in (DEVICE, HOST, DISK):
-                self._evict_above_limit(t)
-            return (len(self.device.slots.used_above_limit()) + len(self.host.slots.used_above_limit())
-                    + self.disk.used_above_limit())
-
-    def _evict_above_limit(self, t: TierName) -> None:
-        """Evict every block placed above tier ``t``'s limit, each after its extensions in
-        ``t`` (leaf first keeps prefixes whole; held: the lock)."""
-        table, evict = self.placement.table, self.placement.evict
-        if t == DISK:
-            above = self.disk.over_limit
-        else:
-            limit = self.placement.tier(t).slots.limit
-            above = limit.__le__
-        for b in [b for b in table.blocks.values() if t in b.loc and above(b.loc[t])]:
-            if t not in b.loc:
-                continue  # gone already, as an extension of an earlier one
-            order, todo = [], [b]  # b and its extensions in t, parents before children
-            while todo:
-                x = todo.pop()
-                order.append(x)
-                todo.extend(c for c in map(table.get, x.children) if c is not None and t in c.loc)
-            for x in reversed(order):
-                if t in x.loc and table.evictable(x, t):
-                    evict(x, t)
+            return fit_under_limits(self.placement)
 
     def keys_of(self, *, model_version: str | None = None, namespace: str | None = None) -> list[bytes]:
         """The keys of the stored blocks of ``model_version`` and/or ``namespace``: what

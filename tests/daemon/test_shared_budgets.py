@@ -112,10 +112,10 @@ def test_a_block_leased_when_its_limit_drops_stays_until_released(workdir):
                 s = stats_json(cfg.socket)
                 ta = s["layouts"][A]["tiers"]["device"]
                 assert ta["capacity_bytes"] == cfg.device_bytes // 2
-                # The leased blocks stay (their pages are being read) and nothing else does
-                # above the limit; no new page goes there meanwhile.
+                # The leased blocks stay where they are (their pages are being read) and
+                # count against the limit; the others above it moved below or went.
                 assert s["daemon"]["over_limit_slots"] == {A: 4}
-                assert ta["used_bytes"] == cfg.device_bytes // 2 + 4 * PAGE
+                assert ta["used_bytes"] == cfg.device_bytes // 2
                 assert torch.equal(lease.pages(), pages_for(4, 229))
                 fill(a, 10, seed=300)
                 assert stats_json(cfg.socket)["layouts"][A]["tiers"]["device"]["used_bytes"] <= ta["used_bytes"]
@@ -146,8 +146,9 @@ def test_set_tier_limits_evicts_leaf_first_keeps_pins_and_grows_back(workdir):
         assert st.put(pinned, pages_for(8, 2), SCOPE, priority=Priority.PINNED).stored == 8
         assert st.set_tier_limits(disk_bytes=2 * seg * PAGE) == 8  # the pins stay above the limit
         s = st.stats().as_dict()["tiers"]["disk"]
-        assert s["capacity_bytes"] == 2 * seg * PAGE and s["blocks"] == 32 + 8
-        assert st.lookup(long, SCOPE).tokens_matched == 16 * 32  # the prefix kept, its tail evicted
+        # The pins count against the limit: the chain gives up its tail (leaf first) to 24.
+        assert s["capacity_bytes"] == 2 * seg * PAGE and s["blocks"] == 24 + 8
+        assert st.lookup(long, SCOPE).tokens_matched == 16 * 24  # the prefix kept, its tail evicted
         assert st.lookup(pinned, SCOPE).tokens_matched == 16 * 8
         st.check_integrity()
         # No new page goes above the limit: a new chain finds room only by evicting below it.
@@ -180,3 +181,22 @@ def test_a_region_is_populated_up_to_its_bound_and_gives_back_what_is_discarded(
         assert wait_for(lambda: touched(str(r.path)) == 3 * MiB, timeout=10)
     finally:
         r.close()
+
+
+def test_a_lowered_memory_limit_moves_blocks_below_it_instead_of_dropping_chains(workdir):
+    """Blocks above a lowered host limit move to free slots below it, bytes intact. Before
+    (evicting by position only): each block above the limit took its chain's extensions
+    below it along, and a full host tier halved kept a quarter."""
+    with tierkv.open(workdir / "home", LAYOUT, device="cpu", device_bytes=8 * PAGE, host_bytes=128 * LAYOUT.slot_bytes,
+                     disk_bytes=8 * MiB, shm_dir=workdir / "shm") as st:
+        chains = [prompt(16 * 8, seed=600 + i) for i in range(20)]  # 160 pages: host full, the rest on disk
+        for i, t in enumerate(chains):
+            st.put(t, pages_for(8, 600 + i), SCOPE)
+        assert st.stats().as_dict()["tiers"]["host"]["blocks"] == 128
+        assert st.set_tier_limits(host_bytes=64 * LAYOUT.slot_bytes) == 0
+        host = st.stats().as_dict()["tiers"]["host"]
+        assert host["blocks"] == 64 and max(st.host.slots.used_slots()) < 64
+        st.check_integrity()
+        for i, t in enumerate(chains):  # every chain whole (host, device or disk) and exact
+            with st.acquire(t, SCOPE) as lease:
+                assert lease.num_blocks == 8 and torch.equal(lease.pages(), pages_for(8, 600 + i))

@@ -20,9 +20,11 @@ fixed ``1/max_layouts`` per layout (clients write into it; it holds nothing betw
 How a share is enforced: each layout's tiers are *mapped* at the whole budget (a shared-memory
 file is sparse: a page costs memory only once touched) and *used* up to a limit that bounds
 slot positions as well as counts. So memory above a limit is never touched, the
-background populator stops at the limit, and lowering a limit evicts the blocks placed above
-it and gives their pages back (MADV_REMOVE) as they go; on disk, segments above the limit are
-emptied and deleted and no new one is made while as many files exist. The sum of the limits
+background populator stops at the limit, and lowering a limit evicts down to it (the policy's
+victims), moves the memory-tier blocks still placed above it to free slots below, evicts
+what cannot move, and gives the pages above back (MADV_REMOVE) as they go
+(tierkv/tier_limits.py); on disk, segments above the limit are emptied and deleted and no
+new one is made while as many files exist. The sum of the limits
 never exceeds a budget, so the memory and files actually in use never do either, except
 for what a lowering could not evict yet: a leased, in-flight or pinned block (and its prefix)
 stays until released, and meanwhile its tier allocates only while its use is below the
@@ -37,7 +39,7 @@ Rejected: a fixed share ``budget // max_layouts`` for every tier (what this repl
 daemon serving one model used a quarter of its memory); resizing the mappings as layouts
 come and go (clients hold them, and a moved mapping would move pages under live leases);
 one byte budget checked at each allocation (a store's eviction would have to reach into the
-other stores); and a limit on counts only (LRU eviction down to a count leaves pages touched
+other stores); and a limit on counts only (eviction down to a count leaves pages touched
 all over the mapping: up to twice the share in memory).
 """
 from __future__ import annotations

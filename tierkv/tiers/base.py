@@ -62,6 +62,15 @@ class SlotAllocator:
         """Used slots at or above the limit, lowest first."""
         return sorted(s for s in self._used if s >= self.limit) if self.limit < self.capacity else []
 
+    def alloc_below_limit(self) -> int | None:
+        """The lowest free slot below the limit, now used, whatever the count (for moving a
+        block from above the limit: the caller frees its old slot at once); None if none."""
+        if not self._free or self._free[-1] >= self.limit:
+            return None
+        slot = self._free.pop()
+        self._used.add(slot)
+        return slot
+
     def alloc(self) -> int | None:
         """A free slot id, now used; ``None`` when the tier is full or at its limit (the
         caller evicts)."""
