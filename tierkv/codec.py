@@ -112,6 +112,13 @@ class PageCodec:
             return pages
         return decode_int8(pages, self.layout)
 
+    def is_layout_form(self, pages: torch.Tensor) -> bool:
+        return self.exact or pages.dtype == self.layout.torch_dtype
+
+    def decode_into(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode stored pages into ``out`` (contiguous pages of the layout, same device)."""
+        decode_int8(stored, self.layout, out)
+
     def to_json(self) -> str:
         return self.name
 
@@ -190,16 +197,22 @@ def _check_finite(finite: bool) -> None:
                               hint="store them in a home with page_codec 'none'")
 
 
-def decode_int8(stored: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+def decode_int8(stored: torch.Tensor, layout: PageLayout, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[*, stored_bytes]`` uint8 back to pages ``[*, L, 2, B, H, D]`` in ``layout``'s dtype
-    (exact products: ``q`` has 7 significant bits and the scale is a power of two)."""
+    (exact products: ``q`` has 7 significant bits and the scale is a power of two), into
+    ``out`` when given (contiguous, on the same device: a device slot, with no buffer in
+    between; a fresh 190 MB buffer cost its page faults on every restore)."""
     numel, B, HD = layout.numel, layout.block_size, layout.num_kv_heads * layout.head_dim
     lead = tuple(stored.shape[:-1])
     flat = stored.detach().reshape(-1, stored.shape[-1])
     if stored.dtype != torch.uint8 or flat.shape[1] != numel + numel // B:
         raise PageFormatError(f"{tuple(stored.shape)} {stored.dtype} is not an int8-coded page of layout {layout.to_json()}")
     lo, hi = _MIN_EXP[layout.torch_dtype], _MAX_EXP[layout.torch_dtype]
-    out = torch.empty((*lead, *layout.shape), dtype=layout.torch_dtype, device=stored.device)
+    if out is None:
+        out = torch.empty((*lead, *layout.shape), dtype=layout.torch_dtype, device=stored.device)
+    elif out.numel() != flat.shape[0] * numel or out.dtype != layout.torch_dtype or not out.is_contiguous() \
+            or out.device != stored.device:
+        raise PageFormatError(f"cannot decode {tuple(stored.shape)} into {tuple(out.shape)} {out.dtype} on {out.device}")
     if stored.device.type == "cpu":
         _decode_numpy(flat, out, numel, B, HD, lo, hi)
     else:
@@ -211,11 +224,13 @@ def _decode_numpy(flat: torch.Tensor, out: torch.Tensor, numel: int, B: int, HD:
     fnp = flat.numpy()
     q = fnp[:, :numel].view(np.int8).reshape(-1, B, HD)
     e = np.clip(fnp[:, numel:].view(np.int8).reshape(-1, HD), lo, hi)
-    x = np.multiply(q, _np_pow2(e)[:, None, :], dtype=np.float32)
+    scale = _np_pow2(e)[:, None, :]
     if out.dtype == torch.bfloat16:  # exact in bfloat16: its bits are the high half
-        out.view(torch.int16).numpy().reshape(-1)[:] = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.int16).reshape(-1)
-    else:
-        out.numpy().reshape(-1)[:] = x.reshape(-1)
+        x = np.multiply(q, scale, dtype=np.float32)
+        np.right_shift(x.view(np.uint32), 16, out=out.view(torch.int16).numpy().reshape(x.shape).view(np.uint16),
+                       casting="unsafe")
+    else:  # float32, or float16 (exact: a same-kind cast of exactly representable values)
+        np.multiply(q, scale, out=out.numpy().reshape(q.shape), casting="same_kind")
 
 
 def _decode_torch(flat: torch.Tensor, out: torch.Tensor, numel: int, B: int, HD: int, lo: int, hi: int) -> None:

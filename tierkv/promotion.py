@@ -192,21 +192,33 @@ class Promotion:
     def _read_staged(self, reads: list[PlannedRead]) -> None:
         """Disk pages in a codec's stored form (tierkv/codec.py): consecutive slots read in one
         request into the disk tier's staging buffer, each verified there (the checksum covers
-        the stored bytes), then the good ones decoded into their device slots in one batch."""
+        the stored bytes) and decoded straight into its device slot by a helper thread while
+        the next run is read. The slot is placed only after this returns (settle), so a
+        decoded page is never visible before its check."""
         staging, views = self.disk.staging(len(reads))
         page_bytes = self.disk.page_bytes
         unread: set[int] = set()
-        sums: dict[int, Future[int]] = {}
+        sums: dict[int, Future[bool]] = {}
+
+        def check_and_decode(p: int) -> bool:
+            r = reads[p]
+            if page_checksum(r.block.key, staging[p, :page_bytes]) != r.block.checksum:
+                return False
+            self.device.write(r.slot, staging[p, :page_bytes])
+            return True
 
         def verify_run(positions: list[int]) -> None:
-            for p in positions:  # checksummed by a helper thread while the next run is read
-                sums[p] = self._checksummer.submit(page_checksum, reads[p].block.key, staging[p, :page_bytes])
+            for p in positions:
+                sums[p] = self._checksummer.submit(check_and_decode, p)
 
         try:
             self.disk.read_many([(r.block.loc[DISK], views[p]) for p, r in enumerate(reads)], verify_run)
         except OSError:
             for f in sums.values():
                 f.cancel()
+            for f in sums.values():  # none may still be writing a slot when its page is re-read
+                if not f.cancelled():
+                    f.exception()
             sums.clear()
             for p, r in enumerate(reads):  # one by one: a failed read fails only its own page
                 try:
@@ -214,20 +226,13 @@ class Promotion:
                 except OSError as e:
                     self._read_failed(r, e)
                     unread.add(p)
-        good: list[int] = []
         for p, r in enumerate(reads):
             if p in unread:
                 continue
-            got = sums[p].result() if p in sums else page_checksum(r.block.key, staging[p, :page_bytes])
-            if got == r.block.checksum:
-                good.append(p)
+            if sums[p].result() if p in sums else check_and_decode(p):
+                r.outcome = ReadOutcome.OK
             else:
                 r.outcome, r.detail = ReadOutcome.BAD, "page checksum mismatch on read"
-        if good:
-            # Placed only after this returns (settle), so a half-written slot is never seen.
-            self.device.write_many([reads[p].slot for p in good], staging[:, :page_bytes], good)
-            for p in good:
-                reads[p].outcome = ReadOutcome.OK
 
     def settle(self, plan: list[PlannedRead]) -> int | None:
         """Place or free each planned slot, drop each busy count, wake each waiter. An error

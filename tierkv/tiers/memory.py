@@ -143,8 +143,11 @@ class MemoryTier:
     def write(self, slot: int, page: torch.Tensor) -> None:
         """Copy ``page`` (in the layout's form or the codec's stored form) into ``slot``,
         encoding or decoding it to this tier's form."""
-        page = self.codec.to_stored(page) if self.encoded else self.codec.to_layout(page)
         dst = self._pool[slot]
+        if not self.encoded and not self.codec.is_layout_form(page) and dst.is_contiguous() and dst.device == page.device:
+            self.codec.decode_into(page, dst)  # straight into the slot: no buffer in between
+            return
+        page = self.codec.to_stored(page) if self.encoded else self.codec.to_layout(page)
         if dst.is_cuda or page.is_cuda:
             dst.copy_(page, non_blocking=self.pinned)
         else:
