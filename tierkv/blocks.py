@@ -105,7 +105,9 @@ class BlockTable:
     def add(self, block: Block) -> None:
         assert block.key not in self.blocks and not block.loc
         self.blocks[block.key] = block
-        block.children |= self._orphans.pop(block.key, set())
+        orphans = self._orphans.pop(block.key, None)
+        if orphans:
+            block.children |= orphans
         self._link(block)
 
     def _link(self, block: Block) -> None:
@@ -262,6 +264,10 @@ class BlockTable:
                 continue
             for key in order.candidates():
                 b = blocks[key]
+                # The common case first, without the call: an unheld leaf (for pinned
+                # blocks in the disk tier, evictable() says no).
+                if not b.children and not b.leases and not b.busy and b.priority != Priority.PINNED:
+                    return b
                 if evictable(b, tier):
                     return b
         return None

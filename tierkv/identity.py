@@ -125,16 +125,25 @@ def iter_block_keys(
     seed: bytes,
     block_size: int,
     block_extra: Sequence[Sequence[str | bytes]] | None = None,
+    start: int = 0,
+    parent: bytes | None = None,
 ) -> Iterator[bytes]:
     """Yield the key of each full block of ``tokens`` (an int32 array from
-    :func:`as_token_array`), lazily so that a lookup stops hashing at its first miss."""
+    :func:`as_token_array`), lazily so that a lookup stops hashing at its first miss.
+
+    ``start``/``parent``: resume the chain at block ``start``, whose parent key (the key
+    of block ``start - 1``, computed here earlier from the same tokens) is ``parent``."""
     n_blocks = len(tokens) // block_size
     raw = tokens.tobytes()
     step = block_size * 4
     tok_head = b"t" + _U64.pack(step)
     prev = seed
+    if start:
+        if parent is None:
+            raise ValueError("resuming a key chain needs the parent key")
+        prev = parent
     sha = hashlib.sha256
-    for i in range(n_blocks):
+    for i in range(start, n_blocks):
         extra = _NO_EXTRA if block_extra is None or i >= len(block_extra) else enc_field("block_extra", block_extra[i])
         prev = sha(_BLOCK_PREFIX + prev + tok_head + raw[i * step : (i + 1) * step] + extra).digest()
         yield prev
@@ -149,3 +158,38 @@ def block_keys(
     """Keys of all full blocks of ``tokens`` under ``scope``."""
     arr = as_token_array(tokens)
     return list(iter_block_keys(arr, scope.seed, block_size, block_extra))
+
+
+class ChainMemo:
+    """The keys of the last chain a lookup hashed, so that the ``put`` that follows a miss
+    (same tokens, ``start_block`` = the hits) hashes only its new blocks (issue #15: no
+    second hashing of the same prompt).
+
+    Nothing a client sends is trusted: a remembered key is reused only for a prefix whose
+    token bytes equal, byte for byte, the bytes it was computed from here, under the same
+    seed and without block extras; keys are a pure function of those, so a reused key is
+    exactly the key hashing would give. One entry: a lookup and its put normally follow
+    each other; anything else just hashes."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self) -> None:
+        self._entry: tuple[bytes, bytes, tuple[bytes, ...]] | None = None
+
+    def remember(self, seed: bytes, raw: bytes, keys: Sequence[bytes]) -> None:
+        """``keys[i]`` was computed from ``seed`` and ``raw[: (i + 1) * block bytes]``."""
+        self._entry = (seed, raw, tuple(keys))  # one tuple: readers see old or new, never half
+
+    def proven(self, seed: bytes, raw: bytes, step: int, n: int) -> tuple[bytes, ...]:
+        """The first ``k <= n`` keys of ``raw`` under ``seed`` (``step``: bytes per block)
+        that the remembered chain proves; empty when it proves none."""
+        entry = self._entry
+        if entry is None or entry[0] != seed:
+            return ()
+        _, known_raw, keys = entry
+        k = min(n, len(keys), len(raw) // step, len(known_raw) // step)
+        if k <= 0:
+            return ()
+        if raw == known_raw or raw[: k * step] == known_raw[: k * step]:
+            return keys[:k]
+        return ()

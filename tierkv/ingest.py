@@ -79,11 +79,15 @@ class Ingest:
             raise PageFormatError(
                 f"{n} pages from block {start_block} exceed the {n_full} full blocks of {len(arr)} tokens"
             )
-        keys = list(iter_block_keys(arr[: (start_block + n) * self.layout.block_size], scope.seed,
-                                    self.layout.block_size, block_extra))
         bs = self.layout.block_size
         step = 4 * bs
         raw = arr.tobytes()
+        # The keys the lookup before this put computed from these very token bytes are
+        # reused (tierkv.identity.ChainMemo proves each); only the rest is hashed.
+        known = self.placement.chain_memo.proven(scope.seed, raw, step, start_block + n) if block_extra is None else ()
+        keys = list(known)
+        keys.extend(iter_block_keys(arr[: (start_block + n) * bs], scope.seed, bs, block_extra,
+                                    start=len(keys), parent=keys[-1] if keys else None))
         durable_wanted = priority == Priority.PINNED or (self.config.write_through and priority != Priority.EPHEMERAL)
         new: list[Block] = []
         row_of: dict[bytes, int] = {}
@@ -118,9 +122,9 @@ class Ingest:
             # Making room on disk must not evict this request's own blocks; those cached only
             # in memory (put while the disk was degraded, or in write-back mode) go to disk
             # first, so that the disk tier holds whole prefixes.
-            cached = [blk for k in keys if (blk := get(k)) is not None]
             try:
                 if durable_wanted and self.disk.capacity_slots and not self.disk.degraded:
+                    cached = [blk for k in keys if (blk := get(k)) is not None]
                     for blk in cached:
                         if DISK not in blk.loc and blk.priority != Priority.EPHEMERAL:
                             self.placement.flush_to_disk(blk)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 from .blocks import Block, BlockTable, Priority
 from .errors import DiskWriteError, IndexWriteError, LeaseError
 from .eviction import EvictionListeners
-from .identity import iter_block_keys
+from .identity import ChainMemo, iter_block_keys
 from .index import BlockRecord
 from .stats import Counters
 from .tiers import TierName
@@ -60,6 +60,7 @@ class Placement:
         self.stats_counters = Counters()
         # Retired (dead) blocks whose pages wait for their last lease or in-flight read.
         self._dead: list[Block] = []
+        self.chain_memo = ChainMemo()  # the last lookup's keys, for the put that follows it
 
     def tier(self, t: TierName) -> "MemoryTier":
         return self.device if t == DEVICE else self.host
@@ -75,7 +76,9 @@ class Placement:
         raw = arr.tobytes()
         get = self.table.blocks.get
         chain: list[Block] = []
+        hashed: list[bytes] = []  # every key computed, the first miss's too (a put needs it next)
         for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra)):
+            hashed.append(key)
             b = get(key)
             if b is None or b.dead:
                 break
@@ -84,22 +87,37 @@ class Placement:
                 self.quarantine(b, "stored token ids differ from the request's")
                 break
             chain.append(b)
+        if block_extra is None and hashed:
+            self.chain_memo.remember(scope.seed, raw, hashed)
         return chain
 
     # ---- allocation with eviction -----------------------------------------------------
     def alloc_mem(self, t: TierName) -> int | None:
         """A free slot of memory tier ``t``, evicting as needed; None when every block there
         is leased, busy or has an extension in the tier."""
-        alloc = self.tier(t).slots.alloc
+        slots = self.tier(t).slots
+        alloc = slots.alloc
         slot = alloc()
         if slot is not None:
             return slot
-        victim_of, evict = self.table.victim, self.evict
+        table = self.table
+        victim_of, evict, unplace, remove = table.victim, self.evict, table.unplace, table.remove
+        # Whether an eviction from t can only drop the block (no demotion to a host tier, no
+        # write-back: see evict()); then it is done here, without evict()'s tests per victim.
+        drop_only = (t != DISK and (t == HOST or not self.host.slots.capacity) and not self.disk.capacity_slots
+                     and not self.eviction_listeners)
+        evictions, tv = self.stats_counters.evictions, _TIER_VALUE[t]
         while slot is None:
             victim = victim_of(t)
             if victim is None:
                 return None
-            evict(victim, t)
+            if drop_only:
+                evictions[tv] += 1
+                slots.free(unplace(victim, t, True))
+                if not victim.loc:
+                    remove(victim)
+            else:
+                evict(victim, t)
             slot = alloc()
         return slot
 
@@ -140,7 +158,12 @@ class Placement:
             # memory tier, where this is every eviction.
             if self.eviction_listeners and len(b.loc) == 1:
                 self.eviction_listeners.notify(b, t.value, lambda: self._page_copy(b, t))
-            self.free(b, t, evicted=True)
+            # = self.free(b, t, evicted=True), written out: this runs once per eviction, and
+            # t is a memory tier here (a disk eviction always "moves": its index delete).
+            table = self.table
+            self.tier(t).slots.free(table.unplace(b, t, True))
+            if not b.loc:
+                table.remove(b)
             return
         with self.table.held([b]):  # the nested evictions a move triggers never pick b
             if (t == DEVICE and HOST not in b.loc and self.host.slots.capacity
