@@ -13,10 +13,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
+from .errors import LeaseError
 from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy, make_policy
 from .tiers.base import TierName
+
+if TYPE_CHECKING:
+    from .tiers.base import SlotAllocator
 
 TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
 _TIER_NAMES = tuple((t, t.value) for t in TIERS)  # fastest first
@@ -209,15 +213,46 @@ class BlockTable:
         when the body raises, and ``on_unheld(b)`` is called for each block nothing holds
         any more (the store frees dead blocks there)."""
         blocks = list(blocks)
-        for b in blocks:
-            self.busy(b)
+        for b in blocks:  # = busy(b), written out: a put holds its whole chain
+            b.busy += 1
         try:
             yield blocks
         finally:
-            unheld = [b for b in blocks if self.unbusy(b)]  # every count first, then the frees
+            unheld = []  # every count first, then the frees
+            for b in blocks:  # = unbusy(b), written out
+                assert b.busy > 0, f"block {b.key.hex()[:12]}: busy count below zero"
+                b.busy -= 1
+                if not b.busy and not b.leases:
+                    unheld.append(b)
             if on_unheld is not None:
                 for b in unheld:
                     on_unheld(b)
+
+    def lease_resident(self, chain: list[Block], tier: TierName) -> int:
+        """Lease the blocks of ``chain`` from its start while they are live and in
+        ``tier``; returns how many were leased (the caller leases the rest one by one,
+        promoting each). One pass for the common case of a chain that is all resident."""
+        n = 0
+        for b in chain:
+            if b.dead or tier not in b.loc:
+                break
+            b.leases += 1
+            n += 1
+        return n
+
+    def unlease_many(self, blocks: list[Block]) -> list[Block]:
+        """Drop one lease of each block (every one checked first: a block released more
+        often than leased raises before any count changes); returns those nothing holds
+        any more."""
+        for b in blocks:
+            if b.leases <= 0:
+                raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
+        unheld = []
+        for b in blocks:
+            b.leases -= 1
+            if not b.leases and not b.busy:
+                unheld.append(b)
+        return unheld
 
     def set_priority(self, block: Block, priority: Priority) -> None:
         for t in block.loc:
@@ -229,6 +264,14 @@ class BlockTable:
         """Mark a prefix used (``hit``: a read found it; False: the re-ordering after a put).
         Leaf first, root last, so that in each recency list a prefix is always more recent
         than its extensions and eviction meets leaves first."""
+        if not chain:
+            return
+        in_use = [o for orders in self._victim_order.values() for o in orders if o]
+        if len(in_use) == 1:
+            # Every block is in one tier and one priority class (a store with one memory
+            # tier, as a trace replay): one group, without looking at each block.
+            in_use[0].touch([b.key for b in reversed(chain)], hit)
+            return
         groups: dict[tuple[TierName, Priority], list[bytes]] = {}
         for b in reversed(chain):
             for t in b.loc:
@@ -262,6 +305,9 @@ class BlockTable:
         for order in self._victim_order[tier]:
             if not order:  # most classes are empty most of the time
                 continue
+            b = blocks[order.head()]  # the policy's first choice, without a generator
+            if not b.children and not b.leases and not b.busy and b.priority != Priority.PINNED:
+                return b
             for key in order.candidates():
                 b = blocks[key]
                 # The common case first, without the call: an unheld leaf (for pinned
@@ -271,6 +317,60 @@ class BlockTable:
                 if evictable(b, tier):
                     return b
         return None
+
+    def place_dropping(self, blocks: list[Block], tier: TierName, slots: "SlotAllocator") -> list[int]:
+        """Place ``blocks`` in ``tier`` in order, each in a slot of ``slots`` (the tier's
+        allocator), making room by dropping victims: the caller has checked that an
+        eviction from ``tier`` only drops (no lower tier, no listener). Stops at the first
+        block for which nothing can be evicted; returns the slots of those placed (the
+        evictions are counted in ``evicted_by``; ``len(placed)`` blocks were placed).
+
+        = ``place(b, tier, alloc() or (drop_victim(tier), alloc()))`` per block, written
+        out as one loop: a put into a full tier runs this once per new block, and the
+        calls cost more than the work (scripts/replay_trace.py, issue #12)."""
+        alloc, free = slots.alloc, slots.free
+        orders, victim_order, table = self._order[tier], self._victim_order[tier], self.blocks
+        counts = self.evicted_by[_TIER_VALUE[tier]]
+        pinned, normal = Priority.PINNED, Priority.NORMAL
+        placed: list[int] = []
+        for b in blocks:
+            slot = alloc()
+            while slot is None:
+                v = None
+                for order in victim_order:  # = victim(tier), its common case first
+                    if order:
+                        v = table[order.head()]
+                        if v.children or v.leases or v.busy or v.priority == pinned:
+                            v = self.victim(tier)
+                        break
+                if v is None:
+                    return placed
+                vslot = v.loc.pop(tier)  # = unplace(v, tier, evicted=True)
+                v._update_top()
+                segment = orders[v.priority].remove(v.key, True)
+                reason = segment if v.priority == normal else _PRIORITY_NAME[v.priority]
+                counts[reason] = counts.get(reason, 0) + 1
+                if not v.loc:
+                    self.remove(v)
+                free(vslot)
+                slot = alloc()
+            b.loc[tier] = slot  # = place(b, tier, slot)
+            b._update_top()
+            orders[b.priority].add(b.key, b.hint)
+            placed.append(slot)
+        return placed
+
+    def drop_victim(self, tier: TierName) -> int | None:
+        """Evict the victim of ``tier`` by dropping it there (the caller has checked that
+        nothing else follows an eviction: no lower tier, no listener); returns its freed
+        slot, or None when nothing can be evicted."""
+        b = self.victim(tier)
+        if b is None:
+            return None
+        slot = self.unplace(b, tier, True)
+        if not b.loc:
+            self.remove(b)
+        return slot
 
     def check_integrity(self) -> None:
         for t in TIERS:

@@ -5,8 +5,13 @@ verification, on top of the token-id comparison every hit already makes.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import xxhash
+
+# torch dtypes numpy can view without a copy (bfloat16 and the fp8 types it cannot).
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float16, torch.float64, torch.uint8, torch.int8, torch.int16,
+                           torch.int32, torch.int64})
 
 
 def page_checksum(key: bytes, page: torch.Tensor) -> int:
@@ -14,10 +19,20 @@ def page_checksum(key: bytes, page: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))
 
 
+def page_rows(pages: torch.Tensor) -> np.ndarray:
+    """Pages ``[n, ...]`` as a uint8 numpy array ``[n, page bytes]`` (no copy for contiguous
+    CPU pages). Through numpy where it knows the dtype: half the cost of torch's chain of
+    calls, paid on every put (twice: checksums and the copy into the tier)."""
+    t = pages.detach()
+    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.is_contiguous():
+        return t.numpy().view(np.uint8).reshape(t.shape[0], -1)
+    return t.cpu().contiguous().view(torch.uint8).numpy().reshape(t.shape[0], -1)
+
+
 def page_checksums(keys: list[bytes], pages: torch.Tensor, rows: list[int]) -> list[int]:
     """``page_checksum(keys[j], pages[rows[j]])`` for every j, converting the batch to bytes
     once (a put of many small pages spent most of its time in per-page conversions)."""
     if not keys:
         return []
-    data = pages.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(pages.shape[0], -1)
+    data = page_rows(pages)
     return [xxhash.xxh3_64_intdigest(data[r], seed=int.from_bytes(k[:8], "little")) for k, r in zip(keys, rows)]

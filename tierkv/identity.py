@@ -26,6 +26,7 @@ import numpy as np
 from .errors import InvalidTokensError
 
 KEY_BYTES = 32
+_I4 = np.dtype("<i4")
 _U64 = struct.Struct("<Q")
 SEED_DOMAIN = "tierkv/seed/v1"
 BLOCK_DOMAIN = "tierkv/block/v1"
@@ -63,6 +64,12 @@ def as_token_array(tokens: Sequence[int] | np.ndarray | "object") -> np.ndarray:
     if torch is not None and isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
+    if arr.dtype == _I4 and arr.ndim == 1 and arr.size and arr.flags.c_contiguous:
+        # The common case (the store's own arrays, passed back in): one reduction; an
+        # int32 is below 2**31 by its type.
+        if int(arr.min()) < 0:
+            raise InvalidTokensError(f"token ids must lie in [0, 2**31), got min {int(arr.min())}")
+        return arr
     if arr.ndim != 1:
         raise InvalidTokensError(f"token ids must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
@@ -142,9 +149,15 @@ def iter_block_keys(
         if parent is None:
             raise ValueError("resuming a key chain needs the parent key")
         prev = parent
-    sha = hashlib.sha256
+    sha, join = hashlib.sha256, b"".join
+    if block_extra is None:
+        view = memoryview(raw)  # slices without copies: one copy per block, in join
+        for i in range(start, n_blocks):
+            prev = sha(join((_BLOCK_PREFIX, prev, tok_head, view[i * step : (i + 1) * step], _NO_EXTRA))).digest()
+            yield prev
+        return
     for i in range(start, n_blocks):
-        extra = _NO_EXTRA if block_extra is None or i >= len(block_extra) else enc_field("block_extra", block_extra[i])
+        extra = _NO_EXTRA if i >= len(block_extra) else enc_field("block_extra", block_extra[i])
         prev = sha(_BLOCK_PREFIX + prev + tok_head + raw[i * step : (i + 1) * step] + extra).digest()
         yield prev
 

@@ -201,39 +201,54 @@ class Ingest:
         chain = [blk for k in keys if (blk := get(k)) is not None]
         try:
             with self.placement.held(chain):
-                tiers = [DEVICE, HOST]
-                # Pages are copied in one batch per tier at the end: the slots are placed
-                # first, but every block of this put is held, so nothing moves or reads them
-                # before the copy (and the lock is held throughout).
-                pending: dict[TierName, tuple[list[int], list[int]]] = {DEVICE: ([], []), HOST: ([], [])}
-
-                def copy_pending() -> None:
-                    for t, (slots, rows) in pending.items():
-                        self.placement.tier(t).write_many(slots, pages, rows)
-                        slots.clear()
-                        rows.clear()
-
-                alloc_mem, place = self.placement.alloc_mem, self.table.place
-                for b in new:
-                    while tiers:
-                        slot = alloc_mem(tiers[0])
-                        if slot is not None:
-                            slots, rows = pending[tiers[0]]
-                            slots.append(slot)
-                            rows.append(row_of[b.key])
-                            place(b, tiers[0], slot)
-                            break
-                        tiers.pop(0)
-                    if not b.loc and b.priority != Priority.EPHEMERAL:
-                        copy_pending()  # write-back may read this put's earlier pages from memory
-                        self.placement.flush_to_disk(b, page_of[b.key])  # write-back: memory is full
-                    if not b.loc:
+                if not disk_plan and self.placement.drops_only(DEVICE):
+                    # One memory tier, nothing below it: place and evict in one loop.
+                    placed = self.placement.place_new_dropping(new, DEVICE)
+                    self.placement.device.write_many(placed, pages, [row_of[b.key] for b in new[: len(placed)]])
+                    for b in new[len(placed):]:  # every block there is leased or held
                         self.stats_counters.admissions_refused += 1
-                        self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
-                copy_pending()
+                        self.table.remove(b)
+                else:
+                    self._place_general(new, pages, row_of, page_of)
         except BaseException:
             self._unplace_new(new)
             raise
         finally:
             self._writing.difference_update(b.key for b in new)
         self.table.touch_chain([blk for blk in chain if get(blk.key) is blk], hit=False)
+
+    def _place_general(self, new: list[Block], pages: torch.Tensor, row_of: dict[bytes, int],
+                       page_of: Mapping[bytes, torch.Tensor]) -> None:
+        """Copy a put's new blocks into the device tier, then the host tier once the device
+        has no room, writing back to disk what neither can take (held: the lock and the
+        chain)."""
+        tiers = [DEVICE, HOST]
+        # Pages are copied in one batch per tier at the end: the slots are placed
+        # first, but every block of this put is held, so nothing moves or reads them
+        # before the copy (and the lock is held throughout).
+        pending: dict[TierName, tuple[list[int], list[int]]] = {DEVICE: ([], []), HOST: ([], [])}
+
+        def copy_pending() -> None:
+            for t, (slots, rows) in pending.items():
+                self.placement.tier(t).write_many(slots, pages, rows)
+                slots.clear()
+                rows.clear()
+
+        alloc_mem, place = self.placement.alloc_mem, self.table.place
+        for b in new:
+            while tiers:
+                slot = alloc_mem(tiers[0])
+                if slot is not None:
+                    slots, rows = pending[tiers[0]]
+                    slots.append(slot)
+                    rows.append(row_of[b.key])
+                    place(b, tiers[0], slot)
+                    break
+                tiers.pop(0)
+            if not b.loc and b.priority != Priority.EPHEMERAL:
+                copy_pending()  # write-back may read this put's earlier pages from memory
+                self.placement.flush_to_disk(b, page_of[b.key])  # write-back: memory is full
+            if not b.loc:
+                self.stats_counters.admissions_refused += 1
+                self.table.remove(b)  # nowhere to keep it: the put stored nothing for it
+        copy_pending()

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from .blocks import Block, BlockTable, Priority
-from .errors import DiskWriteError, IndexWriteError, LeaseError
+from .errors import DiskWriteError, IndexWriteError
 from .eviction import EvictionListeners
 from .identity import ChainMemo, iter_block_keys
 from .index import BlockRecord
@@ -101,25 +101,44 @@ class Placement:
         if slot is not None:
             return slot
         table = self.table
-        victim_of, evict, unplace, remove = table.victim, self.evict, table.unplace, table.remove
-        # Whether an eviction from t can only drop the block (no demotion to a host tier, no
-        # write-back: see evict()); then it is done here, without evict()'s tests per victim.
-        drop_only = (t != DISK and (t == HOST or not self.host.slots.capacity) and not self.disk.capacity_slots
-                     and not self.eviction_listeners)
         evictions, tv = self.stats_counters.evictions, _TIER_VALUE[t]
+        if self.drops_only(t):
+            # Without evict()'s tests per victim.
+            drop, free = table.drop_victim, slots.free
+            while slot is None:
+                freed = drop(t)
+                if freed is None:
+                    return None
+                evictions[tv] += 1
+                free(freed)
+                slot = alloc()
+            return slot
+        victim_of, evict = table.victim, self.evict
         while slot is None:
             victim = victim_of(t)
             if victim is None:
                 return None
-            if drop_only:
-                evictions[tv] += 1
-                slots.free(unplace(victim, t, True))
-                if not victim.loc:
-                    remove(victim)
-            else:
-                evict(victim, t)
+            evict(victim, t)
             slot = alloc()
         return slot
+
+    def drops_only(self, t: TierName) -> bool:
+        """Whether an eviction from memory tier ``t`` can only drop the block: no host tier
+        below the device to demote to, no disk tier to write back to, no listener (see
+        :meth:`evict`). A store with one memory tier, as a trace replay or an embedded cache
+        of hot prefixes, evicts only so."""
+        return (t != DISK and (t == HOST or not self.host.slots.capacity) and not self.disk.capacity_slots
+                and not self.eviction_listeners)
+
+    def place_new_dropping(self, blocks: list[Block], t: TierName) -> list[int]:
+        """Place new blocks in memory tier ``t`` (where :meth:`drops_only`), evicting as
+        needed, until one finds no room; returns their slots (the first ``len`` blocks
+        were placed). = ``alloc_mem`` + ``table.place`` per block, in one loop."""
+        evicted = self.table.evicted_by[_TIER_VALUE[t]]
+        before = sum(evicted.values())
+        placed = self.table.place_dropping(blocks, t, self.tier(t).slots)
+        self.stats_counters.evictions[_TIER_VALUE[t]] += sum(evicted.values()) - before
+        return placed
 
     def alloc_disk(self, model_version: str, keep: Sequence[Block] = ()) -> int | None:
         """A free disk slot for ``model_version``, never evicting the blocks in ``keep``;
@@ -300,12 +319,7 @@ class Placement:
         """Drop one lease from each block; free retired blocks whose last lease this was;
         drop ephemeral blocks when their lease ends (``ended=False``: the lease was never
         handed out, as when acquire stops short, so ephemeral blocks stay)."""
-        for b in blocks:
-            if b.leases <= 0:
-                raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
-        for b in blocks:
-            if not self.table.unlease(b):
-                continue
+        for b in self.table.unlease_many(blocks):
             if b.dead:
                 self._free_if_unheld(b)
             elif b.priority == Priority.EPHEMERAL and ended:

@@ -79,6 +79,7 @@ class EvictionPolicy(Protocol):
     def remove(self, key: bytes, evicted: bool = False) -> str: ...  # the segment it left
     def touch(self, keys: list[bytes], hit: bool) -> None: ...
     def candidates(self) -> Iterator[bytes]: ...
+    def head(self) -> bytes: ...  # the first of candidates() (asked only when non-empty)
     def segment(self, key: bytes) -> str: ...
     def keys(self) -> set[bytes]: ...
     def check_integrity(self) -> None: ...
@@ -121,6 +122,9 @@ class LRUPolicy:
 
     def candidates(self) -> Iterator[bytes]:
         return iter(self._d)
+
+    def head(self) -> bytes:
+        return next(iter(self._d))
 
     def segment(self, key: bytes) -> str:
         return "lru"
@@ -265,6 +269,14 @@ class ARCPolicy:
         if (cold or recent) and (not frequent or len(cold) + len(recent) > self.p):
             return (cold, recent, frequent)
         return (frequent, cold, recent)
+
+    def head(self) -> bytes:
+        """The first of :meth:`candidates` (the policy is not empty): the head of the
+        first non-empty list in victim order."""
+        cold, recent, frequent = self._cold, self._recent, self._frequent
+        if (cold or recent) and (not frequent or len(cold) + len(recent) > self.p):
+            return next(iter(cold or recent))
+        return next(iter(frequent or cold or recent))
 
     def candidates(self) -> Iterator[bytes]:
         lists = self._lists()

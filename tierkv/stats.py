@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 def _per_tier() -> dict[str, int]:
@@ -39,7 +40,7 @@ class Counters:
         self.lookup_seconds += seconds
         self._recent.append(time.monotonic())
 
-    def record_acquire(self, tiers: tuple[str, ...]) -> None:
+    def record_acquire(self, tiers: Sequence[str]) -> None:
         self.acquires += 1
         for t in tiers:
             self.acquire_hits[t] += 1

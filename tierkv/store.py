@@ -37,6 +37,7 @@ from .layout import PageLayout
 from .ingest import Ingest
 from .operations import StoreOperations
 from .placement import Placement
+from .process import current_pid
 from .promotion import PlannedRead, Promotion
 from .results import (
     ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
@@ -152,7 +153,7 @@ class Store(StoreAPI):
         self.disk.reclaim_empty()
 
     def _check_usable(self) -> None:
-        if os.getpid() != self._pid:
+        if current_pid() != self._pid:
             raise ForkedStoreError(f"this store was opened by pid {self._pid}, used from pid {os.getpid()}")
         if self._closed:
             raise NotFoundError("the store is closed", hint="open it again with tierkv.open()")
@@ -215,14 +216,18 @@ class Store(StoreAPI):
             chain = placement.match(arr, scope, block_extra)[start_block:]
             if max_blocks is not None:
                 chain = chain[:max_blocks]
-            placement.table.touch_chain(chain)
+            table = placement.table
+            table.touch_chain(chain)
             plan: list[PlannedRead] = []
             waits: list[tuple[int, threading.Event]] = []
-            # Lease block by block: blocks further along the chain are not leased yet, so
-            # making room may evict them; the lease stops where the device tier is full.
-            leased = 0
+            # The blocks already in the device tier are leased at once (nothing is evicted
+            # for them); from the first that is not, block by block: blocks further along
+            # the chain are not leased yet, so making room may evict them; the lease stops
+            # where the device tier is full.
+            leased = table.lease_resident(chain, DEVICE)
             try:
-                for i, b in enumerate(chain):
+                for i in range(leased, len(chain)):
+                    b = chain[i]
                     if b.dead or not b.loc:
                         # Making room for an earlier block evicted this one from every tier.
                         chain = chain[:i]
@@ -249,7 +254,11 @@ class Store(StoreAPI):
                 finally:
                     placement.release_blocks(chain[:leased], ended=False)
                 raise
-            placement.stats_counters.record_acquire(tuple(b.top for b in chain))
+            placement.stats_counters.record_acquire([b.top for b in chain])
+            if not plan and not waits:  # all in the device tier: nothing to read or wait for
+                return Lease(store=self, layout=self.layout, keys=tuple([b.key for b in chain]),
+                             slots=tuple([b.loc[DEVICE] for b in chain]), pool=self.device.pool, blocks=chain,
+                             start_block=start_block)
         try:
             failed = promotion.promote(plan)
             failed = promotion.await_reads(waits, chain, failed)

@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import errors
 from ..errors import DaemonUnavailableError, ForkedStoreError, ProtocolError, TierKVError
+from ..process import current_pid
 from . import messages as m
 from .protocol import Frame, Op, close_fds, encode_frame, read_frame_sync
 
@@ -88,7 +89,7 @@ class ClientTransport:
             fut.set_exception(exc)
 
     def _check_open(self) -> None:
-        if os.getpid() != self._pid:
+        if current_pid() != self._pid:
             raise ForkedStoreError(f"this client was connected by pid {self._pid}, used from pid {os.getpid()}",
                                    hint="connect again in the child with tierkv.connect()")
         if self._closed:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checksum import page_rows
 from ..codec import PageCodec
 from ..layout import PageLayout
 from .base import SlotAllocator, TierName
@@ -170,8 +171,11 @@ class MemoryTier:
                 self.write(s, pages[r])
             return
         if self._bytes_view is None:
-            self._bytes_view = self._pool.view(torch.uint8).numpy()
-        self._bytes_view[np.asarray(slots)] = pages.detach().view(torch.uint8).numpy()[np.asarray(rows)]
+            self._bytes_view = self._pool.view(torch.uint8).numpy()  # the pool's strides (host slots are padded)
+        src = page_rows(pages).reshape(-1, *self._bytes_view.shape[1:])  # contiguous: a view
+        # A put's rows are consecutive: a slice, not a gather.
+        consecutive = rows[-1] - rows[0] == len(rows) - 1 and (len(rows) < 3 or rows == list(range(rows[0], rows[-1] + 1)))
+        self._bytes_view[np.asarray(slots)] = src[rows[0] : rows[-1] + 1] if consecutive else src[np.asarray(rows)]
 
     def describe(self) -> dict[str, object]:
         return {
