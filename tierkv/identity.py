@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator, Sequence
@@ -174,35 +176,77 @@ def block_keys(
 
 
 class ChainMemo:
-    """The keys of the last chain a lookup hashed, so that the ``put`` that follows a miss
-    (same tokens, ``start_block`` = the hits) hashes only its new blocks (issue #15: no
-    second hashing of the same prompt).
+    """Key chains this store hashed recently, so that a prompt repeating a known prefix
+    (the put after a lookup's miss, the next turn of a conversation, the next request on a
+    shared document) is not hashed again (issue #15: no second hashing of the same prompt).
 
     Nothing a client sends is trusted: a remembered key is reused only for a prefix whose
     token bytes equal, byte for byte, the bytes it was computed from here, under the same
     seed and without block extras; keys are a pure function of those, so a reused key is
-    exactly the key hashing would give. One entry: a lookup and its put normally follow
-    each other; anything else just hashes."""
+    exactly the key hashing would give. Chains are found by their seed and first block's
+    bytes; of those (a few, most recent first) the one sharing the longest prefix with the
+    request proves it (a memcmp, and numpy to find the first differing block). Bounded by
+    ``max_bytes`` of remembered token bytes, least recently used first out; thread-safe (a
+    put asks outside the store lock)."""
 
-    __slots__ = ("_entry",)
+    PER_START = 4  # chains kept per (seed, first block): prompts on one shared beginning
 
-    def __init__(self) -> None:
-        self._entry: tuple[bytes, bytes, tuple[bytes, ...]] | None = None
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._bytes = 0
+        self._chains: OrderedDict[tuple[bytes, bytes], list[tuple[bytes, tuple[bytes, ...]]]] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def remember(self, seed: bytes, raw: bytes, keys: Sequence[bytes]) -> None:
-        """``keys[i]`` was computed from ``seed`` and ``raw[: (i + 1) * block bytes]``."""
-        self._entry = (seed, raw, tuple(keys))  # one tuple: readers see old or new, never half
+    def remember(self, seed: bytes, raw: bytes, step: int, keys: Sequence[bytes]) -> None:
+        """``keys[i]`` was computed from ``seed`` and ``raw[: (i + 1) * step]`` (``step``:
+        bytes per block)."""
+        n = len(keys)
+        if not n or len(raw) < n * step:
+            return
+        known = raw if len(raw) == n * step else raw[: n * step]
+        slot = (seed, known[:step])
+        with self._lock:
+            chains = self._chains.get(slot)
+            if chains is None:
+                chains = self._chains[slot] = []
+            else:
+                self._chains.move_to_end(slot)
+                for j, (old, _) in enumerate(chains):
+                    if len(old) >= len(known) and old.startswith(known):
+                        if j:  # already known: most recent first
+                            chains.insert(0, chains.pop(j))
+                        return
+                    if known.startswith(old):  # this chain extends a remembered one
+                        self._bytes -= len(chains.pop(j)[0])
+                        break
+            chains.insert(0, (known, tuple(keys)))
+            self._bytes += len(known)
+            if len(chains) > self.PER_START:
+                self._bytes -= len(chains.pop()[0])
+            while self._bytes > self.max_bytes and self._chains:
+                _, dropped = self._chains.popitem(last=False)
+                self._bytes -= sum(len(r) for r, _ in dropped)
 
     def proven(self, seed: bytes, raw: bytes, step: int, n: int) -> tuple[bytes, ...]:
         """The first ``k <= n`` keys of ``raw`` under ``seed`` (``step``: bytes per block)
-        that the remembered chain proves; empty when it proves none."""
-        entry = self._entry
-        if entry is None or entry[0] != seed:
+        that a remembered chain proves; empty when none proves any."""
+        if n <= 0 or len(raw) < step:
             return ()
-        _, known_raw, keys = entry
-        k = min(n, len(keys), len(raw) // step, len(known_raw) // step)
-        if k <= 0:
-            return ()
-        if raw == known_raw or raw[: k * step] == known_raw[: k * step]:
-            return keys[:k]
-        return ()
+        with self._lock:
+            chains = self._chains.get((seed, raw[:step]))
+            if not chains:
+                return ()
+            best: tuple[bytes, ...] = ()
+            for known, keys in chains:
+                m = min(n, len(keys), len(raw) // step, len(known) // step)
+                if m <= len(best):
+                    continue
+                if known.startswith(memoryview(raw)[: m * step]):
+                    k = m
+                else:  # the first block whose bytes differ (the first block is equal: the slot says so)
+                    a = np.frombuffer(raw, dtype=np.uint8, count=m * step)
+                    b = np.frombuffer(known, dtype=np.uint8, count=m * step)
+                    k = int(np.argmax(a != b)) // step
+                if k > len(best):
+                    best = keys[:k]
+            return best

@@ -84,10 +84,13 @@ class Ingest:
         raw = arr.tobytes()
         # The keys the lookup before this put computed from these very token bytes are
         # reused (tierkv.identity.ChainMemo proves each); only the rest is hashed.
-        known = self.placement.chain_memo.proven(scope.seed, raw, step, start_block + n) if block_extra is None else ()
+        memo = self.placement.chain_memo
+        known = memo.proven(scope.seed, raw, step, start_block + n) if block_extra is None else ()
         keys = list(known)
         keys.extend(iter_block_keys(arr[: (start_block + n) * bs], scope.seed, bs, block_extra,
                                     start=len(keys), parent=keys[-1] if keys else None))
+        if block_extra is None and len(keys) > len(known):
+            memo.remember(scope.seed, raw, step, keys)  # the next request on this prefix hashes none of it
         durable_wanted = priority == Priority.PINNED or (self.config.write_through and priority != Priority.EPHEMERAL)
         new: list[Block] = []
         row_of: dict[bytes, int] = {}

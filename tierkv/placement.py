@@ -60,7 +60,7 @@ class Placement:
         self.stats_counters = Counters()
         # Retired (dead) blocks whose pages wait for their last lease or in-flight read.
         self._dead: list[Block] = []
-        self.chain_memo = ChainMemo()  # the last lookup's keys, for the put that follows it
+        self.chain_memo = ChainMemo()  # key chains hashed here, for the lookups and puts that repeat them
 
     def tier(self, t: TierName) -> "MemoryTier":
         return self.device if t == DEVICE else self.host
@@ -70,14 +70,33 @@ class Placement:
               block_extra: "Sequence[Sequence[str | bytes]] | None") -> list[Block]:
         """The longest chain of stored blocks for ``arr`` whose token ids equal the
         request's (held: the lock). A block whose stored ids differ is a collision or a
-        corrupt record: quarantined, and the chain ends there."""
+        corrupt record: quarantined, and the chain ends there.
+
+        Keys of a prefix this store hashed before (byte-equal tokens, same seed) come from
+        the chain memo; only the rest is hashed. The stored token ids of those blocks are
+        compared in one piece (a mismatch falls back to the block-by-block walk, which
+        finds and quarantines the bad block)."""
         bs = self.layout.block_size
         step = 4 * bs
         raw = arr.tobytes()
         get = self.table.blocks.get
+        memo = self.chain_memo if block_extra is None else None
+        proven = memo.proven(scope.seed, raw, step, len(raw) // step) if memo is not None else ()
         chain: list[Block] = []
-        hashed: list[bytes] = []  # every key computed, the first miss's too (a put needs it next)
-        for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra)):
+        if proven:
+            for key in proven:
+                b = get(key)
+                if b is None or b.dead:
+                    break
+                chain.append(b)
+            if b"".join([b.tokens for b in chain]) != raw[: len(chain) * step]:
+                chain, proven = [], ()  # a stored block disagrees: find it below, hashing
+            elif len(chain) < len(proven):
+                return chain  # a miss inside the proven prefix: nothing more to hash
+        hashed = list(proven)  # every key computed, the first miss's too (a put needs it next)
+        start = len(proven)
+        for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra, start=start,
+                                                parent=proven[-1] if proven else None), start):
             hashed.append(key)
             b = get(key)
             if b is None or b.dead:
@@ -87,8 +106,8 @@ class Placement:
                 self.quarantine(b, "stored token ids differ from the request's")
                 break
             chain.append(b)
-        if block_extra is None and hashed:
-            self.chain_memo.remember(scope.seed, raw, hashed)
+        if memo is not None and len(hashed) > len(proven):
+            memo.remember(scope.seed, raw, step, hashed)
         return chain
 
     # ---- allocation with eviction -----------------------------------------------------

@@ -211,11 +211,7 @@ class Store(StoreAPI):
         arr = as_token_array(tokens)
         placement, promotion = self.placement, self.promotion
         with self._lock:
-            if start_block < 0:
-                raise ValueError("start_block must be >= 0")
-            chain = placement.match(arr, scope, block_extra)[start_block:]
-            if max_blocks is not None:
-                chain = chain[:max_blocks]
+            chain = self._window(arr, scope, block_extra, max_blocks, start_block)
             table = placement.table
             table.touch_chain(chain)
             plan: list[PlannedRead] = []
@@ -256,9 +252,7 @@ class Store(StoreAPI):
                 raise
             placement.stats_counters.record_acquire([b.top for b in chain])
             if not plan and not waits:  # all in the device tier: nothing to read or wait for
-                return Lease(store=self, layout=self.layout, keys=tuple([b.key for b in chain]),
-                             slots=tuple([b.loc[DEVICE] for b in chain]), pool=self.device.pool, blocks=chain,
-                             start_block=start_block)
+                return self._lease_of(chain, start_block)
         try:
             failed = promotion.promote(plan)
             failed = promotion.await_reads(waits, chain, failed)
@@ -270,21 +264,71 @@ class Store(StoreAPI):
             with self._lock:
                 placement.release_blocks(chain[failed:], ended=False)
                 chain = chain[:failed]
-        return Lease(
-            store=self, layout=self.layout, keys=tuple(b.key for b in chain),
-            slots=tuple(b.loc[DEVICE] for b in chain), pool=self.device.pool, blocks=chain,
-            start_block=start_block,
-        )
+        return self._lease_of(chain, start_block)
+
+    def _lease_of(self, chain: list[Block], start_block: int) -> Lease:
+        """The lease of ``chain``, every block leased and in the device tier."""
+        return Lease(store=self, layout=self.layout, keys=tuple([b.key for b in chain]),
+                     slots=tuple([b.loc[DEVICE] for b in chain]), pool=self.device.pool, blocks=chain,
+                     start_block=start_block)
+
+    def _window(self, arr: np.ndarray, scope: Scope, block_extra: Sequence[Sequence[str | bytes]] | None,
+                max_blocks: int | None, start_block: int) -> list[Block]:
+        """The matched chain's blocks ``start_block .. start_block + max_blocks`` (held: the lock)."""
+        if start_block < 0:
+            raise ValueError("start_block must be >= 0")
+        chain = self.placement.match(arr, scope, block_extra)[start_block:]
+        return chain if max_blocks is None else chain[:max_blocks]
+
+    def acquire_resident(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+                         block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
+                         start_block: int = 0) -> Lease | None:
+        """:meth:`acquire`, but only when it can finish now without waiting: the store lock
+        is free and every block of the window is in the device tier (or none matches), so
+        nothing is read, evicted or waited for. Otherwise None, with nothing leased and no
+        block marked used (the caller then calls :meth:`acquire`). The daemon answers most
+        acquires so, on its event loop, without a hop to a worker thread."""
+        self._check_usable()
+        arr = as_token_array(tokens)
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            chain = self._window(arr, scope, block_extra, max_blocks, start_block)
+            table = self.placement.table
+            leased = table.lease_resident(chain, DEVICE)
+            if leased != len(chain):  # a block to read or to wait for: not now
+                table.unlease_many(chain[:leased])  # none is dead (lease_resident stops there)
+                return None
+            table.touch_chain(chain)
+            self.placement.stats_counters.record_acquire([b.top for b in chain])
+            return self._lease_of(chain, start_block)
+        finally:
+            self._lock.release()
 
     def release(self, lease: Lease) -> None:
         """End a lease; its blocks become evictable again. Releasing twice is an error."""
         if lease.store is not self:
             raise LeaseError("lease released on a store that did not issue it")
         with self._lock:
-            if lease.released:
-                raise LeaseError("lease released twice")
-            lease.released = True
-            self.placement.release_blocks(lease.blocks)
+            self._release_held(lease)
+
+    def try_release(self, lease: Lease) -> bool:
+        """:meth:`release` if the store lock is free now; False (nothing done) otherwise."""
+        if lease.store is not self:
+            raise LeaseError("lease released on a store that did not issue it")
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._release_held(lease)
+        finally:
+            self._lock.release()
+        return True
+
+    def _release_held(self, lease: Lease) -> None:
+        if lease.released:
+            raise LeaseError("lease released twice")
+        lease.released = True
+        self.placement.release_blocks(lease.blocks)
 
     def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:

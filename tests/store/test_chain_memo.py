@@ -19,7 +19,7 @@ def test_memo_proves_only_equal_bytes_under_the_same_seed():
     a = as_token_array(toks(1, 4))
     keys = block_keys(a, SCOPE, BS)
     memo = ChainMemo()
-    memo.remember(SCOPE.seed, a.tobytes(), keys)
+    memo.remember(SCOPE.seed, a.tobytes(), STEP, keys)
     assert memo.proven(SCOPE.seed, a.tobytes(), STEP, 3) == tuple(keys[:3])
     longer = np.concatenate([a, as_token_array(toks(2, 2))])
     assert memo.proven(SCOPE.seed, longer.tobytes(), STEP, 6) == tuple(keys)  # only what it knows

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 RELEASE_DRAIN_S = 0.002  # queued releases wait at most this for a store call to end them
+INLINE_MAX_BLOCKS = 1024  # longer prompts are acquired in a worker even when resident
 
 
 def _acquire(store: Any, *args: Any) -> Any:
@@ -214,8 +215,11 @@ class Handlers(OperationHandlers):
         # cap was checked before an await and concurrent acquires passed it together.
         reservation = self.leases.reserve(conn.id, uid, 0)
         try:
-            lease = await self.run(_acquire, entry.store, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
-                                   msg.max_blocks, msg.start_block)
+            scope = self.scope(conn, msg.scope)
+            lease = self._acquire_inline(entry, msg, scope)
+            if lease is None:
+                lease = await self.run(_acquire, entry.store, msg.tokens, scope, msg.block_extra,
+                                       msg.max_blocks, msg.start_block)
             if lease.keys:
                 try:  # the tier share, with what was leased (quotas.py)
                     self.quota.check_leased_blocks(uid, [u for _, u in self.peers()], self.leases.blocks_of(uid),
@@ -229,11 +233,47 @@ class Handlers(OperationHandlers):
             self.leases.unreserve(reservation)
         return m.KeysReply(lease.keys, {"lease_id": lease_id}, tuple(lease.slots)).encode()
 
+    def _acquire_inline(self, entry: LayoutEntry, msg: m.PrefixRequest, scope: Scope) -> Any:
+        """The acquire done here on the event loop when it cannot wait on anything: no
+        release is queued (a connection's request must see its own releases done), the
+        store is the local one (a cluster node may fetch), the prompt is at most
+        ``INLINE_MAX_BLOCKS`` blocks (~0.4 us each: the loop is busy that long), and
+        ``Store.acquire_resident`` finds the lock free and every block in the device tier.
+        None when any of that fails: the caller goes through a worker. A miss is released
+        here (it holds nothing)."""
+        if (self._unreleased or entry.store is not entry.local
+                or len(msg.tokens) > INLINE_MAX_BLOCKS * entry.layout.block_size):
+            return None
+        lease = entry.local.acquire_resident(msg.tokens, scope, msg.block_extra, msg.max_blocks, msg.start_block)
+        if lease is not None and not lease.keys:
+            self._release_soon([lease])
+        return lease
+
+    def _release_soon(self, leases: list[Any]) -> None:
+        """End store leases now where their store's lock is free (on the loop: a release of
+        a few hundred blocks takes tens of microseconds), else queue them (_release_later);
+        after anything queued, queue too, so that releases end in order."""
+        if not self._unreleased:
+            leases = [lease for lease in leases if not self._try_release(lease)]
+        if leases:
+            self._release_later(leases)
+
+    @staticmethod
+    def _try_release(lease: Any) -> bool:
+        try_release = getattr(lease.store, "try_release", None)  # the local Store's; a cluster lease has none
+        if try_release is None:
+            return False
+        try:
+            return bool(try_release(lease))
+        except Exception:  # noqa: BLE001 - as in _flush_releases: logged, the others still end
+            log.exception("releasing a lease failed")
+            return True
+
     async def release(self, conn: "Connection", msg: m.Release) -> Reply | None:
         taken = [(i, self.leases.take(conn.id, i)) for i in msg.lease_ids]
         leases = [lease for _, lease in taken if lease is not None]
         unknown = [i for i, lease in taken if lease is None]
-        self._release_later(leases)
+        self._release_soon(leases)
         problem = (f"lease {', '.join(map(str, unknown))} is not held by this connection (released, or expired "
                    f"after {self.leases.timeout_s:g} s without renew)") if unknown else None
         if not msg.reply:
