@@ -146,3 +146,37 @@ def test_many_clients_interleaved_keep_the_tables_consistent(daemon):
     with tierkv.connect(daemon.config.socket) as c:
         assert c.stats()["leased_blocks"] == 0
     daemon.call(daemon.daemon.check_integrity)
+
+
+def test_resident_acquires_run_on_the_loop_and_the_rest_in_a_worker(daemon):
+    """A resident prefix is leased on the event loop (no worker hop); when the store lock is
+    busy the acquire waits in a worker instead, and both give the same, correct lease."""
+    import threading
+
+    with tierkv.connect(daemon.config.socket) as c:
+        toks = prompt(64, seed=41)
+        c.put(toks, pages_for(4, 41), SCOPE)
+        before = c.stats()["daemon"]["acquires"]
+        with c.acquire(toks, SCOPE) as lease:
+            assert torch.equal(lease.pages(), pages_for(4, 41))
+        mid = c.stats()["daemon"]["acquires"]
+        assert mid["inline"] == before["inline"] + 1 and mid["worker"] == before["worker"]
+
+        store = daemon.daemon.layouts.only().local
+        held, go = threading.Event(), threading.Event()
+
+        def hold_lock() -> None:
+            with store.placement.lock:
+                held.set()
+                go.wait(10)
+
+        t = threading.Thread(target=hold_lock)
+        t.start()
+        held.wait(10)
+        threading.Timer(0.2, go.set).start()  # the worker's acquire waits for this
+        with c.acquire(toks, SCOPE) as lease:
+            assert lease.tokens_matched == 64 and torch.equal(lease.pages(), pages_for(4, 41))
+        t.join(10)
+        after = c.stats()["daemon"]["acquires"]
+        assert after["worker"] == mid["worker"] + 1 and after["inline"] == mid["inline"]
+        assert c.stats()["daemon"]["leases"] == 0

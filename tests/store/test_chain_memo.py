@@ -59,3 +59,54 @@ def test_put_after_acquire_hashes_only_new_blocks_and_keys_are_exact(make_store,
     assert store.lookup(third, SCOPE).keys == tuple(keys_of(third))
     with store.acquire(second, SCOPE) as lease:
         assert lease.num_blocks == 4 and torch.equal(lease.pages(), pages_for(second, SCOPE))
+
+
+def test_memo_proves_the_longest_common_prefix_of_several_chains():
+    shared = toks(20, 1)
+    a = as_token_array(shared + toks(21, 3))
+    b = as_token_array(shared + toks(22, 2))
+    memo = ChainMemo()
+    memo.remember(SCOPE.seed, a.tobytes(), STEP, block_keys(a, SCOPE, BS))
+    memo.remember(SCOPE.seed, b.tobytes(), STEP, block_keys(b, SCOPE, BS))
+    c = as_token_array(list(a[: 3 * BS]) + toks(23, 2))
+    assert memo.proven(SCOPE.seed, c.tobytes(), STEP, 5) == tuple(block_keys(c, SCOPE, BS)[:3])
+    d = as_token_array(list(b[: 2 * BS]) + toks(24, 1))
+    assert memo.proven(SCOPE.seed, d.tobytes(), STEP, 3) == tuple(block_keys(d, SCOPE, BS)[:2])
+    e = as_token_array(shared + toks(25, 2))  # only the first block in common with either
+    assert memo.proven(SCOPE.seed, e.tobytes(), STEP, 3) == tuple(block_keys(e, SCOPE, BS)[:1])
+
+
+def test_memo_is_bounded_and_forgets_the_least_recent():
+    memo = ChainMemo(max_bytes=8 * STEP)
+    arrays = [as_token_array(toks(100 + i, 4)) for i in range(5)]
+    for arr in arrays:
+        memo.remember(SCOPE.seed, arr.tobytes(), STEP, block_keys(arr, SCOPE, BS))
+    assert memo._bytes <= 8 * STEP
+    assert memo.proven(SCOPE.seed, arrays[0].tobytes(), STEP, 4) == ()  # the oldest is gone
+    assert memo.proven(SCOPE.seed, arrays[-1].tobytes(), STEP, 4) == tuple(block_keys(arrays[-1], SCOPE, BS))
+
+
+def test_a_repeated_prompt_is_not_hashed_again_and_bad_stored_tokens_are_still_caught(make_store, monkeypatch):
+    store = make_store()
+    t = toks(30, 3)
+    store.put(t, pages_for(t, SCOPE), SCOPE)
+    hashed = []
+    real = tierkv.placement.iter_block_keys
+
+    def counting(tokens, seed, block_size, block_extra=None, start=0, parent=None):
+        for k in real(tokens, seed, block_size, block_extra, start=start, parent=parent):
+            hashed.append(k)
+            yield k
+
+    monkeypatch.setattr(tierkv.placement, "iter_block_keys", counting)
+    assert store.lookup(t, SCOPE).keys == tuple(keys_of(t))
+    assert hashed == []  # the put's keys proved the whole prompt
+    longer = t + toks(31, 1)
+    assert store.lookup(longer, SCOPE).num_blocks == 3
+    assert hashed == keys_of(longer)[3:]  # only the new block
+    # A stored block whose token ids no longer match (a corrupt record) is found and
+    # quarantined although the memo proves the keys: the ids are compared all the same.
+    b = store.placement.table.get(keys_of(t)[1])
+    b.tokens = bytes(len(b.tokens))
+    assert store.lookup(t, SCOPE).num_blocks == 1
+    assert store.stats()["quarantined"] == 1

@@ -82,6 +82,7 @@ class Handlers(OperationHandlers):
         self._drain_handle: asyncio.TimerHandle | None = None
         self._drains: set[asyncio.Future] = set()
         self.quota = QuotaRules(config.quotas)
+        self.acquires = {"inline": 0, "worker": 0}  # where acquires ran (daemon stats)
         self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
         # opcode -> (message class with decode(header, payload), handler)
         self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
@@ -218,8 +219,11 @@ class Handlers(OperationHandlers):
             scope = self.scope(conn, msg.scope)
             lease = self._acquire_inline(entry, msg, scope)
             if lease is None:
+                self.acquires["worker"] += 1
                 lease = await self.run(_acquire, entry.store, msg.tokens, scope, msg.block_extra,
                                        msg.max_blocks, msg.start_block)
+            else:
+                self.acquires["inline"] += 1
             if lease.keys:
                 try:  # the tier share, with what was leased (quotas.py)
                     self.quota.check_leased_blocks(uid, [u for _, u in self.peers()], self.leases.blocks_of(uid),
@@ -360,7 +364,7 @@ class Handlers(OperationHandlers):
                             "host_bytes": self.layouts.budget.host_bytes,
                             "disk_bytes": self.layouts.budget.disk_bytes},
                 "over_limit_slots": {e.layout_id: e.over_limit for e in entries if e.over_limit},
-                "quota_refusals": dict(self.quota.refusals)}
+                "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.acquires)}
 
     # ---- ending leases ------------------------------------------------------------------------
     async def release_all(self, leases: list) -> None:
