@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 RELEASE_DRAIN_S = 0.002  # queued releases wait at most this for a store call to end them
+SCOPE_CACHE = 4096  # scopes kept built (model version, namespace, extras): see scope()
 INLINE_MAX_BLOCKS = 1024  # longer prompts are acquired in a worker even when resident
 
 
@@ -83,6 +84,7 @@ class Handlers(OperationHandlers):
         self._drains: set[asyncio.Future] = set()
         self.quota = QuotaRules(config.quotas)
         self.acquires = {"inline": 0, "worker": 0}  # where acquires ran (daemon stats)
+        self._scopes: dict[tuple[str, str, tuple[str, ...]], Scope] = {}
         self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
         # opcode -> (message class with decode(header, payload), handler)
         self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
@@ -166,7 +168,15 @@ class Handlers(OperationHandlers):
         return self.tenancy.namespace(conn.creds.uid, namespace)
 
     def scope(self, conn: "Connection", ws: m.WireScope) -> Scope:
-        return Scope(ws.model_version, self.namespace_for(conn, ws.namespace), ws.extra_keys)
+        """The store's scope of a request. Scopes are immutable and their seed (a hash) is
+        computed once: the same few are reused (bounded) instead of rebuilt per request."""
+        ident = (ws.model_version, self.namespace_for(conn, ws.namespace), ws.extra_keys)
+        scope = self._scopes.get(ident)
+        if scope is None:
+            if len(self._scopes) >= SCOPE_CACHE:
+                self._scopes.clear()
+            scope = self._scopes[ident] = Scope(*ident)
+        return scope
 
     # ---- handlers -----------------------------------------------------------------------------
     async def hello(self, conn: "Connection", msg: m.Hello) -> Reply:

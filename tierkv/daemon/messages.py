@@ -335,7 +335,7 @@ class KeysReply:
         if nv not in (0, n) or len(payload) != n * KEY_BYTES + 4 * nv:
             raise ProtocolError(f"{n} keys and {nv} values need {n * KEY_BYTES + 4 * nv} payload bytes, "
                                 f"got {len(payload)}")
-        keys = tuple(payload[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n))
+        keys = tuple([payload[i : i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)])
         values = tuple(np.frombuffer(payload, dtype="<i4", offset=n * KEY_BYTES, count=nv).tolist()) if nv else ()
         return cls(keys, {k: v for k, v in h.items() if k not in ("num_keys", "num_values")}, values)
 
