@@ -45,6 +45,11 @@ class Counters:
         for t in tiers:
             self.acquire_hits[t] += 1
 
+    def record_acquire_resident(self, n_blocks: int) -> None:
+        """An acquire whose ``n_blocks`` blocks were all in the device tier."""
+        self.acquires += 1
+        self.acquire_hits["device"] += n_blocks
+
     def lookups_per_s(self, window_s: float = 10.0) -> float:
         now = time.monotonic()
         n = sum(1 for t in self._recent if now - t <= window_s)

@@ -300,7 +300,7 @@ class Store(StoreAPI):
                 table.unlease_many(chain[:leased])  # none is dead (lease_resident stops there)
                 return None
             table.touch_chain(chain)
-            self.placement.stats_counters.record_acquire([b.top for b in chain])
+            self.placement.stats_counters.record_acquire_resident(len(chain))
             return self._lease_of(chain, start_block)
         finally:
             self._lock.release()

@@ -41,11 +41,14 @@ class Connection:
                 if self.writer.is_closing():
                     return
                 try:
+                    if not fds:
+                        self.writer.write(frame)
+                        if not self.writer.transport.get_write_buffer_size():
+                            return  # the kernel took it all: nothing to wait for (no timer armed)
                     async with asyncio.timeout(self.send_timeout_s):
                         if fds:  # shared-memory descriptors travel with this reply (SCM_RIGHTS)
                             await send_with_fds(self.writer, frame, fds)
                             return
-                        self.writer.write(frame)
                         await self.writer.drain()
                 except TimeoutError:
                     self.writer.transport.abort()

@@ -343,6 +343,12 @@ class Daemon(RemoteKeeper):
                 return
             if frame is None:
                 return
+            if frame.opcode == Op.RELEASE:
+                # Served here, without a task: a one-way release waits on nothing (it ends
+                # the store leases on the loop or queues them), and a task per request is
+                # a measurable share of the daemon's time at thousands of requests a second.
+                await self._serve_request(conn, frame)
+                continue
             await conn.inflight.acquire()
             task = asyncio.create_task(self._serve_request(conn, frame))
             conn.tasks.add(task)
