@@ -82,8 +82,9 @@ class Ingest:
         bs = self.layout.block_size
         step = 4 * bs
         raw = arr.tobytes()
-        # The keys the lookup before this put computed from these very token bytes are
-        # reused (tierkv.identity.ChainMemo proves each); only the rest is hashed.
+        # Keys this store computed before from these very token bytes (the lookup before
+        # this put, an earlier request on the same prefix) are reused: tierkv.identity.
+        # ChainMemo proves each by byte equality; only the rest is hashed.
         memo = self.placement.chain_memo
         known = memo.proven(scope.seed, raw, step, start_block + n) if block_extra is None else ()
         keys = list(known)
