@@ -959,8 +959,10 @@ def check_fp8_restart(model_dir: Path, cache_dtype: str, home: Path, float_refer
     """vLLM alone and two engines with tierkv (the second after a restart) with an fp8 KV
     cache: the second loads the first's raw fp8 pages and its greedy output is vLLM's."""
     want = run_engine(model_dir, kv_cache_dtype=cache_dtype)[0]
-    # fp8 KV is not float32 KV: a test that compared float pages would notice.
-    assert max_diff(want[0][1], float_reference[0][1]) > 1e-4
+    # fp8 KV is not float32 KV: a test that compared float pages would notice. With the real
+    # fp8 kernels (AVX-512) the difference can reorder the top-5 candidates themselves.
+    a, b = want[0][1], float_reference[0][1]
+    assert set(a) != set(b) or max_diff(a, b) > 1e-4
     results, _, worker = run_engine(model_dir, store_options(home), kv_cache_dtype=cache_dtype)
     assert worker["layout"]["dtype"] == FP8_CACHE_DTYPES[cache_dtype]
     assert worker["saved_tokens"] == SHARED and results[0][0] == want[0][0]
