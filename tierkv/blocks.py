@@ -318,47 +318,31 @@ class BlockTable:
                     return b
         return None
 
-    def place_dropping(self, blocks: list[Block], tier: TierName, slots: "SlotAllocator") -> list[int]:
+    def place_dropping(self, blocks: list[Block], tier: TierName, slots: "SlotAllocator") -> tuple[list[int], int]:
         """Place ``blocks`` in ``tier`` in order, each in a slot of ``slots`` (the tier's
-        allocator), making room by dropping victims: the caller has checked that an
+        allocator), making room with :meth:`drop_victim`: the caller has checked that an
         eviction from ``tier`` only drops (no lower tier, no listener). Stops at the first
         block for which nothing can be evicted; returns the slots of those placed (the
-        evictions are counted in ``evicted_by``; ``len(placed)`` blocks were placed).
-
-        = ``place(b, tier, alloc() or (drop_victim(tier), alloc()))`` per block, written
-        out as one loop: a put into a full tier runs this once per new block, and the
-        calls cost more than the work (scripts/replay_trace.py, issue #12)."""
-        alloc, free = slots.alloc, slots.free
-        orders, victim_order, table = self._order[tier], self._victim_order[tier], self.blocks
-        counts = self.evicted_by[_TIER_VALUE[tier]]
-        pinned, normal = Priority.PINNED, Priority.NORMAL
+        first ``len`` blocks) and the number of evictions. One loop for a put into a full
+        tier, with ``place`` written out (scripts/replay_trace.py, issue #12)."""
+        alloc, free, drop = slots.alloc, slots.free, self.drop_victim
+        orders = self._order[tier]
         placed: list[int] = []
+        evicted = 0
         for b in blocks:
             slot = alloc()
             while slot is None:
-                v = None
-                for order in victim_order:  # = victim(tier), its common case first
-                    if order:
-                        v = table[order.head()]
-                        if v.children or v.leases or v.busy or v.priority == pinned:
-                            v = self.victim(tier)
-                        break
-                if v is None:
-                    return placed
-                vslot = v.loc.pop(tier)  # = unplace(v, tier, evicted=True)
-                v._update_top()
-                segment = orders[v.priority].remove(v.key, True)
-                reason = segment if v.priority == normal else _PRIORITY_NAME[v.priority]
-                counts[reason] = counts.get(reason, 0) + 1
-                if not v.loc:
-                    self.remove(v)
-                free(vslot)
+                freed = drop(tier)
+                if freed is None:
+                    return placed, evicted
+                evicted += 1
+                free(freed)
                 slot = alloc()
             b.loc[tier] = slot  # = place(b, tier, slot)
             b._update_top()
             orders[b.priority].add(b.key, b.hint)
             placed.append(slot)
-        return placed
+        return placed, evicted
 
     def drop_victim(self, tier: TierName) -> int | None:
         """Evict the victim of ``tier`` by dropping it there (the caller has checked that

@@ -72,10 +72,9 @@ class Placement:
         request's (held: the lock). A block whose stored ids differ is a collision or a
         corrupt record: quarantined, and the chain ends there.
 
-        Keys of a prefix this store hashed before (byte-equal tokens, same seed) come from
-        the chain memo; only the rest is hashed. The stored token ids of those blocks are
-        compared in one piece (a mismatch falls back to the block-by-block walk, which
-        finds and quarantines the bad block)."""
+        Keys of a prefix hashed before (byte-equal tokens, same seed) come from the chain
+        memo, and their blocks' stored ids are compared in one piece (a mismatch falls back
+        to the block-by-block walk, which quarantines the bad block)."""
         bs = self.layout.block_size
         step = 4 * bs
         raw = arr.tobytes()
@@ -83,20 +82,19 @@ class Placement:
         memo = self.chain_memo if block_extra is None else None
         proven = memo.proven(scope.seed, raw, step, len(raw) // step) if memo is not None else ()
         chain: list[Block] = []
-        if proven:
+        if proven:  # a miss inside it ends the chain; stored ids disagreeing: hash and walk
             for key in proven:
                 b = get(key)
                 if b is None or b.dead:
                     break
                 chain.append(b)
             if b"".join([b.tokens for b in chain]) != raw[: len(chain) * step]:
-                chain, proven = [], ()  # a stored block disagrees: find it below, hashing
+                chain, proven = [], ()
             elif len(chain) < len(proven):
-                return chain  # a miss inside the proven prefix: nothing more to hash
+                return chain
         hashed = list(proven)  # every key computed, the first miss's too (a put needs it next)
-        start = len(proven)
-        for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra, start=start,
-                                                parent=proven[-1] if proven else None), start):
+        for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra, start=len(proven),
+                                                parent=proven[-1] if proven else None), len(proven)):
             hashed.append(key)
             b = get(key)
             if b is None or b.dead:
@@ -121,8 +119,7 @@ class Placement:
             return slot
         table = self.table
         evictions, tv = self.stats_counters.evictions, _TIER_VALUE[t]
-        if self.drops_only(t):
-            # Without evict()'s tests per victim.
+        if self.drops_only(t):  # without evict()'s tests per victim
             drop, free = table.drop_victim, slots.free
             while slot is None:
                 freed = drop(t)
@@ -142,21 +139,16 @@ class Placement:
         return slot
 
     def drops_only(self, t: TierName) -> bool:
-        """Whether an eviction from memory tier ``t`` can only drop the block: no host tier
-        below the device to demote to, no disk tier to write back to, no listener (see
-        :meth:`evict`). A store with one memory tier, as a trace replay or an embedded cache
-        of hot prefixes, evicts only so."""
+        """Whether an eviction from memory tier ``t`` can only drop the block (no host tier
+        to demote to, no disk tier, no listener: see :meth:`evict`)."""
         return (t != DISK and (t == HOST or not self.host.slots.capacity) and not self.disk.capacity_slots
                 and not self.eviction_listeners)
 
     def place_new_dropping(self, blocks: list[Block], t: TierName) -> list[int]:
-        """Place new blocks in memory tier ``t`` (where :meth:`drops_only`), evicting as
-        needed, until one finds no room; returns their slots (the first ``len`` blocks
-        were placed). = ``alloc_mem`` + ``table.place`` per block, in one loop."""
-        evicted = self.table.evicted_by[_TIER_VALUE[t]]
-        before = sum(evicted.values())
-        placed = self.table.place_dropping(blocks, t, self.tier(t).slots)
-        self.stats_counters.evictions[_TIER_VALUE[t]] += sum(evicted.values()) - before
+        """``alloc_mem`` + ``table.place`` for each new block, in one loop (where
+        :meth:`drops_only`); returns the slots of the first blocks, those placed."""
+        placed, evicted = self.table.place_dropping(blocks, t, self.tier(t).slots)
+        self.stats_counters.evictions[_TIER_VALUE[t]] += evicted
         return placed
 
     def alloc_disk(self, model_version: str, keep: Sequence[Block] = ()) -> int | None:

@@ -15,6 +15,16 @@ from .kit import BS, MV2, SCOPE, keys_of, pages_for, toks
 STEP = 4 * BS
 
 
+def counting_keys(real, hashed: list):
+    """``real`` (an iter_block_keys) that records every key it yields in ``hashed``."""
+    def counting(tokens, seed, block_size, block_extra=None, start=0, parent=None):
+        for k in real(tokens, seed, block_size, block_extra, start=start, parent=parent):
+            hashed.append(k)
+            yield k
+
+    return counting
+
+
 def test_memo_proves_only_equal_bytes_under_the_same_seed():
     a = as_token_array(toks(1, 4))
     keys = block_keys(a, SCOPE, BS)
@@ -36,14 +46,7 @@ def test_put_after_acquire_hashes_only_new_blocks_and_keys_are_exact(make_store,
     first, second = shared + toks(11, 2), shared + toks(12, 2)
     store.put(first, pages_for(first, SCOPE), SCOPE)
     hashed = []
-    real = tierkv.ingest.iter_block_keys
-
-    def counting(tokens, seed, block_size, block_extra=None, start=0, parent=None):
-        for k in real(tokens, seed, block_size, block_extra, start=start, parent=parent):
-            hashed.append(k)
-            yield k
-
-    monkeypatch.setattr(tierkv.ingest, "iter_block_keys", counting)
+    monkeypatch.setattr(tierkv.ingest, "iter_block_keys", counting_keys(tierkv.ingest.iter_block_keys, hashed))
     with store.acquire(second, SCOPE) as lease:
         hits = lease.num_blocks
     assert hits == 2
@@ -91,14 +94,7 @@ def test_a_repeated_prompt_is_not_hashed_again_and_bad_stored_tokens_are_still_c
     t = toks(30, 3)
     store.put(t, pages_for(t, SCOPE), SCOPE)
     hashed = []
-    real = tierkv.placement.iter_block_keys
-
-    def counting(tokens, seed, block_size, block_extra=None, start=0, parent=None):
-        for k in real(tokens, seed, block_size, block_extra, start=start, parent=parent):
-            hashed.append(k)
-            yield k
-
-    monkeypatch.setattr(tierkv.placement, "iter_block_keys", counting)
+    monkeypatch.setattr(tierkv.placement, "iter_block_keys", counting_keys(tierkv.placement.iter_block_keys, hashed))
     assert store.lookup(t, SCOPE).keys == tuple(keys_of(t))
     assert hashed == []  # the put's keys proved the whole prompt
     longer = t + toks(31, 1)
