@@ -161,25 +161,32 @@ def pack_pages(
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-def kv_buffer(layout: PageLayout, n_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def kv_buffer(layout: PageLayout, n_blocks: int, device: torch.device | str = "cpu",
+              huge_pages: bool = True) -> torch.Tensor:
     """An uninitialised buffer ``[L, 2, 1, H, n*B, D]`` for the KV of ``n_blocks`` blocks in
     transformers' layout (layer ``l``'s K is ``buf[l, 0]``), filled with :func:`unpack_into`.
 
-    On the CPU the memory comes from numpy: numpy asks the kernel for huge pages on large
-    arrays, and a fresh ``torch.empty`` of 190 MB paid a 4 KiB page fault per page of output
-    (on a 2-core VM that doubled the restore time of scripts/bench_ttft.py)."""
+    On the CPU the memory comes from numpy by default: numpy asks the kernel for huge pages
+    on large arrays, and a fresh ``torch.empty`` of 190 MB paid a 4 KiB page fault per page
+    of output (on a 2-core VM that doubled the time of one serial copy). ``huge_pages=False``
+    takes plain pages: where the kernel compacts memory for huge pages on demand
+    (``transparent_hugepage/defrag = madvise``), a huge-page fault now and then stalled for
+    up to 0.5 s, and other threads' disk reads behind it; a restore that reads from disk,
+    whose copies (and their faults) hide behind the reads, is better off without them."""
     L, H, B, D = layout.num_layers, layout.num_kv_heads, layout.block_size, layout.head_dim
     shape = (L, 2, 1, H, n_blocks * B, D)
     device = torch.device(device)
-    if device.type != "cpu":
+    if device.type != "cpu" or not huge_pages:
         return torch.empty(shape, dtype=layout.torch_dtype, device=device)
     np_int = {1: np.uint8, 2: np.int16, 4: np.int32}[layout.torch_dtype.itemsize]
     return torch.from_numpy(np.empty(shape, dtype=np_int)).view(layout.torch_dtype)
 
 
-def unpack_into(kv: torch.Tensor, pages: torch.Tensor, first_block: int, layout: PageLayout) -> None:
+def unpack_into(kv: torch.Tensor, pages: torch.Tensor, first_block: int, layout: PageLayout,
+                layers: tuple[int, int] | None = None) -> None:
     """Copy pages ``[k, L, 2, B, H, D]`` (any strides, e.g. a run of a pool) into blocks
-    ``first_block .. first_block + k`` of a :func:`kv_buffer`.
+    ``first_block .. first_block + k`` of a :func:`kv_buffer`; only layers
+    ``[layers[0], layers[1])`` when given.
 
     On the CPU the permuted copy goes through numpy: torch's strided ``copy_`` of this
     permutation ran at a quarter of memcpy speed on 2 cores (0.44 s against 0.11 s for
@@ -190,8 +197,11 @@ def unpack_into(kv: torch.Tensor, pages: torch.Tensor, first_block: int, layout:
     n_total = kv.shape[4] // B
     if first_block < 0 or first_block + k > n_total:
         raise PageFormatError(f"blocks [{first_block}, {first_block + k}) outside a buffer of {n_total} blocks")
-    dst = kv.view(L, 2, H, n_total, B, D)[:, :, :, first_block : first_block + k]
-    src = pages.permute(1, 2, 4, 0, 3, 5)  # [k, L, 2, B, H, D] -> [L, 2, H, k, B, D]
+    lo, hi = layers if layers is not None else (0, L)
+    if not 0 <= lo <= hi <= L:
+        raise PageFormatError(f"layers [{lo}, {hi}) outside the layout's {L}")
+    dst = kv.view(L, 2, H, n_total, B, D)[lo:hi, :, :, first_block : first_block + k]
+    src = pages.permute(1, 2, 4, 0, 3, 5)[lo:hi]  # [k, L, 2, B, H, D] -> [L, 2, H, k, B, D]
     if kv.device.type == "cpu" and pages.device.type == "cpu":
         as_int = _INT_OF_WIDTH[pages.dtype.itemsize]
         np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy())

@@ -332,17 +332,18 @@ class Lease:
         self.kv_into(kv, 0)
         return split_layers(kv)
 
-    def kv_into(self, kv: torch.Tensor, first_block: int) -> None:
+    def kv_into(self, kv: torch.Tensor, first_block: int, layers: tuple[int, int] | None = None) -> None:
         """Copy the leased pages into blocks ``first_block ..`` of a
-        :func:`~tierkv.layout.kv_buffer`. Each run of consecutive slots (the usual case: one
-        promotion allocates a run) is read as a view of the pool: one copy per byte."""
+        :func:`~tierkv.layout.kv_buffer` (only layers ``[layers[0], layers[1])`` when given:
+        two threads can copy a window in halves). Each run of consecutive slots (the usual
+        case: one promotion allocates a run) is read as a view of the pool: one copy per byte."""
         self._check()
         i, n = 0, len(self.slots)
         while i < n:
             j = i + 1
             while j < n and self.slots[j] == self.slots[j - 1] + 1:
                 j += 1
-            unpack_into(kv, self.pool[self.slots[i] : self.slots[i] + (j - i)], first_block + i, self.layout)
+            unpack_into(kv, self.pool[self.slots[i] : self.slots[i] + (j - i)], first_block + i, self.layout, layers)
             i = j
 
     def release(self) -> None:

@@ -90,7 +90,7 @@ class Store(StoreAPI):
                                    limit_bytes=config.host_limit_bytes)
             self.disk = DiskTier(
                 home / "segments", self.layout, config.disk_bytes, config.segment_pages,
-                odirect=config.odirect, fsync=config.fsync, codec=codec,
+                odirect=config.odirect, direct_reads=config.direct_reads, fsync=config.fsync, codec=codec,
             )
             self.placement = Placement(config, self.index, self.device, self.host, self.disk)
             self._lock = self.placement.lock

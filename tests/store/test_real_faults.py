@@ -61,18 +61,22 @@ def _settled(store) -> None:
 
 # ---- a device that fails under the segments ---------------------------------------------------
 
-def test_read_eio_is_a_miss_never_a_deletion(tmp_path):
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["odirect", "buffered"])
+def test_read_eio_is_a_miss_never_a_deletion(tmp_path, direct_reads):
     """EIO while promoting or verifying: a miss, the tier read-degraded, nothing quarantined;
     once the device answers every acknowledged block is served again, byte-identical, also
-    after a reopen. (Before: 176 of 608 healthy blocks were deleted by such a fault.)"""
+    after a reopen. (Before: 176 of 608 healthy blocks were deleted by such a fault.) Both
+    read paths: buffered reads drop what they read from the page cache, so the device
+    answers them too."""
     home = tmp_path / "home"
     chains = [toks(1000 + i, 4) for i in range(8)]
     with loop_ext4(tmp_path / "seg.img", home / "segments") as fs:
-        store = _open(home, tmp_path, device_bytes=4 * PAGE, host_bytes=0, disk_bytes=64 * SLOT, segment_pages=8)
+        store = _open(home, tmp_path, device_bytes=4 * PAGE, host_bytes=0, disk_bytes=64 * SLOT, segment_pages=8,
+                      direct_reads=direct_reads)
         try:
             for c in chains:
                 assert put_chain(store, c).durable
-            assert store.disk.odirect  # reads bypass the page cache: the device answers each one
+            assert store.disk.read_path == ("posix-odirect" if direct_reads else "posix-buffered")
             fs.fail()
             leased = [_exact(store, c) for c in chains]
             assert sum(leased) < 4 * len(chains)  # disk-only blocks missed

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from tierkv import Priority
-from tierkv.tiers import SlotAllocator
+from tierkv.tiers import SlotAllocator, TierName
+
+DISK = TierName.DISK
 
 from .child import chain_tokens, scope_of
 from .kit import (BS, PAGE, SCOPE, assert_lease_exact, assert_prefix_order, keys_of, pages_for,
@@ -245,3 +247,53 @@ def test_open_reaps_shared_memory_left_by_killed_processes(tmp_path):
         live = {p.name for p in shm.iterdir()}
         assert any(n.startswith(f"tierkv-host-{os.getpid()}-") for n in live)  # this store's own
         store.check_integrity()
+
+
+
+def _cached_pages(path, offset: int, nbytes: int) -> int:
+    """Pages of ``path`` in ``[offset, offset + nbytes)`` that sit in the page cache (mincore
+    on a read-only mapping, which itself reads nothing)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    start = offset // page * page
+    length = -(-(offset + nbytes - start) // page) * page
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), start + length, prot=mmap.PROT_READ)
+    try:
+        addr = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+        vec = ctypes.create_string_buffer(length // page)
+        assert libc.mincore(ctypes.c_void_p(addr + start), length, vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(b & 1 for b in vec.raw)
+    finally:
+        mm.close()
+
+
+@pytest.mark.parametrize("direct_reads", [False, True], ids=["buffered", "odirect"])
+def test_disk_reads_leave_no_copy_in_the_page_cache(make_store, home, direct_reads):
+    """A cold read of a disk block (either read path) returns its bytes and leaves none of
+    them in the page cache: the memory tiers are the one copy their budgets count."""
+    from tierkv.tiers.diskio import drop_page_cache
+
+    store = make_store(device_bytes=8 * PAGE, host_bytes=0, direct_reads=direct_reads)
+    if direct_reads and not store.disk.odirect:
+        pytest.skip("this file system refuses O_DIRECT: there is no direct read path to test")
+    tokens = toks(7, 6)
+    assert put_chain(store, tokens).durable
+    store.close()
+    store = make_store(device_bytes=8 * PAGE, host_bytes=0, direct_reads=direct_reads)
+    drop_page_cache(sorted((home / "segments").glob("seg-*")))  # what opening read: only the acquire's reads count
+    assert store.disk.read_path == ("posix-odirect" if direct_reads else "posix-buffered")
+    blocks = [store.placement.table.get(k) for k in keys_of(tokens)]
+    locs = [b.loc[DISK] for b in blocks]
+    with store.acquire(tokens, SCOPE) as lease:
+        assert lease.num_blocks == 6
+        assert_lease_exact(lease)
+    for loc in locs:
+        seg, _, off = store.disk._offset(loc)
+        assert _cached_pages(seg.path, off, store.disk.slot_bytes) == 0

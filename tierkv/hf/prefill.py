@@ -18,7 +18,7 @@ the model's sliding-window mask computes the same attention.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
@@ -27,6 +27,7 @@ import torch
 from ..errors import InvalidTokensError, PageFormatError
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout, kv_buffer, pack_pages, split_layers
+from ..lease_windows import LeaseWindows
 from .config import layout_from_model
 
 from ..blocks import Priority
@@ -35,9 +36,11 @@ if TYPE_CHECKING:
     from ..api import StoreAPI
 
 DEFAULT_CHUNK_TOKENS = 2048
-# Blocks leased per restore window: large enough that one read request covers many pages,
-# small enough that the copy of one window overlaps the reads of the next.
-RESTORE_WINDOW_BLOCKS = 128
+# Blocks leased per restore window, and windows leased ahead of the copy: a window large
+# enough that its reads are a few large requests, small enough that the copy left after the
+# last read is short (scripts/bench_ttft.py; docs/performance.md).
+RESTORE_WINDOW_BLOCKS = 32
+RESTORE_WINDOWS_AHEAD = 3
 Progress = Callable[[int, int], None]
 
 
@@ -125,11 +128,12 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
     """A DynamicCache of the first ``blocks`` blocks of ``tokens`` (fewer when fewer are
     stored), on ``model``'s device and dtype.
 
-    Windows of :data:`RESTORE_WINDOW_BLOCKS` are leased one after another, and the next
-    window's disk reads (and their checksums, on the store's helper thread) run while this
-    thread copies the last window into the cache's buffer: the copy hides behind the reads.
-    Every copied page was verified by its lease; the restore ends at the first block that
-    cannot be leased (evicted, corrupt, the device tier full)."""
+    Windows of :data:`RESTORE_WINDOW_BLOCKS` are leased by a helper thread, up to
+    :data:`RESTORE_WINDOWS_AHEAD` ahead (:class:`tierkv.lease_windows.LeaseWindows`): the
+    disk reads run back to back while this thread copies the windows already read into the
+    cache's buffer, so only the last window's copy follows the last read. Every copied page
+    was verified by its lease; the restore ends at the first block that cannot be leased
+    (evicted, corrupt, the device tier full)."""
     if blocks == 0:
         return Restored(empty_cache(), 0)
     layout = store.layout
@@ -138,38 +142,29 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
     want = min(blocks, store.lookup(tokens, scope).num_blocks)
     if want == 0:
         return Restored(empty_cache(), 0)
-
-    def take(start: int) -> Any:
-        end = min(start + RESTORE_WINDOW_BLOCKS, want)
-        return store.acquire(tokens[: end * bs], scope, max_blocks=end - start, start_block=start)
-
     got = 0
-    kv: torch.Tensor | None = None
-    with ThreadPoolExecutor(1, thread_name_prefix="tierkv-restore") as reader:
-        lease = take(0)
-        pending: Future[Any] | None = None
-        try:
-            while lease.num_blocks:
+    half = layout.num_layers // 2
+    with ThreadPoolExecutor(1, thread_name_prefix="tierkv-restore-copy") as helper, \
+            LeaseWindows(store, tokens, scope, want, window_blocks=RESTORE_WINDOW_BLOCKS,
+                         ahead=RESTORE_WINDOWS_AHEAD) as windows:
+        # Plain pages, faulted in by the copies (see kv_buffer: a huge-page fault can stall
+        # the reads behind it); two threads copy each window, half the layers each (numpy
+        # copies without the GIL), so the faults and the copy of a prefix already in memory
+        # take both cores.
+        kv = kv_buffer(layout, want, torch.device(model.device), huge_pages=False)
+        for lease in windows:
+            try:  # the lease is released only after the copy: its pages stay put until then
                 if lease.layout != layout:
                     raise PageFormatError(f"the lease holds pages of layout {lease.layout}, the model needs {layout}")
-                if kv is None:
-                    kv = kv_buffer(layout, want, lease.pool.device)
-                nxt = got + lease.num_blocks
-                # A short window (a corrupt page, a full device tier) is followed by one that
-                # starts after it: a quarantined block ends the chain there, so that is empty.
-                pending = reader.submit(take, nxt) if nxt < want else None
-                # The lease is released only after the copy: its pages stay put until then.
-                lease.kv_into(kv, got)
-                got = nxt
+                other = helper.submit(lease.kv_into, kv, got, (0, half))
+                try:
+                    lease.kv_into(kv, got, (half, layout.num_layers))
+                finally:
+                    other.result()
+                got += lease.num_blocks
+            finally:
                 lease.release()
-                if pending is None:
-                    break
-                lease, pending = pending.result(), None
-        finally:
-            lease.release()
-            if pending is not None:
-                pending.result().release()
-    if got == 0 or kv is None:
+    if got == 0:
         return Restored(empty_cache(), 0)
     layer_kv = split_layers(kv, got * bs)
     if got < want:  # a short restore: compact, so the cache owns contiguous tensors

@@ -64,6 +64,7 @@ class DiskTier(SegmentFiles, DiskReads):
         segment_pages: int,
         *,
         odirect: bool = True,
+        direct_reads: bool = True,
         fsync: bool = True,
         codec: PageCodec | None = None,
     ) -> None:
@@ -92,8 +93,9 @@ class DiskTier(SegmentFiles, DiskReads):
         self.read_degraded_reason: str | None = None
         self.read_errors = 0
         self.odirect = odirect and probe_odirect(self.dir)
+        self.direct_reads = direct_reads and self.odirect  # see StoreConfig.direct_reads
         self._kvikio, kv_path = probe_kvikio()
-        self.read_path = kv_path or ("posix-odirect" if self.odirect else "posix-buffered")
+        self.read_path = kv_path or ("posix-odirect" if self.direct_reads else "posix-buffered")
         log.info("disk tier %s: read path %s", self.dir, self.read_path)
         self._scan()
 

@@ -1,5 +1,5 @@
-"""The disk tier's read path (kvikio into CUDA pages, O_DIRECT ``preadv`` into aligned
-buffers, or buffered reads) and its read health: a read I/O error is a miss, never a
+"""The disk tier's read path (kvikio into CUDA pages, buffered ``preadv`` with each run
+dropped from the page cache once read, or O_DIRECT into aligned buffers) and its read health: a read I/O error is a miss, never a
 deletion. :class:`DiskReads` is a part of :class:`tierkv.tiers.disk.DiskTier`, which holds
 the state it uses."""
 from __future__ import annotations
@@ -30,6 +30,7 @@ class DiskReads:
     page_bytes: int  # of a stored page (the codec's form)
     slot_bytes: int
     odirect: bool
+    direct_reads: bool
     read_errors: int
     read_degraded_reason: str | None
     _dir_dev: int
@@ -89,7 +90,7 @@ class DiskReads:
         with self._fd_lock:
             fd = self._read_fds.get(seg_id)
             if fd is None:
-                flags = os.O_RDONLY | (os.O_DIRECT if self.odirect else 0)
+                flags = os.O_RDONLY | (os.O_DIRECT if self.direct_reads else 0)
                 fd = os.open(self._segs[seg_id].path, flags)
                 self._read_fds[seg_id] = fd
             return fd
@@ -99,7 +100,17 @@ class DiskReads:
         buffer's address and length must be 4 KiB multiples (a full slot, or a whole page
         whose size is a 4 KiB multiple)."""
         _, seg_id, off = self._offset(loc)
-        pread_full(self._read_fd(seg_id), buf, off)
+        fd = self._read_fd(seg_id)
+        pread_full(fd, buf, off)
+        self._uncache(fd, off, len(buf))
+
+    def _uncache(self, fd: int, off: int, nbytes: int) -> None:
+        """After a buffered read: drop the bytes from the page cache. The memory tiers hold
+        the page now, and a second copy in the cache would be memory the tiers' budgets do
+        not count (only clean cached pages go: nothing unwritten is lost, and on tmpfs,
+        where the cache is the file, nothing is dropped)."""
+        if not self.direct_reads:
+            os.posix_fadvise(fd, off, nbytes, os.POSIX_FADV_DONTNEED)
 
     def read_many(self, items: list[tuple[int, memoryview]],
                   on_run: Callable[[list[int]], None] | None = None) -> None:
@@ -112,9 +123,11 @@ class DiskReads:
             _, seg_id, off = self._offset(locs[run[0]])
             bufs = [items[k][1] for k in run]
             want = sum(len(b) for b in bufs)
-            n = os.preadv(self._read_fd(seg_id), bufs, off)
+            fd = self._read_fd(seg_id)
+            n = os.preadv(fd, bufs, off)
             if n != want:
                 raise OSError(errno.EIO, f"short read: {n} of {want} bytes at offset {off}")
+            self._uncache(fd, off, want)
             if on_run is not None:
                 on_run(run)
 

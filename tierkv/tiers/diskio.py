@@ -4,9 +4,12 @@ One interface, three paths, chosen once at open and reported in stats:
 - ``kvikio-gds`` / ``kvikio-compat``: CUDA present and kvikio importable: ``CuFile.pread``
   straight into a device-pool slot (compat mode means kvikio bounces through host memory,
   which we log because it is slower than plain POSIX into pinned memory);
-- ``posix-odirect``: ``os.preadv`` on an O_DIRECT descriptor into a 4 KiB-aligned buffer
-  (a host-tier slot or a bounce buffer), so cold reads bypass and do not pollute the page cache;
-- ``posix-buffered``: the file system refused O_DIRECT (tmpfs, some overlays).
+- ``posix-odirect`` (the default, where the file system accepts O_DIRECT): ``os.preadv`` on
+  an O_DIRECT descriptor into a 4 KiB-aligned buffer (a device slot or a bounce buffer);
+- ``posix-buffered`` (``StoreConfig.direct_reads=False``, or a file system that refuses
+  O_DIRECT: tmpfs, some overlays): ``os.preadv`` through the page cache with the kernel's
+  readahead, each run dropped from the cache once read (``POSIX_FADV_DONTNEED``) so that
+  the memory tiers stay its only copy.
 Writes are buffered ``pwrite`` followed by one ``fdatasync`` per segment per put.
 """
 from __future__ import annotations
