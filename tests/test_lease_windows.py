@@ -58,6 +58,7 @@ def test_reads_run_ahead_of_a_slow_consumer(store):
             pause.wait(0.01)
         pause.wait(0.1)
         assert store.stats()["leased_blocks"] == 2 + 2 * 2  # the held window and two ahead, no more
+        windows.check_integrity()
         first.release()
         rest = list(it)
         for lease in rest:

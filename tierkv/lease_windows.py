@@ -40,9 +40,10 @@ class LeaseWindows:
                  window_blocks: int = 32, ahead: int = 3) -> None:
         self.store, self.tokens, self.scope, self.blocks = store, tokens, scope, blocks
         self.window_blocks = max(1, window_blocks)
+        self.ahead = max(1, ahead)
         self._queue: queue.Queue[Any] = queue.Queue()
         # One permit per window read but not yet handed out (the one being read included).
-        self._permits = threading.Semaphore(max(1, ahead))
+        self._permits = threading.Semaphore(self.ahead)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name="tierkv-lease-windows", daemon=True)
         self._started = False
@@ -89,6 +90,12 @@ class LeaseWindows:
                 item.release()
                 return
             yield item
+
+    def check_integrity(self) -> None:
+        """Windows read but not handed out never exceed ``ahead`` (the queue may also hold
+        the reader's error and its end marker)."""
+        queued = [item for item in list(self._queue.queue) if item is not _DONE and not isinstance(item, _Failed)]
+        assert len(queued) <= self.ahead, f"{len(queued)} windows read ahead, at most {self.ahead} allowed"
 
     def close(self) -> None:
         """Stop reading and release every window read but not handed out."""

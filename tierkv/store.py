@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -28,7 +27,7 @@ from .api import StoreAPI
 from .blocks import Block, Priority
 from .codec import open_home_codec
 from .config import StoreConfig
-from .errors import ForkedStoreError, LayoutMismatchError, LeaseError, NotFoundError, TierKVError
+from .errors import ForkedStoreError, LayoutMismatchError, NotFoundError, TierKVError
 from .eviction import EvictedBlock
 from .home import HomeLock
 from .identity import Scope, as_token_array
@@ -38,7 +37,8 @@ from .ingest import Ingest
 from .operations import StoreOperations
 from .placement import Placement
 from .process import current_pid
-from .promotion import PlannedRead, Promotion
+from .leasing import Leasing
+from .promotion import Promotion
 from .results import (
     ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
 )
@@ -61,10 +61,12 @@ class Store(StoreAPI):
     - ``ingest`` (:class:`~tierkv.ingest.Ingest`): ``put``;
     - ``promotion`` (:class:`~tierkv.promotion.Promotion`): the reads that bring leased
       blocks into the device tier;
+    - ``leasing`` (:class:`~tierkv.leasing.Leasing`): ``acquire`` and ``release``, the
+      leases' bookkeeping around those reads;
     - ``operations`` (:class:`~tierkv.operations.StoreOperations`): pinning, manifests,
       chains, invalidate, verify, stats.
 
-    The read path (lookup, acquire, release, prefetch), opening and closing live here.
+    Lookup and prefetch, opening and closing live here.
     Every public method checks that the store is usable (open, and used by the process
     that opened it), then does its work or delegates it. ``index``, ``device``, ``host`` and
     ``disk`` are the parts the placement was given, for inspection (the daemon shares the
@@ -96,6 +98,7 @@ class Store(StoreAPI):
             self._lock = self.placement.lock
             self.ingest = Ingest(self.placement)
             self.promotion = Promotion(self.placement)
+            self.leasing = Leasing(self, self.placement, self.promotion)
             self.operations = StoreOperations(self.placement)
             self._load_index()
             if config.disk_limit_bytes is not None:  # the memory tiers took theirs above
@@ -208,77 +211,7 @@ class Store(StoreAPI):
         Leased blocks are never evicted, moved or overwritten until :meth:`release`.
         """
         self._check_usable()
-        arr = as_token_array(tokens)
-        placement, promotion = self.placement, self.promotion
-        with self._lock:
-            chain = self._window(arr, scope, block_extra, max_blocks, start_block)
-            table = placement.table
-            table.touch_chain(chain)
-            plan: list[PlannedRead] = []
-            waits: list[tuple[int, threading.Event]] = []
-            # The blocks already in the device tier are leased at once (nothing is evicted
-            # for them); from the first that is not, block by block: blocks further along
-            # the chain are not leased yet, so making room may evict them; the lease stops
-            # where the device tier is full.
-            leased = table.lease_resident(chain, DEVICE)
-            try:
-                for i in range(leased, len(chain)):
-                    b = chain[i]
-                    if b.dead or not b.loc:
-                        # Making room for an earlier block evicted this one from every tier.
-                        chain = chain[:i]
-                        break
-                    placement.table.lease(b)
-                    leased = i + 1
-                    if DEVICE in b.loc:
-                        continue
-                    in_flight = promotion.read_of(b.key)
-                    if in_flight is not None:
-                        waits.append((i, in_flight))
-                        continue
-                    slot = placement.alloc_mem(DEVICE)
-                    if slot is None:
-                        placement.release_blocks([b], ended=False)
-                        chain = chain[:i]
-                        break
-                    plan.append(promotion.plan_read(i, b, slot))
-            except BaseException:
-                # Making room failed (the index could not record an eviction): undo this
-                # acquire's leases and plans so that nothing stays pinned or waited on.
-                try:
-                    promotion.settle(plan)  # nothing was read: every slot freed, every waiter woken
-                finally:
-                    placement.release_blocks(chain[:leased], ended=False)
-                raise
-            placement.stats_counters.record_acquire([b.top for b in chain])
-            if not plan and not waits:  # all in the device tier: nothing to read or wait for
-                return self._lease_of(chain, start_block)
-        try:
-            failed = promotion.promote(plan)
-            failed = promotion.await_reads(waits, chain, failed)
-        except BaseException:
-            with self._lock:
-                placement.release_blocks(chain, ended=False)  # the lease is never handed out
-            raise
-        if failed is not None:
-            with self._lock:
-                placement.release_blocks(chain[failed:], ended=False)
-                chain = chain[:failed]
-        return self._lease_of(chain, start_block)
-
-    def _lease_of(self, chain: list[Block], start_block: int) -> Lease:
-        """The lease of ``chain``, every block leased and in the device tier."""
-        return Lease(store=self, layout=self.layout, keys=tuple([b.key for b in chain]),
-                     slots=tuple([b.loc[DEVICE] for b in chain]), pool=self.device.pool, blocks=chain,
-                     start_block=start_block)
-
-    def _window(self, arr: np.ndarray, scope: Scope, block_extra: Sequence[Sequence[str | bytes]] | None,
-                max_blocks: int | None, start_block: int) -> list[Block]:
-        """The matched chain's blocks ``start_block .. start_block + max_blocks`` (held: the lock)."""
-        if start_block < 0:
-            raise ValueError("start_block must be >= 0")
-        chain = self.placement.match(arr, scope, block_extra)[start_block:]
-        return chain if max_blocks is None else chain[:max_blocks]
+        return self.leasing.acquire(as_token_array(tokens), scope, block_extra, max_blocks, start_block)
 
     def acquire_resident(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                          block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
@@ -289,46 +222,15 @@ class Store(StoreAPI):
         block marked used (the caller then calls :meth:`acquire`). The daemon answers most
         acquires so, on its event loop, without a hop to a worker thread."""
         self._check_usable()
-        arr = as_token_array(tokens)
-        if not self._lock.acquire(blocking=False):
-            return None
-        try:
-            chain = self._window(arr, scope, block_extra, max_blocks, start_block)
-            table = self.placement.table
-            leased = table.lease_resident(chain, DEVICE)
-            if leased != len(chain):  # a block to read or to wait for: not now
-                table.unlease_many(chain[:leased])  # none is dead (lease_resident stops there)
-                return None
-            table.touch_chain(chain)
-            self.placement.stats_counters.record_acquire_resident(len(chain))
-            return self._lease_of(chain, start_block)
-        finally:
-            self._lock.release()
+        return self.leasing.acquire_resident(as_token_array(tokens), scope, block_extra, max_blocks, start_block)
 
     def release(self, lease: Lease) -> None:
         """End a lease; its blocks become evictable again. Releasing twice is an error."""
-        if lease.store is not self:
-            raise LeaseError("lease released on a store that did not issue it")
-        with self._lock:
-            self._release_held(lease)
+        self.leasing.release(lease)
 
     def try_release(self, lease: Lease) -> bool:
         """:meth:`release` if the store lock is free now; False (nothing done) otherwise."""
-        if lease.store is not self:
-            raise LeaseError("lease released on a store that did not issue it")
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            self._release_held(lease)
-        finally:
-            self._lock.release()
-        return True
-
-    def _release_held(self, lease: Lease) -> None:
-        if lease.released:
-            raise LeaseError("lease released twice")
-        lease.released = True
-        self.placement.release_blocks(lease.blocks)
+        return self.leasing.try_release(lease)
 
     def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:
