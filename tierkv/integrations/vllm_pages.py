@@ -45,7 +45,6 @@ BACKEND_KV_SPLIT = {
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 # numpy has no bfloat16 or float8: copy the bytes as same-width ints.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-_NP_INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32}
 
 
 def _cache_dtype_ok(cache: torch.Tensor, layout: PageLayout) -> bool:
@@ -183,7 +182,10 @@ class PagedKV:
         k, r = len(block_ids), self.ratio
         if self._np is not None:
             self._check_ids(block_ids)
-            out = np.empty((k, *L.shape), dtype=_NP_INT_OF_WIDTH[L.torch_dtype.itemsize])
+            # torch.empty, not np.empty: numpy asks for transparent huge pages on arrays this
+            # size, and a huge-page fault that makes the kernel compact memory can stall this
+            # copy, which runs inside vLLM's step, for hundreds of milliseconds.
+            out = torch.empty((k, *L.shape), dtype=_INT_OF_WIDTH[L.torch_dtype.itemsize]).numpy()
             for i, b, m in _runs([(i, b) for i, b in enumerate(block_ids)]):
                 for layer, kv in enumerate(self._np):
                     for kind in (0, 1):
