@@ -52,3 +52,42 @@ def test_close_while_populating_stops_the_populator(tmp_path):
     assert populator is not None and not populator.is_alive()
     assert not region.path.exists()
     assert time.perf_counter() - t0 < 5.0
+
+
+def test_regions_populate_one_chunk_at_a_time(tmp_path, monkeypatch):
+    """A store's device and host regions populate at once on threads of their own, but
+    never two chunks at the same time (at most one core goes to it), and both complete."""
+    import threading
+
+    from tierkv.tiers import shm
+
+    real = shm._madvise()
+    if real is None:
+        pytest.skip("no madvise in this libc: regions fault in on use, there is no populator")
+    state = {"in_flight": 0, "most": 0, "calls": 0}
+    guard = threading.Lock()
+
+    def counting(addr, n, advice):
+        with guard:
+            state["in_flight"] += 1
+            state["calls"] += 1
+            state["most"] = max(state["most"], state["in_flight"])
+        try:
+            time.sleep(0.001)  # long enough that two unserialised chunks would overlap
+            return real(addr, n, advice)
+        finally:
+            with guard:
+                state["in_flight"] -= 1
+
+    monkeypatch.setattr(shm, "_madvise", lambda: counting)
+    regions = [SharedRegion.create(tmp_path, f"tierkv-{name}", 24 << 20) for name in ("device", "host")]
+    try:
+        for r in regions:
+            assert r._populator is not None
+            r._populator.join(timeout=30)
+            assert _rss_kib(r.path.name) >= (24 << 20) // 1024 * 0.95
+        assert state["calls"] >= 2 * (24 << 20) // shm._POPULATE_CHUNK
+        assert state["most"] == 1
+    finally:
+        for r in regions:
+            r.close()

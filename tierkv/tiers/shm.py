@@ -32,6 +32,11 @@ _MADV_REMOVE = 9
 # page fault behind that waits too. With 32 MiB chunks and the thread at nice 19 on a busy
 # 2-core VM, a restore right after open ran 2.4x slower than one 2 s later.
 _POPULATE_CHUNK = 2 << 20
+# One chunk at a time in the whole process: population is background work and should take
+# at most one core. Each region has its own populator thread, and a store opens a device
+# and a host region at once; on a 2-core machine both cores went to faulting pages in for
+# the first second after open, under the first request's reads and copies.
+_POPULATING = threading.Lock()
 
 
 @functools.cache
@@ -117,7 +122,9 @@ class SharedRegion:
                     if off >= end:
                         break
                     n = min(_POPULATE_CHUNK, end - off)
-                    if madvise(addr + off, n, _MADV_POPULATE_WRITE) != 0:
+                    with _POPULATING:
+                        refused = madvise(addr + off, n, _MADV_POPULATE_WRITE) != 0
+                    if refused:
                         log.debug("MADV_POPULATE_WRITE refused (errno %d); pages fault in on use", ctypes.get_errno())
                         self._populated_to = self._populate_end = self.nbytes  # never retried
                         break
