@@ -20,6 +20,8 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .identity import Scope
 
 _DONE = object()
@@ -32,11 +34,12 @@ class _Failed:
 
 class LeaseWindows:
     """``with LeaseWindows(store, tokens, scope, blocks) as windows: for lease in windows:``
-    leases of blocks ``0 .. blocks-1`` of ``tokens`` in order, ``window_blocks`` at a time
+    leases of blocks ``0 .. blocks-1`` of ``tokens`` (an int32 array is sliced without a
+    copy for each window) in order, ``window_blocks`` at a time
     (the last may be shorter; iteration stops after a window shorter than asked). An error of
     an ``acquire`` is raised by the iteration, after the windows before it."""
 
-    def __init__(self, store: Any, tokens: Sequence[int], scope: "Scope", blocks: int, *,
+    def __init__(self, store: Any, tokens: "Sequence[int] | np.ndarray", scope: "Scope", blocks: int, *,
                  window_blocks: int = 32, ahead: int = 3) -> None:
         self.store, self.tokens, self.scope, self.blocks = store, tokens, scope, blocks
         self.window_blocks = max(1, window_blocks)
@@ -46,12 +49,10 @@ class LeaseWindows:
         self._permits = threading.Semaphore(self.ahead)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name="tierkv-lease-windows", daemon=True)
-        self._started = False
         self._drained = False  # _DONE taken off the queue: the reader has ended
 
     def __enter__(self) -> "LeaseWindows":
         self._thread.start()
-        self._started = True
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -100,8 +101,8 @@ class LeaseWindows:
     def close(self) -> None:
         """Stop reading and release every window read but not handed out."""
         self._stop.set()
-        if not self._started:
-            return
+        if self._thread.ident is None:
+            return  # never started: nothing was read
         self._permits.release()  # a reader waiting for a permit wakes, sees the stop, ends
         while not self._drained:
             item = self._queue.get()  # the reader always ends with _DONE

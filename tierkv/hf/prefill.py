@@ -138,14 +138,16 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
         return Restored(empty_cache(), 0)
     layout = store.layout
     bs = layout.block_size
-    tokens = list(tokens[: blocks * bs])
-    want = min(blocks, store.lookup(tokens, scope).num_blocks)
+    # One int32 array for the lookup and every window's acquire (slices of it are views):
+    # a list would be converted again by each of them.
+    arr = as_token_array(tokens)[: blocks * bs]
+    want = min(blocks, store.lookup(arr, scope).num_blocks)
     if want == 0:
         return Restored(empty_cache(), 0)
     got = 0
     half = layout.num_layers // 2
     with ThreadPoolExecutor(1, thread_name_prefix="tierkv-restore-copy") as helper, \
-            LeaseWindows(store, tokens, scope, want, window_blocks=RESTORE_WINDOW_BLOCKS,
+            LeaseWindows(store, arr, scope, want, window_blocks=RESTORE_WINDOW_BLOCKS,
                          ahead=RESTORE_WINDOWS_AHEAD) as windows:
         # Plain pages, faulted in by the copies (see kv_buffer: a huge-page fault can stall
         # the reads behind it); two threads copy each window, half the layers each (numpy
