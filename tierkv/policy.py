@@ -250,16 +250,17 @@ class ARCPolicy:
         return segment
 
     def touch(self, keys: list[bytes], hit: bool) -> None:
-        cold, recent, frequent = self._cold, self._recent, self._frequent
+        cold, recent, frequent, hints = self._cold, self._recent, self._frequent, self._hint
+        to_end = frequent.move_to_end
         for k in keys:
             if k in frequent:
-                frequent.move_to_end(k)
-                if hit and k in self._hint:  # a warm block seen again
-                    self._reused[self._hint.pop(k)] += 1
+                to_end(k)
+                if hit and k in hints:  # a warm block seen again
+                    self._reused[hints.pop(k)] += 1
             elif k in recent or k in cold:
                 if hit:  # seen in a second request: frequent from now on
                     (recent if k in recent else cold).pop(k)
-                    self._reused[self._hint.pop(k)] += 1
+                    self._reused[hints.pop(k)] += 1
                     frequent[k] = None
                 else:
                     (recent if k in recent else cold).move_to_end(k)

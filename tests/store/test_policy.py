@@ -14,7 +14,7 @@ from tierkv import Priority, StoreConfig
 from tierkv.policy import POLICIES, ARCPolicy, LRUPolicy
 from tierkv.traces import (Request, block_tokens, read_trace, simulate_belady, simulate_lru, simulate_lru2,
                            simulate_policy, simulate_tiers)
-from .kit import LAYOUT, SCOPE, assert_lease_exact, keys_of, put_chain, tier_keys, toks
+from .kit import LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, tier_keys, toks
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
@@ -84,6 +84,40 @@ def test_policy_keeps_leaf_first_pinned_and_leased(make_store, policy):
     for tier in ("device", "host", "disk"):
         assert sum(s["evicted_by"][tier].values()) == s["evictions"][tier]
     assert s["evictions"]["device"] > 0 and len(evicted) == sum(s["evictions"].values())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_hit_reorders_every_tier_and_class_leaf_first(make_store, policy):
+    """A hit moves its chain to the recent end of each list that holds it (the device and
+    disk tiers here, one chain pinned), leaf first so that the root is the most recent, and
+    leaves the other chains' order alone."""
+    store = make_store(eviction_policy=policy, device_bytes=16 * PAGE, disk_bytes=64 * SLOT)
+    a, b, c = toks(700, 3), toks(701, 3), toks(702, 2)
+    put_chain(store, a)
+    put_chain(store, b)
+    put_chain(store, c, priority=Priority.PINNED)
+    with store.acquire(a, SCOPE) as lease:
+        assert lease.num_blocks == 3
+    with store.acquire(c, SCOPE) as lease:
+        assert lease.num_blocks == 2
+    orders = store.placement.table._order
+
+    def recency(tier: str, prio: Priority) -> list[bytes]:
+        """Keys from least to most recently used (every list of the policy, in order)."""
+        o = orders[next(t for t in orders if t.value == tier)][prio]
+        if isinstance(o, LRUPolicy):
+            return list(o.candidates())
+        return [k for d in (o._cold, o._recent, o._frequent) for k in d]
+
+    ka, kb, kc = keys_of(a), keys_of(b), keys_of(c)
+    for tier in ("device", "disk"):
+        normal = recency(tier, Priority.NORMAL)
+        assert set(normal) == set(ka) | set(kb), tier
+        # a's blocks were used after b's, and each chain sits leaf first, root last.
+        tail = normal[-3:]
+        assert tail == ka[::-1], f"{tier}: the hit chain is not at the recent end, leaf first"
+        assert [k for k in normal if k in kb] == kb[::-1], f"{tier}: another chain's order changed"
+        assert recency(tier, Priority.PINNED)[-2:] == kc[::-1], f"{tier}: the pinned chain was not reordered"
 
 
 def test_config_rejects_unknown_policy(tmp_path):
