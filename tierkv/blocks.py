@@ -228,29 +228,34 @@ class BlockTable:
                 for b in unheld:
                     on_unheld(b)
 
-    def lease_resident(self, chain: list[Block], tier: TierName) -> int:
+    def lease_resident(self, chain: list[Block], tier: TierName) -> list[int]:
         """Lease the blocks of ``chain`` from its start while they are live and in
-        ``tier``; returns how many were leased (the caller leases the rest one by one,
-        promoting each). One pass for the common case of a chain that is all resident."""
-        n = 0
+        ``tier``; returns their slots in ``tier`` (as many as were leased: the caller leases
+        the rest one by one, promoting each). One pass for the common case of a chain that
+        is all resident, which also gives the lease its slots."""
+        slots: list[int] = []
+        append = slots.append
         for b in chain:
-            if b.dead or tier not in b.loc:
+            slot = b.loc.get(tier)
+            if slot is None or b.dead:
                 break
             b.leases += 1
-            n += 1
-        return n
+            append(slot)
+        return slots
 
     def unlease_many(self, blocks: list[Block]) -> list[Block]:
-        """Drop one lease of each block (every one checked first: a block released more
-        often than leased raises before any count changes); returns those nothing holds
-        any more."""
-        for b in blocks:
-            if b.leases <= 0:
-                raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
+        """Drop one lease of each block; returns those nothing holds any more. A block
+        released more often than leased raises, with every count as it was before the call
+        (the counts dropped before it are restored: one pass in the common case)."""
         unheld = []
-        for b in blocks:
-            b.leases -= 1
-            if not b.leases and not b.busy:
+        for i, b in enumerate(blocks):
+            n = b.leases
+            if n <= 0:
+                for done in blocks[:i]:
+                    done.leases += 1
+                raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
+            b.leases = n - 1
+            if n == 1 and not b.busy:
                 unheld.append(b)
         return unheld
 

@@ -51,11 +51,13 @@ class Leasing:
         chain = self.placement.match(arr, scope, block_extra)[start_block:]
         return chain if max_blocks is None else chain[:max_blocks]
 
-    def lease_of(self, chain: list[Block], start_block: int) -> Lease:
-        """The lease of ``chain``, every block leased and in the device tier."""
-        return Lease(store=self.store, layout=self.layout, keys=tuple([b.key for b in chain]),
-                     slots=tuple([b.loc[DEVICE] for b in chain]), pool=self.placement.device.pool, blocks=chain,
-                     start_block=start_block)
+    def lease_of(self, chain: list[Block], start_block: int, slots: list[int] | None = None) -> Lease:
+        """The lease of ``chain``, every block leased and in the device tier (``slots``:
+        their device slots, when the caller has them already)."""
+        if slots is None:
+            slots = [b.loc[DEVICE] for b in chain]
+        return Lease(store=self.store, layout=self.layout, keys=tuple([b.key for b in chain]), slots=tuple(slots),
+                     pool=self.placement.device.pool, blocks=chain, start_block=start_block)
 
     def acquire(self, arr: np.ndarray, scope: Scope, block_extra: Sequence[Sequence[str | bytes]] | None,
                 max_blocks: int | None, start_block: int) -> Lease:
@@ -70,7 +72,8 @@ class Leasing:
             # for them); from the first that is not, block by block: blocks further along
             # the chain are not leased yet, so making room may evict them; the lease stops
             # where the device tier is full.
-            leased = table.lease_resident(chain, DEVICE)
+            resident = table.lease_resident(chain, DEVICE)
+            leased = len(resident)
             try:
                 for i in range(leased, len(chain)):
                     b = chain[i]
@@ -100,8 +103,11 @@ class Leasing:
                 finally:
                     placement.release_blocks(chain[:leased], ended=False)
                 raise
+            if len(resident) == len(chain):  # all in the device tier: nothing to read or wait for
+                placement.stats_counters.record_acquire_resident(len(chain))
+                return self.lease_of(chain, start_block, resident)
             placement.stats_counters.record_acquire([b.top for b in chain])
-            if not plan and not waits:  # all in the device tier: nothing to read or wait for
+            if not plan and not waits:  # the chain ends where the device tier is full
                 return self.lease_of(chain, start_block)
         try:
             failed = promotion.promote(plan)
@@ -124,13 +130,13 @@ class Leasing:
         try:
             chain = self.window(arr, scope, block_extra, max_blocks, start_block)
             table = self.table
-            leased = table.lease_resident(chain, DEVICE)
-            if leased != len(chain):  # a block to read or to wait for: not now
-                table.unlease_many(chain[:leased])  # none is dead (lease_resident stops there)
+            slots = table.lease_resident(chain, DEVICE)
+            if len(slots) != len(chain):  # a block to read or to wait for: not now
+                table.unlease_many(chain[: len(slots)])  # none is dead (lease_resident stops there)
                 return None
             table.touch_chain(chain)
             self.placement.stats_counters.record_acquire_resident(len(chain))
-            return self.lease_of(chain, start_block)
+            return self.lease_of(chain, start_block, slots)
         finally:
             self._lock.release()
 

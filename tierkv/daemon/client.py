@@ -12,8 +12,9 @@ committed; the daemon stores them with ``Store.put``.
 On CUDA the daemon shares its device pool through a CUDA IPC handle instead
 (:func:`tierkv.daemon.remote_lease.cuda_pool`); that path is UNTESTED here (no GPU in CI).
 
-Thread safety: one socket, a send lock and a reader thread that matches replies to
-requests by id, so several threads may call one client at once (client_transport.py).
+Thread safety: one socket and a send lock; replies are matched to requests by id and read
+by the waiting callers themselves, one at a time (no reader thread), so several threads may
+call one client at once (client_transport.py).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,7 +44,7 @@ from ..results import (
 )
 from ..tiers.shm import SharedRegion
 from . import messages as m
-from .client_transport import ClientTransport
+from .client_transport import ClientTransport, Waiter
 from .protocol import VERSION, Op, close_fds
 from .security import check_listener
 from .remote_lease import RemoteLease, cuda_pool, pool_view
@@ -80,13 +81,13 @@ class Client(StoreAPI, ClientTransport):
         self._sock.settimeout(None)
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._pending: dict[int, Future] = {}
-        self._pending_lock = threading.Lock()
+        self._io = threading.Condition()  # guards _waiting and _reading (client_transport.py)
+        self._waiting: dict[int, Waiter] = {}  # request id -> its reply slot
+        self._reading = False  # a thread holds the read role
         self._closed = False
         self._failure: Exception | None = None
         self._leases: dict[int, RemoteLease] = {}
-        self._reader = threading.Thread(target=self._read_loop, name="tierkv-client-reader", daemon=True)
-        self._reader.start()
+        self._prefetcher: ThreadPoolExecutor | None = None  # waits for prefetch replies (made on first use)
         self._regions: list[SharedRegion] = []
         try:
             self._last_send = time.monotonic()
@@ -263,18 +264,12 @@ class Client(StoreAPI, ClientTransport):
     def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future:
         """Future of the number of tokens now warm on the device tier (nothing stays leased)."""
-        inner = self._call_async(Op.PREFETCH, self._req(tokens, scope, block_extra))
-        out: Future = Future()
-
-        def done(f: Future) -> None:
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(exc)
-            else:
-                out.set_result(int(f.result().header["tokens_warm"]))
-
-        inner.add_done_callback(done)
-        return out
+        self._check_open()
+        req = self._req(tokens, scope, block_extra)
+        with self._io:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-client-prefetch")
+        return self._prefetcher.submit(lambda: int(self._call(Op.PREFETCH, req)["tokens_warm"]))
 
     # ---- operations ----------------------------------------------------------------------------
     def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
@@ -339,12 +334,13 @@ class Client(StoreAPI, ClientTransport):
         self._call(Op.PING, m.Empty())
 
     def check_integrity(self) -> None:
-        """Client-side state (connected, reader alive, leases consistent), then the daemon's
+        """Client-side state (connected, no settled reply left waiting, leases consistent), then the daemon's
         stores (CHECK_INTEGRITY); AssertionError naming the first mismatch. A tenant under
         ``namespace_per_uid`` may not check every tenant's store: the daemon is then only
         pinged."""
         assert not self._closed and self._failure is None, f"client is not connected ({self._failure})"
-        assert self._reader.is_alive(), "reply reader thread died"
+        with self._io:
+            assert not any(w.settled() for w in self._waiting.values()), "a settled reply is still awaited"
         assert all(not le.released and le.store is self for le in self._leases.values()), "released lease tracked"
         try:
             error = self._call(Op.CHECK_INTEGRITY, m.Empty()).get("error")
@@ -366,8 +362,8 @@ class Client(StoreAPI, ClientTransport):
         except OSError:
             pass
         self._sock.close()
-        if self._reader.is_alive() and threading.current_thread() is not self._reader:
-            self._reader.join(timeout=5)
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False)
         for r in self._regions:
             r.close()
         self._regions.clear()

@@ -1,16 +1,22 @@
-"""The client's transport: one socket, a send lock, and a reader thread that matches
-replies to requests by id (several threads may call one client at once); an error reply
-becomes the same exception the embedded store raises. :class:`~tierkv.daemon.client.Client`
-inherits it and owns its state (``_sock``, ``_pending``, ``_reader``, ...). Split out of
+"""The client's transport: one socket, a send lock, and replies read by the threads that
+wait for them (several threads may call one client at once); an error reply becomes the
+same exception the embedded store raises. :class:`~tierkv.daemon.client.Client` inherits
+it and owns its state (``_sock``, ``_io``, ``_waiting``, ``_reading``, ...). Split out of
 client.py, which keeps the connect, the shared-memory mapping and the StoreAPI methods.
+
+No reader thread: a caller waiting for a reply reads the socket itself while no other
+thread does (the *read role*, taken under ``_io``), delivering each frame to whoever waits
+for it, until its own arrives; then it hands the role on. A reply handed from a reader
+thread to the caller cost two thread switches per request, which on a loaded machine was
+the larger part of a client's time (issue #15: 32 client processes on 2 cores).
 """
 from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 from .. import errors
@@ -20,6 +26,7 @@ from . import messages as m
 from .protocol import Frame, Op, close_fds, encode_frame, read_frame_sync
 
 log = logging.getLogger("tierkv.daemon.client")  # the client's log, as before the split
+REASON_WAIT_S = 0.5  # after a failed send, how long to wait for the daemon's reason
 
 
 def _error_from(reply: m.ErrorReply) -> Exception:
@@ -33,8 +40,21 @@ def _error_from(reply: m.ErrorReply) -> Exception:
     return TierKVError(f"daemon error {reply.error}: {reply.message}", hint=reply.hint or None)
 
 
+class Waiter:
+    """One request's reply slot: set (under ``_io``) once, by whichever thread reads it."""
+
+    __slots__ = ("frame", "error")
+
+    def __init__(self) -> None:
+        self.frame: Frame | None = None
+        self.error: Exception | None = None
+
+    def settled(self) -> bool:
+        return self.frame is not None or self.error is not None
+
+
 class ClientTransport:
-    """Sending requests and delivering replies; mixed into Client."""
+    """Sending requests and reading replies; mixed into Client."""
 
     def _keepalive(self, idle_s: float) -> None:
         """PING when nothing was sent for a third of the daemon's idle timeout: the daemon
@@ -46,47 +66,40 @@ class ClientTransport:
             if self._closed or time.monotonic() - self._last_send < period:
                 continue
             try:
-                self._call_async(Op.PING, m.Empty())
+                self._call(Op.PING, m.Empty())
             except TierKVError:
                 return
 
-    def _read_loop(self) -> None:
-        try:
-            while True:
-                frame = read_frame_sync(self._sock)
-                self._deliver(frame)
-        except (OSError, ConnectionError, TierKVError) as e:
-            if not self._closed:
-                log.debug("connection to %s lost: %s", self.socket_path, e)
-            self._fail_all(e)
-
     def _deliver(self, frame: Frame) -> None:
+        """Hand one frame to the request waiting for it (held: ``_io``)."""
         if frame.fds and frame.opcode != Op.HELLO:
             close_fds(frame.fds)  # descriptors only ever come with the HELLO reply
+        exc: Exception | None = None
         if frame.is_error:
             reply = m.ErrorReply.decode(frame.header, frame.payload)
             if frame.request_id == 0:  # about the connection, not a request: it is closing
                 self._failure = DaemonUnavailableError(f"the daemon closed the connection: {reply.message}",
                                                        hint=reply.hint or None)
+                self._fail_all(self._failure)
                 return
             exc = _error_from(reply)
-        with self._pending_lock:
-            fut = self._pending.pop(frame.request_id, None)
-        if fut is None:
+        w = self._waiting.pop(frame.request_id, None)
+        if w is None:  # its caller gave up waiting (a timeout)
             close_fds(frame.fds)
             return
-        if frame.is_error:
-            fut.set_exception(exc)
+        if exc is not None:
+            w.error = exc
         else:
-            fut.set_result(frame)
+            w.frame = frame
 
     def _fail_all(self, cause: Exception) -> None:
+        """The connection is gone (held: ``_io``): every waiting request fails with the
+        daemon's reason when it sent one."""
         exc = self._failure or DaemonUnavailableError(f"connection to the daemon on {self.socket_path} was lost ({cause})")
         self._failure = exc
-        with self._pending_lock:
-            pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            fut.set_exception(exc)
+        waiting, self._waiting = self._waiting, {}
+        for w in waiting.values():
+            w.error = exc
 
     def _check_open(self) -> None:
         if current_pid() != self._pid:
@@ -97,49 +110,93 @@ class ClientTransport:
         if self._failure is not None:
             raise self._failure
 
+    def _send_frame(self, frame: bytes) -> None:
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame)
+                self._last_send = time.monotonic()
+        except OSError as e:
+            # The daemon may have refused or closed this connection with a reason (a quota,
+            # the connection limit): read it if it came; prefer it.
+            self._read_until(Waiter(), time.monotonic() + REASON_WAIT_S)
+            if self._failure is not None:
+                raise self._failure from None
+            raise DaemonUnavailableError(f"cannot reach the daemon on {self.socket_path}: {e}") from None
+
     def _send_oneway(self, op: Op, msg: Any) -> None:
         """Send a request whose reply nobody waits for (the daemon sends none)."""
         self._check_open()
         header, payload = msg.encode()
-        frame = encode_frame(op, next(self._ids), header, payload)
-        try:
-            with self._send_lock:
-                self._sock.sendall(frame)
-                self._last_send = time.monotonic()
-        except OSError as e:
-            raise DaemonUnavailableError(f"cannot reach the daemon on {self.socket_path}: {e}") from None
+        self._send_frame(encode_frame(op, next(self._ids), header, payload))
 
-    def _call_async(self, op: Op, msg: Any) -> Future:
+    def _call_frame(self, op: Op, msg: Any) -> Frame:
         self._check_open()
         header, payload = msg.encode()
         rid = next(self._ids)
-        fut: Future = Future()
-        with self._pending_lock:
-            self._pending[rid] = fut
-        frame = encode_frame(op, rid, header, payload)
+        w = Waiter()
+        with self._io:
+            self._waiting[rid] = w
         try:
-            with self._send_lock:
-                self._sock.sendall(frame)
-                self._last_send = time.monotonic()
-        except OSError as e:
-            with self._pending_lock:
-                self._pending.pop(rid, None)
-            # The daemon may have refused or closed this connection with a reason (a quota,
-            # the connection limit): the reader is about to deliver it; prefer it.
-            if threading.current_thread() is not self._reader:
-                self._reader.join(0.5)
-            if self._failure is not None:
-                raise self._failure from None
-            raise DaemonUnavailableError(f"cannot reach the daemon on {self.socket_path}: {e}") from None
-        return fut
+            self._send_frame(encode_frame(op, rid, header, payload))
+        except BaseException:
+            with self._io:
+                self._waiting.pop(rid, None)
+            raise
+        self._read_until(w, time.monotonic() + self.timeout)
+        if w.frame is not None:
+            return w.frame
+        with self._io:
+            self._waiting.pop(rid, None)  # a late reply is dropped when it comes
+        if w.error is not None:
+            raise w.error
+        if self._failure is not None:  # the connection failed as this request was sent
+            raise self._failure
+        raise DaemonUnavailableError(f"no reply from the daemon on {self.socket_path} within {self.timeout:g} s",
+                                     hint="check that the daemon is alive (its log, tierkv_request_seconds)")
 
-    def _call_frame(self, op: Op, msg: Any) -> Frame:
-        fut = self._call_async(op, msg)
+    def _read_until(self, w: Waiter, deadline: float) -> None:
+        """Until ``w`` is settled or ``deadline`` passes: wait while another thread reads,
+        else read frames here, delivering each to its waiter."""
+        io = self._io
+        while True:
+            with io:
+                while self._reading and not w.settled() and self._failure is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    io.wait(left)
+                if w.settled() or self._failure is not None:
+                    return
+                self._reading = True
+            try:
+                self._read_some(w, deadline)
+            finally:
+                with io:
+                    self._reading = False
+                    io.notify_all()  # another waiter may take the read role on
+            if w.settled() or time.monotonic() >= deadline:
+                return
+
+    def _read_some(self, w: Waiter, deadline: float) -> None:
+        """(the read role held) Read frames until ``w`` is settled or nothing comes before
+        ``deadline``; a broken stream fails every waiter."""
+        poll = select.poll()
+        poll.register(self._sock, select.POLLIN)
         try:
-            return fut.result(timeout=self.timeout)
-        except TimeoutError:
-            raise DaemonUnavailableError(f"no reply from the daemon on {self.socket_path} within {self.timeout:g} s",
-                                         hint="check that the daemon is alive (its log, tierkv_request_seconds)") from None
+            while not w.settled() and self._failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not poll.poll(max(0, int(left * 1000) + 1)):
+                    return
+                frame = read_frame_sync(self._sock)
+                with self._io:
+                    self._deliver(frame)
+                    self._io.notify_all()  # the frame may have been another thread's reply
+        except (OSError, ConnectionError, ValueError, TierKVError) as e:
+            if not self._closed:
+                log.debug("connection to %s lost: %s", self.socket_path, e)
+            with self._io:
+                self._fail_all(e)
+                self._io.notify_all()
 
     def _call(self, op: Op, msg: Any) -> dict[str, Any]:
         return self._call_frame(op, msg).header

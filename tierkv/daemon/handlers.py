@@ -100,6 +100,9 @@ class Handlers(OperationHandlers):
             Op.CHAIN_TOKENS: (m.ChainRef, self.chain_tokens), Op.CHAIN_RESIDENCY: (m.ChainRef, self.chain_residency),
             Op.SET_PRIORITY_FROM: (m.ChainRef, self.set_priority_from),
         }
+        # opcode -> the handler's synchronous form, tried first as the request is read: the
+        # reply, or None when it must wait (then the handler above runs in a task).
+        self.now: dict[int, Callable[[Connection, Any], Reply | None]] = {Op.ACQUIRE: self.acquire_now}
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """``fn(*args, **kw)`` in a worker thread, after the releases clients sent without
@@ -217,34 +220,54 @@ class Handlers(OperationHandlers):
         return m.KeysReply(r.keys, {"tokens_matched": r.tokens_matched, "tier_names": names},
                            tuple(names.index(t) for t in r.tiers)).encode()
 
+    def acquire_now(self, conn: "Connection", msg: m.PrefixRequest) -> Reply | None:
+        """The acquire, when it can be done here on the event loop without waiting (see
+        :meth:`_acquire_inline`): the server calls it as the request is read, with no task
+        and no extra turn of the loop. None, with nothing done, when it must wait: the
+        server then runs :meth:`acquire` in a task."""
+        entry, uid, uids, tier = self._acquire_checks(conn)
+        # No reservation: nothing else runs on the loop between the checks and the entry.
+        lease = self._acquire_inline(entry, msg, self.scope(conn, msg.scope))
+        if lease is None:
+            return None
+        self.acquires["inline"] += 1
+        return self._lease_reply(conn, uid, uids, tier, lease)
+
     async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
-        entry, uid = self.entry(conn), conn.creds.uid
-        tier = int(entry.local.device.slots.limit)  # this layout's share of the device tier
-        self.quota.check_lease(uid, [u for _, u in self.peers()], self.leases.count(conn.id), self.leases.blocks_of(uid),
-                               tier)
+        now = self.acquire_now(conn, msg)
+        if now is not None:
+            return now
+        entry, uid, uids, tier = self._acquire_checks(conn)
         # The lease is counted from before the store call, so acquires in flight count: the
         # cap was checked before an await and concurrent acquires passed it together.
         reservation = self.leases.reserve(conn.id, uid, 0)
         try:
-            scope = self.scope(conn, msg.scope)
-            lease = self._acquire_inline(entry, msg, scope)
-            if lease is None:
-                self.acquires["worker"] += 1
-                lease = await self.run(_acquire, entry.store, msg.tokens, scope, msg.block_extra,
-                                       msg.max_blocks, msg.start_block)
-            else:
-                self.acquires["inline"] += 1
-            if lease.keys:
-                try:  # the tier share, with what was leased (quotas.py)
-                    self.quota.check_leased_blocks(uid, [u for _, u in self.peers()], self.leases.blocks_of(uid),
-                                                   lease.num_blocks, tier)
-                except QuotaExceededError:
-                    self._release_later([lease])
-                    raise
-            # A miss holds nothing (released in the worker already): lease id 0, no table entry.
-            lease_id = self.leases.add(conn.id, lease, uid).lease_id if lease.keys else 0
+            self.acquires["worker"] += 1
+            lease = await self.run(_acquire, entry.store, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
+                                   msg.max_blocks, msg.start_block)
+            return self._lease_reply(conn, uid, [u for _, u in self.peers()], tier, lease)
         finally:
             self.leases.unreserve(reservation)
+
+    def _acquire_checks(self, conn: "Connection") -> tuple[LayoutEntry, int, list[int], int]:
+        """The connection's layout, uid, the uids connected, and its device tier share in
+        slots, once the lease quotas allow an acquire (QuotaExceededError otherwise)."""
+        entry, uid = self.entry(conn), conn.creds.uid
+        tier = int(entry.local.device.slots.limit)  # this layout's share of the device tier
+        uids = [u for _, u in self.peers()]
+        self.quota.check_lease(uid, uids, self.leases.count(conn.id), self.leases.blocks_of(uid), tier)
+        return entry, uid, uids, tier
+
+    def _lease_reply(self, conn: "Connection", uid: int, uids: list[int], tier: int, lease: Any) -> Reply:
+        """Enter a store lease in the lease table (a miss holds nothing: lease id 0, no
+        entry) and encode the reply, once the uid's tier share allows what was leased."""
+        if lease.keys:
+            try:  # the tier share, with what was leased (quotas.py)
+                self.quota.check_leased_blocks(uid, uids, self.leases.blocks_of(uid), lease.num_blocks, tier)
+            except QuotaExceededError:
+                self._release_later([lease])
+                raise
+        lease_id = self.leases.add(conn.id, lease, uid).lease_id if lease.keys else 0
         return m.KeysReply(lease.keys, {"lease_id": lease_id}, tuple(lease.slots)).encode()
 
     def _acquire_inline(self, entry: LayoutEntry, msg: m.PrefixRequest, scope: Scope) -> Any:

@@ -349,14 +349,19 @@ class Daemon(RemoteKeeper):
                 # a measurable share of the daemon's time at thousands of requests a second.
                 await self._serve_request(conn, frame)
                 continue
+            if frame.opcode in self.handlers.now and await self._serve_request(conn, frame, now=True):
+                continue  # answered as read (an acquire of resident blocks): no task either
             await conn.inflight.acquire()
             task = asyncio.create_task(self._serve_request(conn, frame))
             conn.tasks.add(task)
             task.add_done_callback(conn.request_done)
 
-    async def _serve_request(self, conn: Connection, frame: Frame) -> None:
+    async def _serve_request(self, conn: Connection, frame: Frame, now: bool = False) -> bool:
+        """Decode one request, run its handler, send the reply (or the error). With
+        ``now``: only if the handler's synchronous form (``Handlers.now``) can answer
+        without waiting; False, with nothing done or sent, when it cannot."""
         assert self.handlers is not None
-        t0 = time.perf_counter()
+        t0, measured = time.perf_counter(), True
         op_name = Op(frame.opcode).name.lower() if frame.opcode in Op._value2member_map_ else "unknown"
         try:
             if frame.is_reply:
@@ -367,13 +372,20 @@ class Daemon(RemoteKeeper):
             if self._stop is not None and self._stop.is_set() and frame.opcode != Op.RELEASE:
                 raise DaemonUnavailableError("the daemon is shutting down")
             cls, handler = entry
-            out = await handler(conn, cls.decode(frame.header, frame.payload))
+            msg = cls.decode(frame.header, frame.payload)
+            if now:
+                out = self.handlers.now[frame.opcode](conn, msg)
+                if out is None:
+                    measured = False  # not served here: the task that serves it measures it
+                    return False
+            else:
+                out = await handler(conn, msg)
             if out is None:
-                return  # a one-way request (RELEASE with reply=False): the client waits for nothing
+                return True  # a one-way request (RELEASE with reply=False): the client waits for nothing
             header, payload, *fds = out
             await conn.send(frame.opcode, frame.request_id, header, payload, fds=fds[0] if fds else ())
         except ConnectionError:
-            return  # the peer is gone; the connection's reader notices and cleans up
+            return True  # the peer is gone; the connection's reader notices and cleans up
         except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
             if not isinstance(e, (TierKVError, ValueError, OSError)):
                 log.exception("request %s failed", op_name)
@@ -381,8 +393,9 @@ class Daemon(RemoteKeeper):
                 self.metrics.errors.labels(op_name, type(e).__name__).inc()
             await conn.send_error(frame.opcode, frame.request_id, e)
         finally:
-            if self.metrics:
+            if self.metrics and measured:
                 self.metrics.latency.labels(op_name).observe(time.perf_counter() - t0)
+        return True
 
     def check_integrity(self) -> None:
         """Cross-check the daemon's lease table, every layout's staging table and store, and
