@@ -136,14 +136,19 @@ def iter_block_keys(
     block_extra: Sequence[Sequence[str | bytes]] | None = None,
     start: int = 0,
     parent: bytes | None = None,
+    raw: bytes | memoryview | None = None,
 ) -> Iterator[bytes]:
     """Yield the key of each full block of ``tokens`` (an int32 array from
     :func:`as_token_array`), lazily so that a lookup stops hashing at its first miss.
 
     ``start``/``parent``: resume the chain at block ``start``, whose parent key (the key
-    of block ``start - 1``, computed here earlier from the same tokens) is ``parent``."""
+    of block ``start - 1``, computed here earlier from the same tokens) is ``parent``.
+    ``raw``: ``tokens.tobytes()`` when the caller has it already."""
     n_blocks = len(tokens) // block_size
-    raw = tokens.tobytes()
+    # ``raw``: the caller's bytes of ``tokens`` (tobytes() of a 16k-token prompt again, to
+    # hash a block or two of it, was a measurable share of a lookup); keys hashed from the
+    # very bytes the caller compares with stored tokens, even if the array changes meanwhile.
+    raw = memoryview(tokens.tobytes() if raw is None else raw)
     step = block_size * 4
     tok_head = b"t" + _U64.pack(step)
     prev = seed
@@ -153,9 +158,8 @@ def iter_block_keys(
         prev = parent
     sha, join = hashlib.sha256, b"".join
     if block_extra is None:
-        view = memoryview(raw)  # slices without copies: one copy per block, in join
-        for i in range(start, n_blocks):
-            prev = sha(join((_BLOCK_PREFIX, prev, tok_head, view[i * step : (i + 1) * step], _NO_EXTRA))).digest()
+        for i in range(start, n_blocks):  # slices of the view: one copy per block, in join
+            prev = sha(join((_BLOCK_PREFIX, prev, tok_head, raw[i * step : (i + 1) * step], _NO_EXTRA))).digest()
             yield prev
         return
     for i in range(start, n_blocks):

@@ -89,7 +89,8 @@ class Ingest:
         known = memo.proven(scope.seed, raw, step, start_block + n) if block_extra is None else ()
         keys = list(known)
         keys.extend(iter_block_keys(arr[: (start_block + n) * bs], scope.seed, bs, block_extra,
-                                    start=len(keys), parent=keys[-1] if keys else None))
+                                    start=len(keys), parent=keys[-1] if keys else None,
+                                    raw=memoryview(raw)[: (start_block + n) * step]))
         if block_extra is None and len(keys) > len(known):
             memo.remember(scope.seed, raw, step, keys)  # the next request on this prefix hashes none of it
         durable_wanted = priority == Priority.PINNED or (self.config.write_through and priority != Priority.EPHEMERAL)

@@ -94,7 +94,7 @@ class Placement:
                 return chain
         hashed = list(proven)  # every key computed, the first miss's too (a put needs it next)
         for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra, start=len(proven),
-                                                parent=proven[-1] if proven else None), len(proven)):
+                                                parent=proven[-1] if proven else None, raw=raw), len(proven)):
             hashed.append(key)
             b = get(key)
             if b is None or b.dead:

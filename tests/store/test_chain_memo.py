@@ -17,8 +17,8 @@ STEP = 4 * BS
 
 def counting_keys(real, hashed: list):
     """``real`` (an iter_block_keys) that records every key it yields in ``hashed``."""
-    def counting(tokens, seed, block_size, block_extra=None, start=0, parent=None):
-        for k in real(tokens, seed, block_size, block_extra, start=start, parent=parent):
+    def counting(tokens, seed, block_size, block_extra=None, start=0, parent=None, raw=None):
+        for k in real(tokens, seed, block_size, block_extra, start=start, parent=parent, raw=raw):
             hashed.append(k)
             yield k
 

@@ -182,7 +182,7 @@ def test_page_copied_under_another_key_fails_its_checksum(make_store):
     assert store.stats()["quarantined"] == 1
 
 
-def _colliding_keys(tokens, seed, block_size, block_extra=None, start=0, parent=None):
+def _colliding_keys(tokens, seed, block_size, block_extra=None, start=0, parent=None, raw=None):
     """Keys that ignore token ids: every request of the same length collides (``start``:
     resume at that block, as iter_block_keys does)."""
     for i in range(start, len(tokens) // block_size):

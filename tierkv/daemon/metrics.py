@@ -161,8 +161,16 @@ class DaemonMetrics:
                                 ["reason"], registry=self.registry)
         self.quota_refusals = Counter("tierkv_quota_refusals", "Requests refused by a per-uid quota, by quota",
                                       ["quota"], registry=self.registry)
+        self._latency_of: dict[str, Any] = {}  # op -> its histogram child (labels() locks and looks up)
         self._server: Any = None
         self.port: int | None = None
+
+    def observe_latency(self, op: str, seconds: float) -> None:
+        """One request of ``op`` took ``seconds`` (called on the loop for every request)."""
+        child = self._latency_of.get(op)
+        if child is None:
+            child = self._latency_of[op] = self.latency.labels(op)
+        child.observe(seconds)
 
     def start(self, port: int) -> int:
         """Serve on 127.0.0.1:``port`` (0: any free port); returns the port."""
