@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import select
-import threading
 import time
 from typing import Any
 

@@ -6,6 +6,7 @@ accepts connections and runs their read loop.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from . import messages, security
@@ -55,6 +56,15 @@ class Connection:
                     raise ConnectionError(f"the peer read no reply for {self.send_timeout_s:g} s") from None
         finally:
             self.unsent -= len(frame)
+
+    async def wait_for_reader(self, max_unsent: int, timeout_s: float) -> bool:
+        """The peer does not read its replies: read no more of its requests until it does
+        (each would pin another reply). Whether its unread replies fell to ``max_unsent``
+        bytes within ``timeout_s`` (False: the caller cuts it off)."""
+        deadline = time.monotonic() + timeout_s
+        while self.unsent > max_unsent and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.unsent <= max_unsent
 
     def holds_nothing(self) -> bool:
         """No request in flight and no reply waiting (leases and staging are checked by

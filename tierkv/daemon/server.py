@@ -19,7 +19,8 @@ fails never stops the daemon, which serves locally meanwhile (docs/cluster.md; r
 
 Per connection: frames are read in order; each request runs as its own task (at most
 ``max_inflight`` per connection) and replies carry the request id, so a slow put does not
-hold up a lookup. A bad head (magic, version, length) or a truncated frame gets one error
+hold up a lookup. Two kinds are served as they are read, without a task: a one-way
+release, and an acquire that can finish at once (``Handlers.now``). A bad head (magic, version, length) or a truncated frame gets one error
 reply and the connection is closed; an undecodable header or unknown opcode gets an error
 reply and the connection goes on. Either way other clients are unaffected. A connection's
 state and its replies: connection.py.
@@ -34,7 +35,6 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,11 +46,12 @@ from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import default_shm_dir
 from . import security
-from .config import REMOTE_FIELDS, DaemonConfig
+from .config import DaemonConfig
 from .connection import Connection
 from .handlers import Handlers
 from .layouts import Budget, Layouts, TierLimits
 from .metrics import DaemonMetrics
+from .reload import Reload
 from .remote_keeper import RemoteKeeper
 from .protocol import BadHeaderError, FatalFrameError, Frame, FrameTimeoutError, IdleConnectionError, Op, read_frame
 
@@ -59,7 +60,7 @@ _OP_NAMES = {int(op): op.name.lower() for op in Op}  # metric labels, without an
 DRAIN_TIMEOUT_S = 60.0
 
 
-class Daemon(RemoteKeeper):
+class Daemon(RemoteKeeper, Reload):
     def __init__(self, config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = None,
                  install_signals: bool = True, remote_backend_factory: Callable[[Any], Any] | None = None) -> None:
         self.config = config
@@ -221,36 +222,6 @@ class Daemon(RemoteKeeper):
         while self.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    def _on_sighup(self) -> None:
-        if self._reload is None:
-            log.warning("SIGHUP: no config file to reload")
-            return
-        try:
-            new = self._reload()
-        except (TierKVError, ValueError, OSError) as e:
-            log.error("SIGHUP: config not reloaded: %s", e)
-            return
-        self.apply_reload(new)
-
-    def apply_reload(self, new: DaemonConfig) -> None:
-        """Apply what can change live; tier capacities apply at the next start."""
-        old = self.config
-        restart_only = ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes", "device", "home", "socket",
-                        "max_layouts", *REMOTE_FIELDS)
-        for name in restart_only:
-            if getattr(new, name) != getattr(old, name):
-                log.warning("SIGHUP: %s changed (%s -> %s); it applies when the daemon restarts",
-                            name, getattr(old, name), getattr(new, name))
-        self.config = replace(old, lease_timeout_s=new.lease_timeout_s, client_staging_bytes=new.client_staging_bytes,
-                              allowed_uids=new.allowed_uids, max_connections=new.max_connections,
-                              max_inflight=new.max_inflight)
-        if self.handlers is not None:
-            self.handlers.config = self.config
-            self.handlers.leases.timeout_s = new.lease_timeout_s
-            assert self.layouts is not None
-            self.layouts.set_client_quota(min(new.client_staging_bytes, self.layouts.budget.staging_bytes))
-        log.info("SIGHUP: reloaded (lease timeout %.0f s)", new.lease_timeout_s)
-
     async def _sweep_leases(self) -> None:
         assert self.handlers is not None
         while True:
@@ -314,19 +285,14 @@ class Daemon(RemoteKeeper):
     async def _serve_connection(self, conn: Connection, reader: asyncio.StreamReader) -> None:
         q = self.config.quotas
         while True:
-            if conn.unsent > q.unread_reply_bytes:
-                # The peer does not read its replies: read no more of its requests until it
-                # does (each would pin another reply); cut it off after send_timeout_s.
-                deadline = time.monotonic() + q.send_timeout_s
-                while conn.unsent > q.unread_reply_bytes and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
-                if conn.unsent > q.unread_reply_bytes:
-                    log.warning("connection %d: %d reply bytes unread for %.0f s; closing it", conn.id, conn.unsent,
-                                q.send_timeout_s)
-                    if self.metrics:
-                        self.metrics.rejected.labels("unread_replies").inc()
-                    conn.writer.transport.abort()
-                    return
+            if conn.unsent > q.unread_reply_bytes and not await conn.wait_for_reader(q.unread_reply_bytes,
+                                                                                  q.send_timeout_s):
+                log.warning("connection %d: %d reply bytes unread for %.0f s; closing it", conn.id, conn.unsent,
+                            q.send_timeout_s)
+                if self.metrics:
+                    self.metrics.rejected.labels("unread_replies").inc()
+                conn.writer.transport.abort()
+                return
             try:
                 frame = await read_frame(reader, idle_timeout=q.idle_timeout_s, frame_timeout=q.frame_timeout_s,
                                          is_idle=lambda: self._holds_nothing(conn))

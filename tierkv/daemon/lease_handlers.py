@@ -1,0 +1,198 @@
+"""The lease requests of the daemon: acquire (answered on the loop when it can finish now,
+else in a worker), release (one-way, ended on the loop or queued for the next store call),
+renew, and the ending of a connection's or an expired lease. :class:`~tierkv.daemon.
+handlers.Handlers` inherits these methods and owns the state they use (``leases``,
+``quota``, ``acquires``, ``_unreleased``, ``_flush_lock``, ``_drain_handle``, ``_drains``,
+``peers``; ``entry``, ``scope``, ``run``). Split out of handlers.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..errors import LeaseError, QuotaExceededError
+from ..identity import Scope
+from . import messages as m
+from .layouts import LayoutEntry
+from .operations import Reply
+
+if TYPE_CHECKING:
+    from .connection import Connection
+
+log = logging.getLogger("tierkv.daemon.handlers")  # the handlers' log, as before the split
+RELEASE_DRAIN_S = 0.002  # queued releases wait at most this for a store call to end them
+INLINE_MAX_BLOCKS = 1024  # longer prompts are acquired in a worker even when resident
+
+
+def _acquire(store: Any, *args: Any) -> Any:
+    """``store.acquire``; a miss (no blocks) is released at once, so it holds nothing."""
+    lease = store.acquire(*args)
+    if not lease.keys:
+        store.release(lease)
+    return lease
+
+
+class LeaseHandlers:
+    """Acquire, release, renew and the release queue; mixed into Handlers."""
+
+    # ---- releases nobody waits for ------------------------------------------------------------
+    # A one-way RELEASE takes the lease out of the table on the loop and queues the store
+    # lease; the next store call in any worker ends it first (no executor hop of its own),
+    # or, when none comes within RELEASE_DRAIN_S, a drain does. The flush holds a lock, so a
+    # store call that starts while another worker is ending queued leases waits for them.
+    def _flush_releases(self) -> None:
+        # Always through the lock (uncontended: ~0.1 us): a store call must not start while
+        # another worker is still ending leases it popped from the queue.
+        with self._flush_lock:
+            while self._unreleased:
+                lease = self._unreleased.popleft()
+                try:
+                    lease.store.release(lease)  # the store that issued it
+                except Exception:  # noqa: BLE001 - one bad lease must not keep the others pinned
+                    log.exception("releasing a lease failed")
+
+    def _release_later(self, leases: list[Any]) -> None:
+        self._unreleased.extend(leases)
+        if self._drain_handle is None:
+            loop = asyncio.get_running_loop()
+            self._drain_handle = loop.call_later(RELEASE_DRAIN_S, self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_handle = None
+        if self._unreleased:
+            task = asyncio.ensure_future(self.run(lambda: None))
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+
+    async def settle_releases(self) -> None:
+        """End every queued lease now (stopping, tests)."""
+        await self.run(lambda: None)
+
+    def acquire_now(self, conn: "Connection", msg: m.PrefixRequest) -> Reply | None:
+        """The acquire, when it can be done here on the event loop without waiting (see
+        :meth:`_acquire_inline`): the server calls it as the request is read, with no task
+        and no extra turn of the loop. None, with nothing done, when it must wait: the
+        server then runs :meth:`acquire` in a task."""
+        entry, uid, uids, tier = self._acquire_checks(conn)
+        # No reservation: nothing else runs on the loop between the checks and the entry.
+        lease = self._acquire_inline(entry, msg, self.scope(conn, msg.scope))
+        if lease is None:
+            return None
+        self.acquires["inline"] += 1
+        return self._lease_reply(conn, uid, uids, tier, lease)
+
+    async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
+        now = self.acquire_now(conn, msg)
+        if now is not None:
+            return now
+        entry, uid, uids, tier = self._acquire_checks(conn)
+        # The lease is counted from before the store call, so acquires in flight count: the
+        # cap was checked before an await and concurrent acquires passed it together.
+        reservation = self.leases.reserve(conn.id, uid, 0)
+        try:
+            self.acquires["worker"] += 1
+            lease = await self.run(_acquire, entry.store, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
+                                   msg.max_blocks, msg.start_block)
+            return self._lease_reply(conn, uid, [u for _, u in self.peers()], tier, lease)
+        finally:
+            self.leases.unreserve(reservation)
+
+    def _acquire_checks(self, conn: "Connection") -> tuple[LayoutEntry, int, list[int], int]:
+        """The connection's layout, uid, the uids connected, and its device tier share in
+        slots, once the lease quotas allow an acquire (QuotaExceededError otherwise)."""
+        entry, uid = self.entry(conn), conn.creds.uid
+        tier = int(entry.local.device.slots.limit)  # this layout's share of the device tier
+        uids = [u for _, u in self.peers()]
+        self.quota.check_lease(uid, uids, self.leases.count(conn.id), self.leases.blocks_of(uid), tier)
+        return entry, uid, uids, tier
+
+    def _lease_reply(self, conn: "Connection", uid: int, uids: list[int], tier: int, lease: Any) -> Reply:
+        """Enter a store lease in the lease table (a miss holds nothing: lease id 0, no
+        entry) and encode the reply, once the uid's tier share allows what was leased."""
+        if lease.keys:
+            try:  # the tier share, with what was leased (quotas.py)
+                self.quota.check_leased_blocks(uid, uids, self.leases.blocks_of(uid), lease.num_blocks, tier)
+            except QuotaExceededError:
+                self._release_later([lease])
+                raise
+        lease_id = self.leases.add(conn.id, lease, uid).lease_id if lease.keys else 0
+        return m.KeysReply(lease.keys, {"lease_id": lease_id}, tuple(lease.slots)).encode()
+
+    def _acquire_inline(self, entry: LayoutEntry, msg: m.PrefixRequest, scope: Scope) -> Any:
+        """The acquire done here on the event loop when it cannot wait on anything: no
+        release is queued (a connection's request must see its own releases done), the
+        store is the local one (a cluster node may fetch), the prompt is at most
+        ``INLINE_MAX_BLOCKS`` blocks (~0.4 us each: the loop is busy that long), and
+        ``Store.acquire_resident`` finds the lock free and every block in the device tier.
+        None when any of that fails: the caller goes through a worker. A miss is released
+        here (it holds nothing)."""
+        if (self._unreleased or entry.store is not entry.local
+                or len(msg.tokens) > INLINE_MAX_BLOCKS * entry.layout.block_size):
+            return None
+        lease = entry.local.acquire_resident(msg.tokens, scope, msg.block_extra, msg.max_blocks, msg.start_block)
+        if lease is not None and not lease.keys:
+            self._release_soon([lease])
+        return lease
+
+    def _release_soon(self, leases: list[Any]) -> None:
+        """End store leases now where their store's lock is free (on the loop: a release of
+        a few hundred blocks takes tens of microseconds), else queue them (_release_later);
+        after anything queued, queue too, so that releases end in order."""
+        if not self._unreleased:
+            leases = [lease for lease in leases if not self._try_release(lease)]
+        if leases:
+            self._release_later(leases)
+
+    @staticmethod
+    def _try_release(lease: Any) -> bool:
+        try_release = getattr(lease.store, "try_release", None)  # the local Store's; a cluster lease has none
+        if try_release is None:
+            return False
+        try:
+            return bool(try_release(lease))
+        except Exception:  # noqa: BLE001 - as in _flush_releases: logged, the others still end
+            log.exception("releasing a lease failed")
+            return True
+
+    async def release(self, conn: "Connection", msg: m.Release) -> Reply | None:
+        taken = [(i, self.leases.take(conn.id, i)) for i in msg.lease_ids]
+        leases = [lease for _, lease in taken if lease is not None]
+        unknown = [i for i, lease in taken if lease is None]
+        self._release_soon(leases)
+        problem = (f"lease {', '.join(map(str, unknown))} is not held by this connection (released, or expired "
+                   f"after {self.leases.timeout_s:g} s without renew)") if unknown else None
+        if not msg.reply:
+            if problem:
+                log.info("connection %d: %s", conn.id, problem)
+            return None  # the client waits for nothing
+        if problem:
+            raise LeaseError(problem)
+        await self.settle_releases()
+        return {}, b""
+
+    async def renew(self, conn: "Connection", msg: m.LeaseRef) -> Reply:
+        if not self.leases.renew(conn.id, msg.lease_id):
+            raise LeaseError(f"lease {msg.lease_id} is not held by this connection (released or expired)")
+        return {}, b""
+
+    # ---- ending leases ------------------------------------------------------------------------
+    async def release_all(self, leases: list) -> None:
+        """Release store leases taken out of the table (dead connection, timeout)."""
+        self._release_later(leases)
+        await self.settle_releases()
+
+    async def end_connection(self, conn: "Connection") -> int:
+        leases = self.leases.take_connection(conn.id)
+        for e in self.layouts.entries():  # a connection without HELLO may have staged on the only layout
+            e.staging.free_connection(conn.id)
+        await self.release_all(leases)
+        return len(leases)
+
+    async def expire_leases(self) -> int:
+        expired = self.leases.take_expired()
+        for h, _ in expired:
+            log.warning("lease %d of connection %d expired after %.0f s without renew; released",
+                        h.lease_id, h.conn_id, self.leases.timeout_s)
+        await self.release_all([lease for _, lease in expired])
+        return len(expired)
