@@ -83,10 +83,9 @@ class LeaseHandlers:
         return self._lease_reply(conn, uid, uids, tier, lease)
 
     async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
-        now = self.acquire_now(conn, msg)
-        if now is not None:
-            return now
-        entry, uid, uids, tier = self._acquire_checks(conn)
+        """The acquire in a worker: the server runs it when :meth:`acquire_now`, which it
+        tries first as the request is read, could not finish at once."""
+        entry, uid, _, tier = self._acquire_checks(conn)
         # The lease is counted from before the store call, so acquires in flight count: the
         # cap was checked before an await and concurrent acquires passed it together.
         reservation = self.leases.reserve(conn.id, uid, 0)
