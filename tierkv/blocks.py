@@ -244,9 +244,10 @@ class BlockTable:
         return slots
 
     def unlease_many(self, blocks: list[Block]) -> list[Block]:
-        """Drop one lease of each block; returns those nothing holds any more. A block
-        released more often than leased raises, with every count as it was before the call
-        (the counts dropped before it are restored: one pass in the common case)."""
+        """Drop one lease of each block; returns those nothing holds any more that are dead
+        or ephemeral (the only ones whose last release asks anything more of the caller). A
+        block released more often than leased raises, with every count as it was before
+        the call (the counts dropped before it are restored: one pass in the common case)."""
         unheld = []
         for i, b in enumerate(blocks):
             n = b.leases
@@ -255,7 +256,7 @@ class BlockTable:
                     done.leases += 1
                 raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
             b.leases = n - 1
-            if n == 1 and not b.busy:
+            if n == 1 and not b.busy and (b.dead or b.priority == Priority.EPHEMERAL):
                 unheld.append(b)
         return unheld
 

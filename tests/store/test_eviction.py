@@ -218,3 +218,27 @@ def test_ephemeral_prefix_is_never_written_to_disk(make_store):
     assert _chain_prefix_in(store, longer, "disk") == [False, False, True]
     store.set_priority(longer, SCOPE, Priority.PINNED)  # pinning makes the whole prefix durable
     assert _chain_prefix_in(store, longer, "disk") == [True, True, True]
+
+
+def test_ending_leases_in_one_pass_restores_counts_on_a_double_release():
+    """BlockTable.unlease_many drops one lease per block in one pass; a block released more
+    often than leased raises with every count as before; it hands back only the unheld
+    blocks whose release asks more of the caller (dead or ephemeral)."""
+    import pytest
+
+    from tierkv.blocks import Block, BlockTable
+    from tierkv.errors import LeaseError
+
+    def block(i: int, priority=Priority.NORMAL, leases=1, busy=0) -> Block:
+        return Block(key=bytes([i]) * 32, parent=b"", model_version="", namespace="", tokens=b"", checksum=0,
+                     priority=priority, leases=leases, busy=busy)
+
+    table = BlockTable()
+    a, b, c = block(1, leases=2), block(2), block(3, leases=0)
+    with pytest.raises(LeaseError):
+        table.unlease_many([a, b, c])
+    assert (a.leases, b.leases, c.leases) == (2, 1, 0)
+    eph, dead, busy, normal = block(4, Priority.EPHEMERAL), block(5), block(6, Priority.EPHEMERAL, busy=1), block(7)
+    dead.dead = True
+    assert table.unlease_many([a, eph, dead, busy, normal]) == [eph, dead]
+    assert [x.leases for x in (a, eph, dead, busy, normal)] == [1, 0, 0, 0, 0]
