@@ -107,7 +107,7 @@ class Leasing:
                 placement.stats_counters.record_acquire_resident(len(chain))
                 return self.lease_of(chain, start_block, resident)
             placement.stats_counters.record_acquire([b.top for b in chain])
-            if not plan and not waits:  # the chain ends where the device tier is full
+            if not plan and not waits:  # every leased block is in the device tier (the chain was cut short)
                 return self.lease_of(chain, start_block)
         try:
             failed = promotion.promote(plan)

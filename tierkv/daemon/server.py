@@ -20,9 +20,9 @@ fails never stops the daemon, which serves locally meanwhile (docs/cluster.md; r
 Per connection: frames are read in order; each request runs as its own task (at most
 ``max_inflight`` per connection) and replies carry the request id, so a slow put does not
 hold up a lookup. Two kinds are served as they are read, without a task: a one-way
-release, and an acquire that can finish at once (``Handlers.now``). A bad head (magic, version, length) or a truncated frame gets one error
-reply and the connection is closed; an undecodable header or unknown opcode gets an error
-reply and the connection goes on. Either way other clients are unaffected. A connection's
+release, and an acquire that can finish at once (``Handlers.now``). A bad head (magic,
+version, length) or a truncated frame gets one error reply and the connection is closed;
+an undecodable header or unknown opcode gets an error reply and the connection goes on. Either way other clients are unaffected. A connection's
 state and its replies: connection.py.
 """
 from __future__ import annotations
