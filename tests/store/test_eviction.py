@@ -2,9 +2,12 @@
 ephemeral blocks go when their lease ends."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tierkv import Priority
+from tierkv.blocks import Block, BlockTable
+from tierkv.errors import LeaseError
 from .kit import (SCOPE, assert_lease_exact, assert_prefix_order, keys_of, page_for, pages_for, put_chain,
                   tier_counts, tier_keys, toks)
 
@@ -224,11 +227,6 @@ def test_ending_leases_in_one_pass_restores_counts_on_a_double_release():
     """BlockTable.unlease_many drops one lease per block in one pass; a block released more
     often than leased raises with every count as before; it hands back only the unheld
     blocks whose release asks more of the caller (dead or ephemeral)."""
-    import pytest
-
-    from tierkv.blocks import Block, BlockTable
-    from tierkv.errors import LeaseError
-
     def block(i: int, priority=Priority.NORMAL, leases=1, busy=0) -> Block:
         return Block(key=bytes([i]) * 32, parent=b"", model_version="", namespace="", tokens=b"", checksum=0,
                      priority=priority, leases=leases, busy=busy)

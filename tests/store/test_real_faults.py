@@ -6,7 +6,6 @@ killed readers. Each test says which row of docs/operations.md ("What we survive
 Skipped only when not root or when the kernel lacks loop devices; as root (CI) they run."""
 from __future__ import annotations
 
-import os
 import resource
 import signal
 import subprocess

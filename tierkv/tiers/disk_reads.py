@@ -1,7 +1,7 @@
 """The disk tier's read path (kvikio into CUDA pages, buffered ``preadv`` with each run
-dropped from the page cache once read, or O_DIRECT into aligned buffers) and its read health: a read I/O error is a miss, never a
-deletion. :class:`DiskReads` is a part of :class:`tierkv.tiers.disk.DiskTier`, which holds
-the state it uses."""
+dropped from the page cache once read, or O_DIRECT into aligned buffers) and its read
+health: a read I/O error is a miss, never a deletion. :class:`DiskReads` is a part of
+:class:`tierkv.tiers.disk.DiskTier`, which holds the state it uses."""
 from __future__ import annotations
 
 import errno
