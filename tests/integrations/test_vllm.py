@@ -423,6 +423,35 @@ def test_a_prefix_queued_for_saving_is_not_saved_again_before_it_is_written():
     side.check_integrity()
 
 
+def test_the_queued_saves_are_checked_only_past_the_stored_prefix(monkeypatch):
+    # A lookup that finds every full block leaves nothing for a queued save to add: the
+    # prompt is not hashed again (a same-engine hit paid ~0.3 ms for it). One that finds
+    # less still counts the queued blocks after it as stored.
+    import tierkv.integrations.vllm_scheduler as vs
+
+    hashed = []
+    real = vs.iter_block_keys
+    monkeypatch.setattr(vs, "iter_block_keys", lambda *a, **k: hashed.append(1) or real(*a, **k))
+    blocks = [40, 41, 42, 43]
+    side = make_scheduler(hit_tokens=0, blocks_of={"a": blocks, "b": blocks, "c": blocks})
+    req = request("a", list(range(4 * B + 1)))
+    side.matched(req, 0)
+    side.allocated(req, blocks, 0)
+    assert len(side.build(scheduler_output(new=[("a", 0, 4 * B + 1)])).saves) == 1  # queued, not written
+    side.finished(req)
+    for rid, found, loaded in (("b", 4, 4), ("c", 2, 2)):
+        hashed.clear()
+        side.handle.hit_tokens = found * B
+        req = request(rid, list(range(4 * B + 1)))
+        assert side.matched(req, 0) == found * B
+        assert bool(hashed) == (found < 4)
+        side.allocated(req, blocks, loaded * B)
+        meta = side.build(scheduler_output(new=[(rid, loaded * B, 4 * B + 1 - loaded * B)]))
+        assert meta.saves == []  # stored, or queued already
+        side.finished(req)
+    side.check_integrity()
+
+
 def test_reads_start_when_blocks_are_promised():
     blocks = [10, 11, 12, 13, 14, 15]
     side = make_scheduler(hit_tokens=4 * B, blocks_of={"a": blocks, "b": blocks})

@@ -154,6 +154,8 @@ def test_only_full_blocks_get_keys(n_tokens, n_keys):
 @pytest.mark.parametrize("bad", [
     [-1, 2, 3, 4], [0, 2**31, 1, 2], [1.0, 2.0, 3.0, 4.0], [[1, 2], [3, 4]], np.array([1.5] * 4),
     torch.tensor([1.0, 2.0, 3.0, 4.0]), [True, False, True, True], [2**70, 1, 2, 3], 5, "abcd",
+    # Lists that begin with an int take the array("i") path and fail inside it:
+    [1, 2, 3, -4], [1, 2, 3, 2**31], [1, 2, 3, 4.0], [1, 2, 3, "4"], [1, 2, [3], 4], [1, 2**70, 3, 4],
 ])
 def test_bad_tokens_raise(bad):
     with pytest.raises(InvalidTokensError):
@@ -165,7 +167,8 @@ def test_bad_tokens_raise(bad):
 def test_token_forms_agree():
     ids = [0, 5, 2**31 - 1, 17]
     ref = block_keys(ids, SCOPE, BS)
-    for form in (np.array(ids, dtype=np.int64), np.array(ids, dtype=np.uint32), torch.tensor(ids), tuple(ids)):
+    for form in (np.array(ids, dtype=np.int64), np.array(ids, dtype=np.uint32), torch.tensor(ids), tuple(ids),
+                 [np.int64(i) for i in ids]):
         assert block_keys(form, SCOPE, BS) == ref
 
 

@@ -229,6 +229,13 @@ def scope_of(request: Any, model_version_hex: str) -> Scope:
     namespace = f"salt:{salt}" if salt else DEFAULT_NAMESPACE
     lora = getattr(request, "lora_request", None)
     extra = (f"lora:{lora.lora_name}",) if lora is not None else ()
+    return _scope(model_version_hex, namespace, extra)
+
+
+@lru_cache(maxsize=1024)
+def _scope(model_version_hex: str, namespace: str, extra: tuple[str, ...]) -> Scope:
+    # The same Scope object for a request's every call: its seed (a SHA-256 over the model
+    # version, namespace and extras) is computed once, not at each lookup, alloc and save.
     return Scope(model_version_hex, namespace, extra)
 
 

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ..identity import Scope, as_token_array, block_keys, iter_block_keys
@@ -114,7 +115,9 @@ class SchedulerSide:
         t0 = time.perf_counter()
         # Every full block, not just those vLLM may take: a prompt of whole blocks has its
         # last block stored too, and knowing it keeps that block from being saved again.
-        full = list(prompt[: len(prompt) // B * B])
+        # Converted once, for the lookup and the check of queued saves (a 4,096-token list
+        # took ~0.13 ms to convert, about 1% of a hit's time to first token on a CPU backend).
+        full = as_token_array(prompt[: len(prompt) // B * B])
         found = self.handle.lookup(full, scope)
         hit = min(found.tokens_matched // B * B, limit)
         stored = self._queued_after(full, scope, found.tokens_matched // B)
@@ -216,12 +219,15 @@ class SchedulerSide:
         while len(self._queued) > RECENT_SAVES:
             self._queued.popitem(last=False)
 
-    def _queued_after(self, tokens: list[int], scope: Scope, found: int) -> int:
-        """``found`` plus the blocks right after it that were planned for saving."""
-        if not self._queued:
-            return found
+    def _queued_after(self, tokens: np.ndarray, scope: Scope, found: int) -> int:
+        """``found`` plus the blocks right after it that were planned for saving (``tokens``:
+        the full blocks, as an int32 array)."""
+        if not self._queued or found >= len(tokens) // self.block_size:
+            return found  # nothing queued, or nothing after the stored prefix: no hashing
         n = found
-        for i, key in enumerate(iter_block_keys(as_token_array(tokens), scope.seed, self.block_size)):
+        # The whole chain is hashed here, not resumed from the lookup's last key: through a
+        # daemon those keys are the daemon's (its tenant salt), and the queued keys are ours.
+        for i, key in enumerate(iter_block_keys(tokens, scope.seed, self.block_size)):
             if i < found:
                 continue
             if key not in self._queued:

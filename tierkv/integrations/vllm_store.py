@@ -17,6 +17,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..backoff import Backoff
@@ -148,7 +149,7 @@ class StoreHandle:
                     pass
 
     # ---- the calls the connector makes --------------------------------------------------
-    def lookup(self, tokens: list[int], scope: Scope) -> LookupResult:
+    def lookup(self, tokens: list[int] | np.ndarray, scope: Scope) -> LookupResult:
         """The longest stored prefix (tokens a multiple of the block size, and the tier of
         each block); an empty result on failure."""
         store = self._get()
