@@ -10,6 +10,11 @@
    clients declare the layout), then N threads against an embedded store in one process;
    then 1 client against each. ``--runs`` rounds, interleaved; medians and the paired
    ratios daemon/embedded are reported. Latency: one whole iteration, client side.
+   With ``--rate R`` the N clients also offer R iterations/s in all (open loop: Poisson
+   arrivals, each iteration's latency counted from when it was due, so time spent queued
+   behind a slow one counts). A closed loop of N clients at X iterations/s has a mean
+   latency of N / X by Little's law whatever the daemon does; the open loop says what
+   latency a given load gets.
 2. Shared-memory reads: a client leases a 256 MiB prefix (256 pages of 1 MiB) and copies it
    out with ``lease.pages()`` (reading the daemon's device tier in place through shm),
    against a plain memcpy of 256 MiB in the same process (``np.copyto`` into a fresh array,
@@ -48,12 +53,20 @@ scope = Scope({mv!r}, "bench")
 prompts = [np.random.default_rng(i).integers(0, 30000, {tokens}).astype(np.int32) for i in range({n_prompts})]
 print("ready", flush=True)
 i = int(sys.argv[2])
-for line in sys.stdin:  # one measurement per line ("seconds"); EOF ends the client
+rng = np.random.default_rng(1000 + i)
+for line in sys.stdin:  # one measurement per line ("seconds [rate]"); EOF ends the client
+    seconds, *rate = map(float, line.split())
     lat, n = [], 0
-    end = time.perf_counter() + float(line)
+    end = time.perf_counter() + seconds
+    due = time.perf_counter()
     while time.perf_counter() < end:
+        if rate:  # open loop: Poisson arrivals at this client's rate; latency from when due
+            due += rng.exponential(1.0 / rate[0])
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
         toks = prompts[i % len(prompts)]; i += 1
-        t0 = time.perf_counter()
+        t0 = due if rate else time.perf_counter()
         lease = c.acquire(toks, scope)
         assert lease.tokens_matched == len(toks)
         lease.release()
@@ -123,10 +136,14 @@ def stop_clients(kids: list[subprocess.Popen]) -> None:
             k.kill()
 
 
-def bench_daemon(kids: list[subprocess.Popen], args: argparse.Namespace) -> dict:
+def bench_daemon(kids: list[subprocess.Popen], args: argparse.Namespace, rate: float | None = None) -> dict:
+    """Closed loop (each client's next iteration as soon as its last ends), or with
+    ``rate`` open loop: that many iterations/s offered in all, Poisson arrivals per client,
+    latency counted from each iteration's due time (so a backlog shows in it)."""
     t0 = time.perf_counter()
+    per_client = "" if rate is None else f" {rate / len(kids)}"
     for k in kids:
-        k.stdin.write(f"{args.seconds}\n")
+        k.stdin.write(f"{args.seconds}{per_client}\n")
         k.stdin.flush()
     results = [json.loads(k.stdout.readline()) for k in kids]
     wall = time.perf_counter() - t0
@@ -188,6 +205,8 @@ def bench_iterations(work: Path, args: argparse.Namespace) -> dict:
             for n, tag in ((args.clients, "n"), (1, "1")):
                 r.update({f"daemon_{tag}_{k}": v for k, v in bench_daemon(kids[:n], args).items()})
                 r.update({f"embedded_{tag}_{k}": v for k, v in bench_embedded(store, args, n).items()})
+            for rate in args.rate or ():
+                r.update({f"daemon_n_at_{rate:g}_{k}": v for k, v in bench_daemon(kids, args, rate).items()})
             print(f"round {run + 1}: {json.dumps(r)}", file=sys.stderr, flush=True)
             r["ratio_n_iterations"] = r["daemon_n_iterations_per_s"] / r["embedded_n_iterations_per_s"]
             r["ratio_1_latency_p50"] = r["daemon_1_p50_ms"] / r["embedded_1_p50_ms"]
@@ -239,6 +258,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096, help="prompt length")
     p.add_argument("--prompts", type=int, default=8, help="distinct cached prompts")
     p.add_argument("--repeats", type=int, default=5, help="repeats of the 256 MiB read (best kept)")
+    p.add_argument("--rate", type=float, action="append",
+                   help="also offer this many iterations/s in all from the N clients (open loop, Poisson "
+                        "arrivals; p99 from each iteration's due time); repeat for several rates")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvb-"))
