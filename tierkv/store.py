@@ -87,9 +87,10 @@ class Store(StoreAPI):
             reap_stale_regions(shm_dir)  # tiers of killed processes: nobody else unlinks them
             cuda = torch.cuda.is_available()
             self.device = MemoryTier(DEVICE, self.layout, config.device_bytes, config.resolved_device(), shm_dir,
-                                     codec=codec, limit_bytes=config.device_limit_bytes)
+                                     codec=codec, limit_bytes=config.device_limit_bytes,
+                                     populate=config.populate_memory)
             self.host = MemoryTier(HOST, self.layout, config.host_bytes, "cpu", shm_dir, pin=cuda, codec=codec,
-                                   limit_bytes=config.host_limit_bytes)
+                                   limit_bytes=config.host_limit_bytes, populate=config.populate_memory)
             self.disk = DiskTier(
                 home / "segments", self.layout, config.disk_bytes, config.segment_pages,
                 odirect=config.odirect, direct_reads=config.direct_reads, fsync=config.fsync, codec=codec,

@@ -145,6 +145,29 @@ def test_scatter_writes_only_the_given_blocks(split):
         assert torch.equal(cache[untouched], before[name][untouched])
 
 
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("scattered", [False, True])
+def test_copy_in_from_scattered_and_consecutive_slots(split, ratio, scattered):
+    # More runs than _MAX_RUN_COPIES take one indexed copy per layer and K/V, fewer one copy
+    # per run: both put each pool page in its block and touch no other block.
+    from tierkv.integrations.vllm_pages import _MAX_RUN_COPIES
+
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
+    n_blocks, n = 40, _MAX_RUN_COPIES + 4
+    caches = {f"l.{i}.attn": vllm_cache(layout, n_blocks, ratio, split) for i in range(2)}
+    before = {k: v.clone() for k, v in caches.items()}
+    paged = PagedKV(caches, layout, n_blocks, split)
+    pool = torch.randn(3 * n, *layout.shape)
+    slots = [3 * i + 1 for i in range(n)][::-1] if scattered else list(range(5, 5 + n))
+    blocks = list(range(20, 20 + n))
+    paged.copy_in(pool, slots, blocks)
+    assert torch.equal(paged.gather(blocks), pool[slots])
+    untouched = [k for b in range(n_blocks) if b not in blocks for k in range(b * ratio, (b + 1) * ratio)]
+    for name, cache in caches.items():
+        assert torch.equal(cache[untouched], before[name][untouched])
+
+
 def test_unexpected_cache_shapes_are_refused():
     layout = PageLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=B)
     with pytest.raises(UnsupportedCacheError):

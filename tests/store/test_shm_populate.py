@@ -91,3 +91,36 @@ def test_regions_populate_one_chunk_at_a_time(tmp_path, monkeypatch):
     finally:
         for r in regions:
             r.close()
+
+
+@pytest.mark.parametrize("populate", [False, True])
+def test_a_store_populates_its_memory_tiers_only_when_asked(tmp_path, populate):
+    """``populate_memory`` (the daemon sets it) faults the device and host tiers in behind
+    the open; by default nothing does, and the pages fault in on first use: an engine
+    that opens its store and serves at once must not share its cores with a populator."""
+    import tierkv
+    from tierkv import PageLayout, Scope
+
+    layout = PageLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float32")  # 8 KiB pages
+    store = tierkv.open(tmp_path / "home", layout, device="cpu", device_bytes=8 << 20, host_bytes=8 << 20,
+                        disk_bytes=0, shm_dir=tmp_path, populate_memory=populate)
+    try:
+        regions = [store.device.region, store.host.region]
+        for r in regions:
+            assert r is not None and (r._populator is not None) == populate
+            if r._populator is not None:
+                r._populator.join(timeout=30)
+        resident = [_rss_kib(r.path.name) for r in regions]
+        if populate:
+            assert all(kib >= (8 << 20) // 1024 * 0.95 for kib in resident), resident
+        else:
+            assert all(kib < 256 for kib in resident), resident  # untouched: sparse
+            # First use faults in what it writes, and the pages read back.
+            toks = list(range(4 * 16))
+            pages = torch.rand((4, *layout.shape))
+            store.put(toks, pages, Scope("ab" * 32))
+            with store.acquire(toks, Scope("ab" * 32)) as lease:
+                assert torch.equal(lease.pages(), pages)
+        store.check_integrity()
+    finally:
+        store.close()

@@ -105,6 +105,7 @@ class Daemon(RemoteKeeper, Reload):
             device_limit_bytes=limits.device_bytes, host_limit_bytes=limits.host_bytes,
             disk_limit_bytes=limits.disk_bytes, segment_pages=segment_pages, write_through=cfg.write_through,
             shm_dir=cfg.shm_dir, eviction_policy=cfg.eviction_policy, page_codec=cfg.page_codec,
+            populate_memory=True,  # a daemon starts ahead of its clients: it has the idle time
         ), socket_path=str(cfg.socket))
         if cfg.remote_enabled:
             try:

@@ -108,6 +108,10 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst.transpose(order), src.transpose(order))
 
 
+# Above this many runs a load copies with one indexed copy per layer and K/V (PagedKV._copy_np).
+_MAX_RUN_COPIES = 8
+
+
 def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(a, b, length) runs of pairs in which both members count up by one: a run of pool
     slots landing in a run of vLLM blocks is one copy per layer, whatever the block size."""
@@ -231,7 +235,18 @@ class PagedKV:
 
     def _copy_np(self, pool: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         src = pool.view(self._as_int).numpy()
-        for s, b, m in _runs(list(zip(slots, block_ids))):
+        runs = _runs(list(zip(slots, block_ids)))
+        if len(runs) > _MAX_RUN_COPIES:
+            # Scattered slots (pages promoted one by one land wherever the pool had room):
+            # one indexed copy per layer and K/V instead of one copy per run. 4,096 tokens in
+            # 128 scattered blocks of 32: 9.6 ms against 32 ms run by run (contiguous: 9.4 ms);
+            # few long runs are faster copied as runs (block 128, one run: 8.4 ms against 11).
+            s, b = np.asarray(slots, dtype=np.intp), np.asarray(block_ids, dtype=np.intp)
+            for layer, kv in enumerate(self._np):
+                for kind in (0, 1):
+                    kv[kind][b] = self._page_view(src, layer, kind)[s]
+            return
+        for s, b, m in runs:
             for layer, kv in enumerate(self._np):
                 for kind in (0, 1):
                     _copy(kv[kind][b : b + m], self._page_view(src[s : s + m], layer, kind))

@@ -38,11 +38,13 @@ def cpu_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 class MemoryTier:
     def __init__(
         self, name: TierName, layout: PageLayout, capacity_bytes: int, device: str, shm_dir: Path, pin: bool = False,
-        codec: PageCodec | None = None, limit_bytes: int | None = None,
+        codec: PageCodec | None = None, limit_bytes: int | None = None, populate: bool = False,
     ) -> None:
         """``capacity_bytes`` of slots; ``limit_bytes`` (default: all) is what may be used
-        now (:meth:`set_limit`): in shared memory the slots above it stay sparse."""
+        now (:meth:`set_limit`): in shared memory the slots above it stay sparse. ``populate``:
+        fault the usable slots in on a background thread (StoreConfig.populate_memory)."""
         self.name = name
+        self.populate = populate
         self.layout = layout
         self.device = torch.device(device)
         self.region: SharedRegion | None = None
@@ -52,7 +54,8 @@ class MemoryTier:
         if self.encoded:
             self.stride_bytes = self.codec.slot_bytes
             slots = capacity_bytes // self.stride_bytes
-            self.region = SharedRegion.create(shm_dir, f"tierkv-{name.value}", slots * self.stride_bytes)
+            self.region = SharedRegion.create(shm_dir, f"tierkv-{name.value}", slots * self.stride_bytes,
+                                               populate_bytes=None if populate else 0)
             if pin:
                 self.region.pin()
             assert self.region.bytes is not None
@@ -67,7 +70,8 @@ class MemoryTier:
             # CPU stand-in for the device pool is packed like the CUDA one.
             self.stride_bytes = layout.slot_bytes if name == TierName.HOST else layout.page_bytes
             slots = capacity_bytes // self.stride_bytes
-            self.region = SharedRegion.create(shm_dir, f"tierkv-{name.value}", slots * self.stride_bytes)
+            self.region = SharedRegion.create(shm_dir, f"tierkv-{name.value}", slots * self.stride_bytes,
+                                               populate_bytes=None if populate else 0)
             if pin:
                 self.region.pin()
             self._pool = self._view_pool(self.region, layout, slots)
@@ -106,7 +110,7 @@ class MemoryTier:
         self.slots.set_limit(limit)
         if self.region is None:
             return  # a CUDA pool is allocated whole: a limit bounds its use, not its memory
-        self.region.set_populate_end(limit * self.stride_bytes)
+        self.region.set_populate_end(limit * self.stride_bytes if self.populate else 0)
         start = limit
         for slot in [*self.slots.used_above_limit(), self.slots.capacity]:  # free runs between used slots
             if slot > start:
