@@ -93,12 +93,16 @@ def measure(form: str, args: argparse.Namespace, work: Path) -> dict:
             os._exit(0)
     try:
         deadline = time.monotonic() + 30
-        while not os.path.exists(path):
-            if time.monotonic() > deadline:
-                raise SystemExit("server did not start")
-            time.sleep(0.01)
-        sock = socket.socket(socket.AF_UNIX)
-        sock.connect(path)
+        while True:  # the path exists from bind(), before listen(): retry until it accepts
+            sock = socket.socket(socket.AF_UNIX)
+            try:
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise SystemExit("server did not start") from None
+                time.sleep(0.01)
         request = HEAD.pack(args.request_bytes) + b"q" * args.request_bytes
 
         def round_trip() -> None:

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="4 layers, hidden 256, 1,024-token prefix")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--populate-memory", action="store_true",
+                    help="fault the memory tiers in behind each open (StoreConfig.populate_memory; off by default)")
     ap.add_argument("--prefix-tokens", type=int, default=None)
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(tmp.name)
     home = args.home or work / "home"
     store_opts = dict(device_bytes=layout.page_bytes * (len(tokens) // 16 + 8), host_bytes=1 << 30,
-                      disk_bytes=max(1 << 30, 2 * layout.slot_bytes * (len(tokens) // 16 + 8)))
+                      disk_bytes=max(1 << 30, 2 * layout.slot_bytes * (len(tokens) // 16 + 8)),
+                      populate_memory=args.populate_memory)
     log(f"model: {params / 1e6:.0f}M parameters, {args.layers} layers; prefix {args.prefix} + question "
         f"{args.question_tokens} tokens; page {layout.page_bytes} bytes; device {args.device}")
 
