@@ -32,13 +32,11 @@ machine whose speed drifts favours neither side):
 
 Every timed request's greedy first token and top-5 logprobs, and the no-reuse workload's
 generated tokens, are compared with vLLM alone (prefix caching off). Reported: medians per
-scenario and medians of the per-round ratios (paired in the same round).
+scenario and medians of the per-round ratios (paired in the same round). The last line
+printed with ``--json`` is one JSON object.
 
-    /path/to/vllm-venv/bin/python scripts/bench_vllm.py --json
     /path/to/vllm-venv/bin/python scripts/bench_vllm.py --block-size 32 --json
     /path/to/vllm-venv/bin/python scripts/bench_vllm.py --small --json     # a quick check
-
-The last line printed with ``--json`` is one JSON object.
 """
 from __future__ import annotations
 
@@ -322,9 +320,8 @@ def main() -> int:
                 eng.close()
                 return t
 
-            # vLLM's own hit is measured before the tierkv engines in even rounds and after
-            # them in odd ones: this machine's speed drifts over minutes (the same hit in
-            # five fresh engines in a row: 25-30 ms), and a fixed order would favour one side.
+            # vLLM's own hit before the tierkv engines in rounds 1, 3, ... and after them in 2, 4, ...:
+            # the machine's speed drifts over minutes, and a fixed order would favour one side.
             apc = run_apc() if rnd % 2 == 0 else None
             hits: dict[str, float] = {}
             for name, connector in (("tierkv_embedded", embedded), ("tierkv_daemon", via_daemon)):
