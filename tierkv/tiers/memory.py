@@ -54,10 +54,7 @@ class MemoryTier:
         if self.encoded:
             self.stride_bytes = self.codec.slot_bytes
             slots = capacity_bytes // self.stride_bytes
-            self.region = SharedRegion.create(shm_dir, f"tierkv-{name.value}", slots * self.stride_bytes,
-                                               populate_bytes=None if populate else 0)
-            if pin:
-                self.region.pin()
+            self.region = self._map_region(shm_dir, slots, pin)
             assert self.region.bytes is not None
             self._pool = self.region.bytes.view(slots, self.stride_bytes)[:, : self.codec.stored_bytes] if slots \
                 else torch.empty((0, self.codec.stored_bytes), dtype=torch.uint8)
@@ -70,15 +67,21 @@ class MemoryTier:
             # CPU stand-in for the device pool is packed like the CUDA one.
             self.stride_bytes = layout.slot_bytes if name == TierName.HOST else layout.page_bytes
             slots = capacity_bytes // self.stride_bytes
-            self.region = SharedRegion.create(shm_dir, f"tierkv-{name.value}", slots * self.stride_bytes,
-                                               populate_bytes=None if populate else 0)
-            if pin:
-                self.region.pin()
+            self.region = self._map_region(shm_dir, slots, pin)
             self._pool = self._view_pool(self.region, layout, slots)
         self.slots = SlotAllocator(slots, on_release_above=self._discard)
         if limit_bytes is not None:
             self.set_limit(limit_bytes)
         self._bytes_view: np.ndarray | None = None  # the CPU pool as bytes, made on first write_many
+
+    def _map_region(self, shm_dir: Path, slots: int, pin: bool) -> SharedRegion:
+        """The shared-memory region of ``slots`` slots at this tier's stride, populated in the
+        background only when the tier is (``populate``), page-locked with ``pin``."""
+        region = SharedRegion.create(shm_dir, f"tierkv-{self.name.value}", slots * self.stride_bytes,
+                                     populate_bytes=None if self.populate else 0)
+        if pin:
+            region.pin()
+        return region
 
     def _view_pool(self, region: SharedRegion, layout: PageLayout, slots: int) -> torch.Tensor:
         """The region's bytes seen as ``[slots, *layout.shape]`` with this tier's slot stride."""
