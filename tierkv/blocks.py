@@ -42,6 +42,11 @@ _PRIORITY_NAME = {p: p.name.lower() for p in Priority}
 
 @dataclass(eq=False, slots=True)  # slots: one per stored block, created at every put
 class Block:
+    # ``loc`` and ``children`` hold only str, int and bytes (tier names as plain str, which
+    # equal and hash as the TierName members, and child keys as the keys of a dict): such
+    # dicts are not tracked by Python's cyclic garbage collector, so a block is one tracked
+    # object instead of three. A full collection walks every tracked object; with a
+    # 200,000-block table it took 159 ms before this, and a daemon pauses for that long.
     key: bytes
     parent: bytes
     model_version: str
@@ -49,10 +54,10 @@ class Block:
     tokens: bytes
     checksum: int
     priority: Priority
-    loc: dict[TierName, int] = field(default_factory=dict)
+    loc: dict[str, int] = field(default_factory=dict)  # TierName value -> slot (BlockTable.place)
     leases: int = 0
     busy: int = 0  # in-flight reads of this block's pages (outside the store lock)
-    children: set[bytes] = field(default_factory=set)
+    children: dict[bytes, None] = field(default_factory=dict)  # child keys (a set, kept untracked)
     dead: bool = False  # invalidated or quarantined; freed when the last lease ends
     # The fastest tier holding the block ("" for none), kept by BlockTable.place/unplace so
     # that a lookup of thousands of blocks need not search each block's locations.
@@ -82,11 +87,12 @@ class BlockTable:
         """``policy`` names the eviction order of every tier (see :mod:`tierkv.policy`);
         ``capacities`` (slots per tier) bound the policies' ghost lists."""
         self.blocks: dict[bytes, Block] = {}
-        # Children whose parent is not in the table, by parent key: an extension can be
+        # Children whose parent is not in the table, by parent key (a dict of keys, as
+        # Block.children): an extension can be
         # stored before its prefix (put with start_block > 0) or outlive it in another tier;
         # when the prefix arrives it must learn its children, or leaf-first eviction could
         # take it from under them.
-        self._orphans: dict[bytes, set[bytes]] = {}
+        self._orphans: dict[bytes, dict[bytes, None]] = {}
         # One policy per tier and priority class: victims come from ephemeral first, then
         # normal, then pinned, each class in its policy's order.
         caps = capacities or {}
@@ -107,35 +113,52 @@ class BlockTable:
         return self.blocks.get(key)
 
     def add(self, block: Block) -> None:
-        assert block.key not in self.blocks and not block.loc
-        self.blocks[block.key] = block
-        orphans = self._orphans.pop(block.key, None)
-        if orphans:
-            block.children |= orphans
-        self._link(block)
+        assert block.key not in self.blocks
+        self.add_new([block])
+
+    def add_new(self, blocks: list[Block]) -> None:
+        """Enter each block of ``blocks`` that is not in the table yet (a put's new blocks,
+        in chain order, in one loop): linked to its parent, or an orphan until the parent
+        comes; children that came before it are adopted."""
+        table, orphans_of, get = self.blocks, self._orphans, self.blocks.get
+        for b in blocks:
+            key = b.key
+            if key in table:
+                continue
+            assert not b.loc
+            table[key] = b
+            if orphans_of:
+                orphans = orphans_of.pop(key, None)
+                if orphans:
+                    b.children.update(orphans)
+            parent = get(b.parent)  # = _link(b)
+            if parent is not None:
+                parent.children[key] = None
+            else:
+                orphans_of.setdefault(b.parent, {})[key] = None
 
     def _link(self, block: Block) -> None:
         parent = self.blocks.get(block.parent)
         if parent is not None:
-            parent.children.add(block.key)
+            parent.children[block.key] = None
         else:
-            self._orphans.setdefault(block.parent, set()).add(block.key)
+            self._orphans.setdefault(block.parent, {})[block.key] = None
 
     def _unlink(self, block: Block) -> None:
         """Forget ``block`` as a child; its own children become orphans."""
         parent = self.blocks.get(block.parent)
         if parent is not None:
-            parent.children.discard(block.key)
+            parent.children.pop(block.key, None)
         siblings = self._orphans.get(block.parent)
         if siblings is not None:
-            siblings.discard(block.key)
+            siblings.pop(block.key, None)
             if not siblings:
                 del self._orphans[block.parent]
         if block.children:  # most blocks that go are leaves: nothing to hand on
-            live = {c for c in block.children if c in self.blocks}
+            live = [c for c in block.children if c in self.blocks]
             if live:
-                self._orphans.setdefault(block.key, set()).update(live)
-            block.children = set()
+                self._orphans.setdefault(block.key, {}).update(dict.fromkeys(live))
+            block.children = {}
 
     def rebuild_children(self) -> None:
         """Recompute every child set in one pass (after loading the index, where children
@@ -165,7 +188,7 @@ class BlockTable:
 
     def place(self, block: Block, tier: TierName, slot: int) -> None:
         assert tier not in block.loc, f"block already in {tier.value}"
-        block.loc[tier] = slot
+        block.loc[_TIER_VALUE[tier]] = slot  # the plain str (see Block)
         block._update_top()
         self._order[tier][block.priority].add(block.key, block.hint)
 
@@ -210,8 +233,8 @@ class BlockTable:
     @contextlib.contextmanager
     def held(self, blocks: Iterable[Block], on_unheld: Callable[[Block], None] | None = None) -> Iterator[list[Block]]:
         """Keep ``blocks`` busy (never a victim) for the scope; every one is released even
-        when the body raises, and ``on_unheld(b)`` is called for each block nothing holds
-        any more (the store frees dead blocks there)."""
+        when the body raises, and ``on_unheld(b)`` is called for each dead block nothing
+        holds any more (the store frees it there)."""
         blocks = list(blocks)
         for b in blocks:  # = busy(b), written out: a put holds its whole chain
             b.busy += 1
@@ -222,7 +245,7 @@ class BlockTable:
             for b in blocks:  # = unbusy(b), written out
                 assert b.busy > 0, f"block {b.key.hex()[:12]}: busy count below zero"
                 b.busy -= 1
-                if not b.busy and not b.leases:
+                if b.dead and not b.busy and not b.leases:
                     unheld.append(b)
             if on_unheld is not None:
                 for b in unheld:
@@ -322,28 +345,56 @@ class BlockTable:
 
     def place_dropping(self, blocks: list[Block], tier: TierName, slots: "SlotAllocator") -> tuple[list[int], int]:
         """Place ``blocks`` in ``tier`` in order, each in a slot of ``slots`` (the tier's
-        allocator), making room with :meth:`drop_victim`: the caller has checked that an
+        allocator), making room by dropping victims: the caller has checked that an
         eviction from ``tier`` only drops (no lower tier, no listener). Stops at the first
         block for which nothing can be evicted; returns the slots of those placed (the
-        first ``len`` blocks) and the number of evictions. One loop for a put into a full
-        tier, with ``place`` written out (scripts/replay_trace.py, issue #12)."""
-        alloc, free, drop = slots.alloc, slots.free, self.drop_victim
+        first ``len`` blocks) and the number of evictions.
+
+        One loop for a put into a full tier (scripts/replay_trace.py, issue #12): ``place``
+        and :meth:`drop_victim` written out, a victim's slot handed straight to the new
+        block, and the victim search's common case (the policy's head is an unheld leaf)
+        tried before :meth:`victim`. Each step is the one the methods would take, in the
+        same order, so the policy sees the same calls."""
+        alloc, reuse = slots.alloc, slots.reuse
         orders = self._order[tier]
+        victim_order = self._victim_order[tier]
+        table, victim_of, unlink = self.blocks, self.victim, self._unlink
+        value = _TIER_VALUE[tier]  # the key of loc (see Block)
+        counts = self.evicted_by[value]
+        name = value if tier is TIERS[0] else None  # a new block's top tier, when it is the fastest
         placed: list[int] = []
+        append = placed.append
         evicted = 0
         for b in blocks:
             slot = alloc()
             while slot is None:
-                freed = drop(tier)
-                if freed is None:
+                v = None
+                for order in victim_order:  # = victim(tier), its first test written out
+                    if order:
+                        v = table[order.head()]
+                        if v.children or v.leases or v.busy or v.priority == Priority.PINNED:
+                            v = victim_of(tier)
+                        break
+                if v is None:
                     return placed, evicted
+                # = drop_victim: unplace(v, tier, evicted=True), then remove(v) if no tier holds it
+                old = v.loc.pop(tier)
+                v._update_top()
+                segment = orders[v.priority].remove(v.key, True)
+                reason = segment if v.priority == Priority.NORMAL else _PRIORITY_NAME[v.priority]
+                counts[reason] = counts.get(reason, 0) + 1
+                if not v.loc and table.get(v.key) is v:
+                    del table[v.key]
+                    unlink(v)
                 evicted += 1
-                free(freed)
-                slot = alloc()
-            b.loc[tier] = slot  # = place(b, tier, slot)
-            b._update_top()
+                slot = reuse(old)
+            b.loc[value] = slot  # = place(b, tier, slot)
+            if name is not None and len(b.loc) == 1:
+                b.top = name
+            else:
+                b._update_top()
             orders[b.priority].add(b.key, b.hint)
-            placed.append(slot)
+            append(slot)
         return placed, evicted
 
     def drop_victim(self, tier: TierName) -> int | None:
@@ -370,11 +421,13 @@ class BlockTable:
             assert b.key == k and b.leases >= 0 and b.busy >= 0
             assert b.top == (b.top_tier.value if b.top_tier is not None else ""), "cached top tier is stale"
             assert b.loc, f"block {k.hex()[:12]} has no pages in any tier"
-            assert b.children <= self.blocks.keys(), "child set names a block not in the table"
+            assert not b.dead, f"block {k.hex()[:12]} is dead but still in the table"
+            assert b.children.keys() <= self.blocks.keys(), "child set names a block not in the table"
+            assert all(type(t) is str for t in b.loc), "a location keyed by a TierName member (see Block)"
             for c in b.children:
                 assert self.blocks[c].parent == k, "child set names a block of another parent"
             parent = self.blocks.get(b.parent)
-            links = parent.children if parent is not None else self._orphans.get(b.parent, set())
+            links = parent.children if parent is not None else self._orphans.get(b.parent, {})
             assert k in links, f"block {k.hex()[:12]} missing from its parent's children"
         for pk, kids in self._orphans.items():
-            assert pk not in self.blocks and kids and kids <= self.blocks.keys(), "stale orphan entry"
+            assert pk not in self.blocks and kids and kids.keys() <= self.blocks.keys(), "stale orphan entry"

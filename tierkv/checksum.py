@@ -5,10 +5,13 @@ verification, on top of the token-id comparison every hit already makes.
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 import xxhash
 
+_SEED = struct.Struct("<Q")  # a page's checksum seed: the first 8 bytes of its key, little-endian
 # torch dtypes numpy can view without a copy (bfloat16 and the fp8 types it cannot).
 _NUMPY_DTYPES = frozenset({torch.float32, torch.float16, torch.float64, torch.uint8, torch.int8, torch.int16,
                            torch.int32, torch.int64})
@@ -35,4 +38,9 @@ def page_checksums(keys: list[bytes], pages: torch.Tensor, rows: list[int]) -> l
     if not keys:
         return []
     data = page_rows(pages)
-    return [xxhash.xxh3_64_intdigest(data[r], seed=int.from_bytes(k[:8], "little")) for k, r in zip(keys, rows)]
+    # Rows as slices of one flat memoryview (a numpy row view per page cost more than the
+    # hash of a small page), the seed as page_checksum takes it: the key's first 8 bytes.
+    step = data.shape[1]
+    flat = memoryview(np.ascontiguousarray(data).reshape(-1))
+    digest, seed = xxhash.xxh3_64_intdigest, _SEED.unpack_from
+    return [digest(flat[r * step : (r + 1) * step], seed(k)[0]) for k, r in zip(keys, rows)]

@@ -103,27 +103,28 @@ class Ingest:
             # The eviction policy's insertion class (tierkv/policy.py): did the request find
             # a cached prefix, and which block is the put's last.
             cont = HINT_CONTINUATION if start_block > 0 or (keys and keys[0] in self.table.blocks) else HINT_FRESH
+            writing, mv, ns = self._writing, scope.model_version, scope.namespace  # bound once: read per block
+            last = start_block + n - 1
             for i in range(start_block, start_block + n):
-                old = get(keys[i])
-                if old is not None and old.tokens != raw[i * step : (i + 1) * step]:
+                key = keys[i]
+                tokens_i = raw[i * step : (i + 1) * step]
+                old = get(key)
+                if old is not None:
+                    if old.tokens == tokens_i:
+                        continue  # stored already
                     # A stored block under this key with other token ids (a corrupt record or
                     # a collision): it can never be served, so the new block replaces it.
                     self.stats_counters.token_mismatch += 1
                     if not self.placement.quarantine(old, "stored token ids differ from a put's"):
                         continue  # the index refused the quarantine: keep the old one, store nothing
-                    old = None
-                if keys[i] in self._writing or old is not None:
-                    continue
-                self._writing.add(keys[i])
-                row_of[keys[i]] = i - start_block
+                if key in writing:
+                    continue  # another put is storing it
+                writing.add(key)
+                row_of[key] = i - start_block
                 # The checksum is filled in below, before the block is indexed or entered in
-                # the table (nothing sees it before then).
-                b = Block(
-                    key=keys[i], parent=keys[i - 1] if i else scope.seed, model_version=scope.model_version,
-                    namespace=scope.namespace, tokens=raw[i * step : (i + 1) * step], checksum=0, priority=priority,
-                    hint=cont | (HINT_TAIL if i == start_block + n - 1 else 0),
-                )
-                new.append(b)
+                # the table (nothing sees it before then). Positional: Block's field order.
+                new.append(Block(key, keys[i - 1] if i else scope.seed, mv, ns, tokens_i, 0, priority,
+                                 hint=cont | HINT_TAIL if i == last else cont))
             # Making room on disk must not evict this request's own blocks; those cached only
             # in memory (put while the disk was degraded, or in write-back mode) go to disk
             # first, so that the disk tier holds whole prefixes.
@@ -147,7 +148,8 @@ class Ingest:
             # per block cost more than the hashing of small pages).
             # With a page codec the checksum covers the stored (encoded) form (tierkv/codec.py).
             stored = self.disk.codec.to_stored(pages) if new else pages  # nothing to encode for a repeat
-            for b, s in zip(new, page_checksums([b.key for b in new], stored, [row_of[b.key] for b in new])):
+            # row_of: the new blocks' keys and page rows, in the order of ``new``
+            for b, s in zip(new, page_checksums(list(row_of), stored, list(row_of.values()))):
                 b.checksum = s
             if disk_plan:
                 items = [(loc, stored[row_of[b.key]].detach().cpu()) for loc, b in disk_plan]
@@ -200,16 +202,14 @@ class Ingest:
             self.table.add(b)
             self.table.place(b, DISK, loc)
         get = self.table.blocks.get  # = table.get, bound once: called for every block
-        for b in new:
-            if get(b.key) is None:
-                self.table.add(b)
-        chain = [blk for k in keys if (blk := get(k)) is not None]
+        self.table.add_new(new)
+        chain = [blk for blk in map(get, keys) if blk is not None]
         try:
             with self.placement.held(chain):
                 if not disk_plan and self.placement.drops_only(DEVICE):
                     # One memory tier, nothing below it: place and evict in one loop.
                     placed = self.placement.place_new_dropping(new, DEVICE)
-                    self.placement.device.write_many(placed, pages, [row_of[b.key] for b in new[: len(placed)]])
+                    self.placement.device.write_many(placed, pages, list(row_of.values())[: len(placed)])
                     for b in new[len(placed):]:  # every block there is leased or held
                         self.stats_counters.admissions_refused += 1
                         self.table.remove(b)
@@ -219,7 +219,7 @@ class Ingest:
             self._unplace_new(new)
             raise
         finally:
-            self._writing.difference_update(b.key for b in new)
+            self._writing.difference_update(row_of)  # the keys of ``new``
         self.table.touch_chain([blk for blk in chain if get(blk.key) is blk], hit=False)
 
     def _place_general(self, new: list[Block], pages: torch.Tensor, row_of: dict[bytes, int],

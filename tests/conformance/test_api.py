@@ -338,8 +338,8 @@ def test_check_integrity_sees_a_damaged_store(kind):
         impl.api.check_integrity()
         local = impl.local
         with local.placement.lock:  # damage: a device slot freed behind the block table's back
-            block = next(b for b in local.placement.table.blocks.values() if "device" in {t.value for t in b.loc})
-            slot = next(s for t, s in block.loc.items() if t.value == "device")
+            block = next(b for b in local.placement.table.blocks.values() if "device" in b.loc)
+            slot = block.loc["device"]
             local.device.slots.free(slot)
         with pytest.raises(AssertionError, match="device"):
             impl.api.check_integrity()

@@ -148,11 +148,34 @@ def test_metrics_endpoint(workdir):
         for name in ("tierkv_lookups_total 1.0", 'tierkv_hit_blocks_total{tier="device"} 4.0',
                      'tierkv_tier_used_bytes{tier="device"}', "tierkv_evictions_total", "tierkv_promotions_total",
                      "tierkv_demotions_total", "tierkv_quarantined_blocks_total", "tierkv_leased_blocks 4.0",
-                     'tierkv_request_seconds_bucket{le="0.001",op="lookup"}', "tierkv_daemon_connections 1.0"):
+                     'tierkv_request_seconds_bucket{le="0.001",op="lookup"}', "tierkv_daemon_connections 1.0",
+                     'tierkv_daemon_gc_collections_total{generation="0"}',
+                     'tierkv_daemon_gc_pause_max_seconds{generation="2"}'):
             assert name in text, name
         assert "python_gc" not in text  # a private registry
     finally:
         d.stop()
+    import gc
+    assert d.daemon.gc_pauses._on_gc not in gc.callbacks  # a daemon in a thread leaves no callback behind
+    assert gc.get_freeze_count() == 0  # nor a frozen heap in the program that ran it
+
+
+def test_the_daemon_process_freezes_its_startup_heap_and_reports_gc_pauses(workdir):
+    """`tierkv serve` moves its startup heap (imports: torch, numpy, tierkv) out of the
+    garbage collector's reach before serving, so a full collection no longer walks it
+    (tierkv/daemon/gc_pauses.py); every collection's pause is counted in stats."""
+    proc = spawn_daemon(workdir, "--shm-dir", str(workdir / "shm"))
+    try:
+        with tierkv.connect(workdir / "run" / "d.sock") as c:
+            for i in range(20):  # enough allocation for some young collections
+                c.put(prompt(48, seed=500 + i), pages_for(3, 500 + i), SCOPE)
+            gc_stats = c.stats()["daemon"]["gc"]
+        assert gc_stats["frozen_objects"] > 10_000, gc_stats  # the imports alone are ~170,000
+        assert len(gc_stats["collections"]) == 3 and gc_stats["collections"][0] > 0, gc_stats
+        assert all(m >= 0 for m in gc_stats["pause_ms_max"]) and gc_stats["pause_ms_max"][0] > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read().decode()[-2000:]
 
 
 def test_config_precedence_flags_over_file_over_env(tmp_path):

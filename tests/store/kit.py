@@ -67,8 +67,8 @@ def tier_keys(store: Store) -> dict[str, set[bytes]]:
     out: dict[str, set[bytes]] = {t.value: set() for t in TierName}
     with store.placement.lock:
         for b in store.placement.table.blocks.values():
-            for t in b.loc:
-                out[t.value].add(b.key)
+            for t in b.loc:  # keyed by the tier's name (a plain str: see tierkv.blocks.Block)
+                out[TierName(t).value].add(b.key)
     return out
 
 
@@ -94,7 +94,7 @@ def assert_prefix_order(store: Store) -> None:
                 continue
             for t in b.loc:
                 assert any(order[pt] <= order[t] for pt in parent.loc), (
-                    f"block in {t.value} whose prefix sits only in {[p.value for p in parent.loc]}"
+                    f"block in {t} whose prefix sits only in {list(parent.loc)}"
                 )
 
 

@@ -240,3 +240,28 @@ def test_ending_leases_in_one_pass_restores_counts_on_a_double_release():
     dead.dead = True
     assert table.unlease_many([a, eph, dead, busy, normal]) == [eph, dead]
     assert [x.leases for x in (a, eph, dead, busy, normal)] == [1, 0, 0, 0, 0]
+
+
+def test_a_stored_block_is_one_object_for_the_garbage_collector(make_store):
+    """A block's locations and child keys are dicts of str/int and bytes/None, which
+    Python's cyclic GC does not track: a full collection walks one object per block, not
+    three. Extensions stored before their prefix (orphans) are adopted, evictions hand
+    children on, and the table's check keeps the location keys plain str."""
+    import gc
+
+    store = make_store()  # device 4, host 4, disk
+    a = toks(300, 6)
+    pages = pages_for(a)
+    store.put(a, pages[4:], SCOPE, start_block=4)  # blocks 4..5 first: orphans until their prefix comes
+    store.put(a, pages[:4], SCOPE)
+    put_chain(store, toks(301, 4))  # evicts some of a from the device
+    table = store.placement.table
+    with store.placement.lock:
+        blocks = list(table.blocks.values())
+        assert len(blocks) == 10 and all(b.loc for b in blocks)
+        for b in blocks:
+            assert not gc.is_tracked(b.loc) and not gc.is_tracked(b.children), b.loc
+            assert all(type(t) is str for t in b.loc)
+        keys = keys_of(a)
+        assert keys[5] in table.get(keys[4]).children and keys[4] in table.get(keys[3]).children
+        table.check_integrity()

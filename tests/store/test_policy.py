@@ -241,6 +241,23 @@ def test_store_replay_equals_policy_model(tmp_path, policy):
     assert rps > 0 and stats["eviction_policy"] == policy
 
 
+def test_replay_ab_script_replays_two_trees_in_lockstep(tmp_path, capsys):
+    """scripts/replay_ab.py: this tree against a git revision's tierkv (here HEAD), side by
+    side in one process; it refuses to report a speed when the two stores' hits differ."""
+    spec = importlib.util.spec_from_file_location("replay_ab", ROOT / "scripts" / "replay_ab.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    rc = mod.main([str(_small_trace(tmp_path)), "--limit", "60", "--capacity", "100", "--repeat", "2", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    (row,) = out["rows"]
+    assert row["capacity"] == 100 and len(row["runs"]) == 2 and out["requests"] == 60
+    model = simulate_policy(read_trace(_small_trace(tmp_path), limit=60), 100, "arc")
+    for run in row["runs"]:
+        assert run["block_hits"] == sum(model.hits) and run["speedup"] > 0 and run["base_rps"] > 0
+
+
 def test_replay_script_json(tmp_path, capsys):
     mod = _replay_module()
     rc = mod.main([str(_small_trace(tmp_path)), "--limit", "120", "--capacity", "300", "--json"])

@@ -186,6 +186,60 @@ def test_slot_allocator_transitions():
         SlotAllocator(-1)
 
 
+def test_slot_allocator_hands_out_the_lowest_free_slot_whatever_the_free_order():
+    """Against a model (the minimum of a set): random allocs and frees, ascending and
+    descending runs of frees (a daemon's commit frees its staging slots in ascending
+    order), a lowered limit."""
+    import random
+
+    rng = random.Random(7)
+    a, free = SlotAllocator(64), set(range(64))
+    for step in range(3000):
+        if step == 1500:
+            a.set_limit(40)
+        limit_ok = [s for s in free if s < a.limit] if len(a.used_slots()) < a.limit else []
+        if rng.random() < 0.55:
+            got = a.alloc()
+            assert got == (min(limit_ok) if limit_ok else None)
+            free.discard(got)
+        elif a.used_slots():
+            used = sorted(a.used_slots())
+            run = used[: rng.randint(1, 8)] if rng.random() < 0.5 else used[-rng.randint(1, 8):][::-1]
+            for s in run:
+                a.free(s)
+                free.add(s)
+        if step % 250 == 0:
+            a.check_integrity()
+    a.check_integrity()
+
+
+def test_slot_allocator_reuse_is_free_then_alloc():
+    """reuse(slot) hands the slot on without touching the free list only where free(slot)
+    then alloc() would give that very slot; elsewhere it is those two calls."""
+    def twins(n: int, used: int, limit: int | None = None) -> list[SlotAllocator]:
+        out = []
+        for _ in range(2):
+            a = SlotAllocator(n)
+            for _ in range(used):
+                a.alloc()
+            if limit is not None:
+                a.set_limit(limit)
+            out.append(a)
+        return out
+
+    cases = [(4, 4, None, 2), (4, 3, None, 2), (4, 4, 2, 1), (4, 4, 2, 3), (4, 4, 3, 0)]
+    for n, used, limit, slot in cases:  # full, one free, lowered limits below and above the slot
+        a, b = twins(n, used, limit)
+        b.free(slot)
+        assert a.reuse(slot) == b.alloc(), (n, used, limit, slot)
+        assert a.used_slots() == b.used_slots() and a.num_free == b.num_free
+        a.check_integrity()
+    a = SlotAllocator(2)
+    a.alloc()
+    with pytest.raises(ValueError):
+        a.reuse(1)  # never handed out: free() refuses it
+
+
 def test_device_pool_views_are_pages(make_store):
     store = make_store()
     chain = toks(70, 2)

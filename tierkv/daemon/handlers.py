@@ -78,6 +78,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
         self.acquires = {"inline": 0, "worker": 0}  # where acquires ran (daemon stats)
         self._scopes: dict[tuple[str, str, tuple[str, ...]], Scope] = {}
         self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
+        self.gc_stats: Callable[[], dict[str, Any]] = lambda: {}  # the process's GC pauses (gc_pauses.py); server sets it
         # opcode -> (message class with decode(header, payload), handler)
         self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
             Op.HELLO: (m.Hello, self.hello), Op.LOOKUP: (m.PrefixRequest, self.lookup),
@@ -249,4 +250,4 @@ class Handlers(LeaseHandlers, OperationHandlers):
                             "host_bytes": self.layouts.budget.host_bytes,
                             "disk_bytes": self.layouts.budget.disk_bytes},
                 "over_limit_slots": {e.layout_id: e.over_limit for e in entries if e.over_limit},
-                "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.acquires)}
+                "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.acquires), "gc": self.gc_stats()}

@@ -90,6 +90,18 @@ class StoreCollector(Collector):
             g = GaugeMetricFamily(f"tierkv_daemon_{key}", doc)
             g.add_metric([], d.get(key, 0))
             yield g
+        gc_stats = d.get("gc") or {}
+        if gc_stats:  # the process's garbage-collector pauses (tierkv/daemon/gc_pauses.py)
+            n = CounterMetricFamily("tierkv_daemon_gc_collections", "Garbage collections, by generation",
+                                    labels=["generation"])
+            worst = GaugeMetricFamily("tierkv_daemon_gc_pause_max_seconds",
+                                      "Longest garbage-collector pause (the whole daemon stops), by generation",
+                                      labels=["generation"])
+            for gen, (count, ms) in enumerate(zip(gc_stats["collections"], gc_stats["pause_ms_max"])):
+                n.add_metric([str(gen)], count)
+                worst.add_metric([str(gen)], ms / 1000)
+            yield n
+            yield worst
 
 
 def policy_metrics(s: Any) -> Iterator[Any]:

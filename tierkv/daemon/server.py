@@ -48,6 +48,7 @@ from ..tiers.shm import default_shm_dir
 from . import security
 from .config import DaemonConfig
 from .connection import Connection
+from .gc_pauses import GcPauses, freeze_startup_heap
 from .handlers import Handlers
 from .layouts import Budget, Layouts, TierLimits
 from .metrics import DaemonMetrics
@@ -62,8 +63,13 @@ DRAIN_TIMEOUT_S = 60.0
 
 class Daemon(RemoteKeeper, Reload):
     def __init__(self, config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = None,
-                 install_signals: bool = True, remote_backend_factory: Callable[[Any], Any] | None = None) -> None:
+                 install_signals: bool = True, remote_backend_factory: Callable[[Any], Any] | None = None,
+                 freeze_heap: bool = False) -> None:
+        """``freeze_heap``: this process is the daemon (``tierkv serve``): its startup heap
+        is frozen out of garbage collection before the stores open (tierkv.daemon.gc_pauses)."""
         self.config = config
+        self._freeze_heap = freeze_heap
+        self.gc_pauses = GcPauses()
         self._remote_factory = remote_backend_factory  # tests: a stand-in for the Mooncake client
         self._remote_stop = threading.Event()
         self._remote_keeper: threading.Thread | None = None
@@ -132,6 +138,7 @@ class Daemon(RemoteKeeper, Reload):
             self.metrics = DaemonMetrics(self.handlers.merged_stats, self._daemon_stats,
                                          only.layout.page_bytes if only is not None else 0)
             self.handlers.peers = lambda: [(c.id, c.creds.uid) for c in self.connections.values()]
+            self.handlers.gc_stats = self.gc_pauses.stats
             refusals = self.metrics.quota_refusals
             self.handlers.quota.on_refuse = lambda quota: refusals.labels(quota).inc()
             sock = security.bind_private_socket(cfg.socket, shared=bool(cfg.allowed_uids))
@@ -167,7 +174,13 @@ class Daemon(RemoteKeeper, Reload):
             # Until the loop's handler is installed, SIGHUP's default action would kill a
             # daemon that is still opening (a reload sent too early by a supervisor).
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        asyncio.run(self._main())
+        if self._freeze_heap:
+            freeze_startup_heap()
+        self.gc_pauses.install()
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.gc_pauses.uninstall()
 
     def request_stop(self) -> None:
         """Ask a running daemon to stop (thread-safe)."""

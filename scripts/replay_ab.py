@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""Replay a trace through this tree's store and another revision's, in lockstep.
+
+This machine's speed drifts by 10-30% within seconds (shared host), more than most changes
+to the store's metadata path are worth, so replays run one after the other (even
+alternated, even in one process) compare the machine's moments, not the code. Here both
+stores replay the same trace side by side: request ``i`` goes through one store, then the
+other (which goes first alternates), each timed on its own, so both see the machine at the
+same moment and the ratio of their times is steady where their rates are not.
+
+The other revision's ``tierkv`` package is taken from git (``git archive``) into a
+temporary directory as ``tierkv_base`` (its imports are relative, so it runs under that
+name beside this tree's ``tierkv``). Both replay exactly what ``scripts/replay_trace.py``
+does (acquire, release, put of the missing blocks; one in-memory tier of N pages); their
+per-request hits must be equal, which is also checked (the hit rate must not change when
+the metadata path gets faster: issue #12).
+
+    .venv/bin/python scripts/replay_ab.py ../shared/traces/synthetic_trace.jsonl --base HEAD~3 \\
+        --capacity 1000 --capacity 10000 --capacity 30000 --repeat 2
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+import tierkv
+from tierkv.policy import POLICIES
+from tierkv.traces import TRACE_BLOCK, Request, block_tokens, read_trace
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def import_revision(rev: str, into: Path) -> ModuleType:
+    """The ``tierkv`` package of git revision ``rev``, imported as ``tierkv_base``."""
+    archive = into / "base.tar"
+    with archive.open("wb") as f:
+        subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "tierkv"], stdout=f, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into / "src", filter="data")
+    (into / "src" / "tierkv").rename(into / "src" / "tierkv_base")
+    sys.path.insert(0, str(into / "src"))
+    return importlib.import_module("tierkv_base")
+
+
+def open_store(mod: ModuleType, home: str, capacity: int, policy: str) -> object:
+    layout = mod.PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=TRACE_BLOCK, dtype="float16")
+    return mod.open(home, layout, device="cpu", device_bytes=capacity * layout.page_bytes, host_bytes=0,
+                    disk_bytes=0, eviction_policy=policy, prefetch_workers=1, shm_dir=Path(home))
+
+
+def lockstep(mods: list[ModuleType], trace: list[Request], arrays: list[np.ndarray], pages: torch.Tensor,
+             capacity: int, policy: str) -> tuple[list[float], list[list[int]]]:
+    """Seconds each store spent on the replay, and each one's hits per request."""
+    spent = [0.0] * len(mods)
+    hits: list[list[int]] = [[] for _ in mods]
+    clock = time.perf_counter
+    with tempfile.TemporaryDirectory() as h0, tempfile.TemporaryDirectory() as h1:
+        stores = [open_store(m, h, capacity, policy) for m, h in zip(mods, (h0, h1))]
+        scopes = [m.Scope("ab" * 32, "replay") for m in mods]
+        try:
+            for i, (r, arr) in enumerate(zip(trace, arrays)):
+                for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+                    store, scope = stores[j], scopes[j]
+                    t0 = clock()
+                    lease = store.acquire(arr, scope)
+                    n = len(lease.keys)
+                    store.release(lease)
+                    if n < len(r.hash_ids):
+                        store.put(arr, pages[: len(r.hash_ids) - n], scope, start_block=n)
+                    spent[j] += clock() - t0
+                    hits[j].append(n)
+            for s in stores:
+                s.check_integrity()
+        finally:
+            for s in stores:
+                s.close()
+    return spent, hits
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path, help="a Mooncake-format .jsonl")
+    ap.add_argument("--base", default="HEAD", help="git revision to compare this tree with (default: HEAD)")
+    ap.add_argument("--capacity", type=int, action="append", help="tier size in blocks (repeat; default 1000)")
+    ap.add_argument("--policy", default="arc", choices=POLICIES)
+    ap.add_argument("--repeat", type=int, default=1, help="lockstep replays per capacity (ratio: median)")
+    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    trace = read_trace(args.trace, args.limit)
+    cache: dict[int, np.ndarray] = {}
+    arrays = [np.concatenate([cache.setdefault(x, block_tokens(x)) for x in r.hash_ids]) for r in trace]
+    longest = max(len(r.hash_ids) for r in trace)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tierkv-ab-") as tmp:
+        mods = [import_revision(args.base, Path(tmp)), tierkv]
+        layout = mods[1].PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=TRACE_BLOCK, dtype="float16")
+        pages = torch.zeros((longest, *layout.shape), dtype=layout.torch_dtype)
+        for cap in args.capacity or [1000]:
+            runs = []
+            for _ in range(args.repeat):
+                gc.collect()
+                spent, hits = lockstep(mods, trace, arrays, pages, cap, args.policy)
+                if hits[0] != hits[1]:
+                    differ = sum(a != b for a, b in zip(*hits))
+                    raise SystemExit(f"capacity {cap}: the stores' hits differ on {differ} requests")
+                runs.append({"base_rps": len(trace) / spent[0], "tree_rps": len(trace) / spent[1],
+                             "speedup": spent[0] / spent[1], "block_hits": sum(hits[1])})
+            row = {"capacity": cap, "policy": args.policy, "base": args.base, "runs": runs,
+                   "speedup_median": statistics.median(r["speedup"] for r in runs)}
+            rows.append(row)
+            if not args.json:
+                print(f"capacity {cap:>6} {args.policy}: this tree / {args.base} speed "
+                      f"{row['speedup_median']:.3f} (runs {', '.join(format(r['speedup'], '.3f') for r in runs)}); "
+                      f"req/s {', '.join('%.0f vs %.0f' % (r['tree_rps'], r['base_rps']) for r in runs)}; "
+                      f"hits equal ({runs[0]['block_hits']} blocks)", flush=True)
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), "requests": len(trace), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
