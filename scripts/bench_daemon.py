@@ -15,7 +15,11 @@
    behind a slow one counts). A closed loop of N clients at X iterations/s has a mean
    latency of N / X by Little's law whatever the daemon does; the open loop says what
    latency a given load gets.
-2. Shared-memory reads: a client leases a 256 MiB prefix (256 pages of 1 MiB) and copies it
+2. Writes (``--puts N``): one client stores N distinct prompts of ``--tokens`` tokens (4 KiB
+   pages of 16 tokens, memory tier only, so no fsync: the daemon's own cost per block)
+   through a daemon, then N more into an embedded store, ``--runs`` rounds alternated;
+   per-put latency, blocks/s, and the daemon's garbage-collector pauses (its ``stats``).
+3. Shared-memory reads: a client leases a 256 MiB prefix (256 pages of 1 MiB) and copies it
    out with ``lease.pages()`` (reading the daemon's device tier in place through shm),
    against a plain memcpy of 256 MiB in the same process (``np.copyto`` into a fresh array,
    so both sides pay the same first-touch page faults of a new destination).
@@ -43,6 +47,7 @@ import torch
 MV = "ab" * 32
 SMALL = "num_layers=2,num_kv_heads=2,head_dim=64,block_size=16,dtype=float16"  # 16 KiB pages
 BIG = "num_layers=16,num_kv_heads=8,head_dim=128,block_size=16,dtype=float16"  # 1 MiB pages
+PUT = "num_layers=1,num_kv_heads=1,head_dim=64,block_size=16,dtype=float16"  # 4 KiB pages
 
 CLIENT = """
 import json, sys, time, numpy as np, tierkv
@@ -220,6 +225,46 @@ def bench_iterations(work: Path, args: argparse.Namespace) -> dict:
     return out
 
 
+def bench_puts(work: Path, args: argparse.Namespace) -> dict:
+    """Rounds of: ``--puts`` puts of new prompts through the daemon, then as many into an
+    embedded store (same process as the client, same layout and tier sizes)."""
+    import tierkv
+    from tierkv import Scope
+    from tierkv.daemon.config import parse_layout
+
+    layout = parse_layout(PUT)
+    proc, sock = start_daemon(work, "puts", "--device-bytes", "256MiB", "--host-bytes", "0", "--disk-bytes", "0")
+    store = tierkv.open(work / "home-puts-embedded", layout, device="cpu", device_bytes=256 << 20, host_bytes=0,
+                        disk_bytes=0)
+    scope = Scope(MV, "bench")
+    pages = torch.zeros((args.tokens // layout.block_size, *layout.shape), dtype=layout.torch_dtype)
+    lat: dict[str, list[float]] = {"daemon": [], "embedded": []}
+    spent = {"daemon": 0.0, "embedded": 0.0}
+    seed = 10_000
+    try:
+        with tierkv.connect(sock, layout=layout) as c:
+            for _ in range(args.runs):
+                for name, target in (("daemon", c), ("embedded", store)):
+                    for _ in range(args.puts):
+                        toks = np.random.default_rng(seed).integers(0, 30000, args.tokens).astype(np.int32)
+                        seed += 1
+                        t0 = time.perf_counter()
+                        target.put(toks, pages, scope)
+                        lat[name].append(time.perf_counter() - t0)
+                        spent[name] += lat[name][-1]
+            gc_stats = c.stats()["daemon"].get("gc", {})  # absent from daemons before gc_pauses.py
+    finally:
+        store.close()
+        stop_daemon(proc)
+    out: dict = {"put_tokens": args.tokens, "put_blocks": pages.shape[0], "daemon_gc": gc_stats}
+    for name, ls in lat.items():
+        a = np.array(ls) * 1000
+        out.update({f"{name}_put_p50_ms": float(np.percentile(a, 50)), f"{name}_put_p99_ms": float(np.percentile(a, 99)),
+                    f"{name}_put_max_ms": float(a.max()), f"{name}_put_blocks_per_s": len(ls) * pages.shape[0] / spent[name]})
+    out["ratio_put_p50"] = out["daemon_put_p50_ms"] / out["embedded_put_p50_ms"]
+    return out
+
+
 def bench_shm_read(work: Path, args: argparse.Namespace) -> dict:
     import tierkv
     from tierkv import Scope
@@ -258,6 +303,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096, help="prompt length")
     p.add_argument("--prompts", type=int, default=8, help="distinct cached prompts")
     p.add_argument("--repeats", type=int, default=5, help="repeats of the 256 MiB read (best kept)")
+    p.add_argument("--puts", type=int, default=0, help="also measure writes: this many puts per round and side")
+    p.add_argument("--no-iterations", action="store_true", help="skip the acquire/release iterations")
     p.add_argument("--rate", type=float, action="append",
                    help="also offer this many iterations/s in all from the N clients (open loop, Poisson "
                         "arrivals; p99 from each iteration's due time); repeat for several rates")
@@ -266,7 +313,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvb-"))
     try:
         out = {"clients": args.clients, "seconds": args.seconds, "prompt_tokens": args.tokens, "cpus": os.cpu_count()}
-        out.update(bench_iterations(work, args))
+        if not args.no_iterations:
+            out.update(bench_iterations(work, args))
+        if args.puts:
+            out.update(bench_puts(work, args))
         if not args.no_shm:
             out.update(bench_shm_read(work, args))
     finally:
@@ -275,7 +325,7 @@ def main() -> None:
         print(json.dumps(out))
     else:
         for k, v in out.items():
-            if k != "rounds":
+            if k not in ("rounds", "daemon_gc"):
                 print(f"{k:32s} {v:.3f}" if isinstance(v, float) else f"{k:32s} {v}")
 
 

@@ -46,7 +46,7 @@ class Block:
     # equal and hash as the TierName members, and child keys as the keys of a dict): such
     # dicts are not tracked by Python's cyclic garbage collector, so a block is one tracked
     # object instead of three. A full collection walks every tracked object; with a
-    # 200,000-block table it took 159 ms before this, and a daemon pauses for that long.
+    # 200,000-block table it took 160-195 ms before this, and a daemon pauses for that long.
     key: bytes
     parent: bytes
     model_version: str

@@ -15,7 +15,7 @@ from tierkv.tiers import SlotAllocator, TierName
 DISK = TierName.DISK
 
 from .child import chain_tokens, scope_of
-from .kit import (BS, PAGE, SCOPE, assert_lease_exact, assert_prefix_order, keys_of, pages_for,
+from .kit import (BS, LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, assert_prefix_order, keys_of, pages_for,
                   put_chain, segment_files, tier_counts, tier_keys, toks)
 
 
@@ -211,6 +211,65 @@ def test_slot_allocator_hands_out_the_lowest_free_slot_whatever_the_free_order()
         if step % 250 == 0:
             a.check_integrity()
     a.check_integrity()
+
+
+def test_disk_slots_go_where_the_old_scan_put_them(tmp_path):
+    """DiskTier.alloc finds its slot through heaps (tierkv/tiers/disk_rooms.py); it must give
+    exactly what sorting every segment and scanning its slots gave: the lowest segment of
+    the model version with room below the limit, its lowest free slot, else a new segment
+    at the lowest free id. Random allocs and frees of two model versions, a lowered and a
+    raised limit, a reopen (claims) in the middle."""
+    import random
+
+    from tierkv.tiers.disk import DiskTier, location, split_location
+
+    def expected(segs: dict[int, tuple[str, set[int]]], mv: str, limit: int, pages: int, max_segs: int):
+        for seg_id, (v, used) in sorted(segs.items()):
+            if seg_id >= limit:
+                break
+            if v == mv and len(used) < pages:
+                return location(seg_id, min(set(range(pages)) - used))
+        if len(segs) >= limit:
+            return None
+        return next((location(i, 0) for i in range(limit) if i not in segs), None)
+
+    pages, max_segs = 4, 12
+    rng = random.Random(3)
+    tier = DiskTier(tmp_path / "d", LAYOUT, capacity_bytes=pages * max_segs * SLOT, segment_pages=pages, fsync=False)
+    model: dict[int, tuple[str, set[int]]] = {}
+    held: list[tuple[int, str]] = []
+    for step in range(1500):
+        if step == 500:
+            tier.set_limit(6 * pages * SLOT)
+        if step == 1000:
+            tier.set_limit(max_segs * pages * SLOT)
+        if step == 700:  # reopen: the used sets come back through claims
+            tier.close()
+            tier = DiskTier(tmp_path / "d", LAYOUT, capacity_bytes=pages * max_segs * SLOT, segment_pages=pages,
+                            fsync=False)
+            for loc, mv in held:
+                assert tier.claim(loc, mv)
+            tier.reclaim_empty()
+        if held and rng.random() < 0.45:
+            loc, mv = held.pop(rng.randrange(len(held)))
+            tier.free(loc)
+            seg_id, index = split_location(loc)
+            model[seg_id][1].discard(index)
+            if not model[seg_id][1]:
+                del model[seg_id]
+        else:
+            mv = rng.choice(["mv-a", "mv-b"])
+            want = expected(model, mv, tier.segment_limit, pages, max_segs)
+            got = tier.alloc(mv)
+            assert got == want, (step, mv, got, want)
+            if got is not None:
+                seg_id, index = split_location(got)
+                model.setdefault(seg_id, (mv, set()))[1].add(index)
+                held.append((got, mv))
+        if step % 100 == 0:
+            tier.check_integrity()
+    tier.check_integrity()
+    tier.close()
 
 
 def test_slot_allocator_reuse_is_free_then_alloc():

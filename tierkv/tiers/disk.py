@@ -39,6 +39,7 @@ from ..layout import PageLayout
 from .base import TierName
 from .disk_files import SEG_RE, SEG_SHIFT, Segment, SegmentFiles, location, split_location  # SEG_*: re-exported
 from .disk_reads import DiskReads
+from .disk_rooms import SegmentRooms
 from .diskio import BounceBuffer, probe_kvikio, probe_odirect
 from .segments import SegmentHeader, create_segment, encode_record
 
@@ -83,6 +84,7 @@ class DiskTier(SegmentFiles, DiskReads):
         self.segment_limit = self.max_segments
         self.fsync = fsync
         self._segs: dict[int, Segment] = {}
+        self._rooms = SegmentRooms(self._segs, self.segment_pages)  # where the next page goes
         self.quarantined_segments = 0  # damaged or foreign segments moved aside at open
         self._fd_lock = threading.Lock()
         self._read_fds: dict[int, int] = {}
@@ -155,18 +157,15 @@ class DiskTier(SegmentFiles, DiskReads):
         if size < seg.header.data_offset + (index + 1) * self.slot_bytes:
             return False
         seg.used.add(index)
+        self._rooms.reset()
         return True
 
     def alloc(self, model_version: str) -> int | None:
         """A free slot in a segment of ``model_version``; creates or retags a segment when
         needed. None when the tier is full. Raises DiskWriteError if a segment cannot be made."""
-        for seg_id, seg in sorted(self._segs.items()):
-            if seg_id >= self.segment_limit:
-                break  # sorted: every later one is above the limit too
-            if seg.header.model_version == model_version and len(seg.used) < min(seg.header.segment_pages, self.segment_pages):
-                index = min(set(range(seg.header.segment_pages)) - seg.used)
-                seg.used.add(index)
-                return location(seg_id, index)
+        found = self._rooms.take(model_version, self.segment_limit)  # tierkv/tiers/disk_rooms.py
+        if found is not None:
+            return location(*found)
         header = SegmentHeader(self.layout, model_version, self.segment_pages, page_codec=self.codec.name)
         if len(self._segs) >= self.segment_limit:
             return None  # as many files as the limit allows (some above it, not yet emptied)
@@ -174,6 +173,7 @@ class DiskTier(SegmentFiles, DiskReads):
             if seg_id not in self._segs:
                 self._guard_io(create_segment, self._path(seg_id), header)
                 self._segs[seg_id] = Segment(header, self._path(seg_id), {0})
+                self._rooms.added(seg_id)
                 return location(seg_id, 0)
         return None
 
@@ -190,6 +190,7 @@ class DiskTier(SegmentFiles, DiskReads):
             if fd is not None:
                 os.close(fd)
         path = self._segs.pop(seg_id).path
+        self._rooms.dropped(seg_id)
         try:
             path.unlink(missing_ok=True)
         except OSError as e:
@@ -207,6 +208,7 @@ class DiskTier(SegmentFiles, DiskReads):
             # Last page gone: give the space back (the index no longer points here).
             self._drop_segment(seg_id)
         else:
+            self._rooms.freed(seg_id, index)
             self._wipe_record(seg, index)
 
     def _wipe_record(self, seg: Segment, index: int) -> None:
@@ -379,6 +381,7 @@ class DiskTier(SegmentFiles, DiskReads):
             assert seg.path.exists(), f"segment {seg_id} missing on disk"
             assert all(0 <= i < seg.header.segment_pages for i in seg.used), "slot outside segment"
             assert seg.used, f"empty segment {seg_id} not reclaimed"
+        self._rooms.check_integrity()
 
     def close(self) -> None:
         with self._fd_lock:
