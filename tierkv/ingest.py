@@ -168,7 +168,7 @@ class Ingest:
             self.stats_counters.puts += 1
             self.stats_counters.blocks_stored += len(new)
             get = self.table.blocks.get
-            all_durable = all((blk := get(k)) is not None and DISK in blk.loc for k in keys[start_block:])
+            all_durable = all((blk := get(k)) is not None and DISK.value in blk.loc for k in keys[start_block:])
         return PutResult(stored=len(new), skipped=n - len(new), durable=all_durable)
 
     def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]]) -> None:

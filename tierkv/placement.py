@@ -83,11 +83,9 @@ class Placement:
         proven = memo.proven(scope.seed, raw, step, len(raw) // step) if memo is not None else ()
         chain: list[Block] = []
         if proven:  # a miss inside it ends the chain; stored ids disagreeing: hash and walk
-            for key in proven:
-                b = get(key)
-                if b is None or b.dead:
-                    break
-                chain.append(b)
+            chain = list(map(get, proven))  # no block in the table is dead (BlockTable.check_integrity)
+            if None in chain:
+                del chain[chain.index(None):]
             if b"".join([b.tokens for b in chain]) != raw[: len(chain) * step]:
                 chain, proven = [], ()
             elif len(chain) < len(proven):
