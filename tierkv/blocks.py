@@ -118,6 +118,12 @@ class BlockTable:
         assert block.key not in self.blocks
         self.add_new([block])
 
+    def add_unlinked(self, block: Block) -> None:
+        """Enter ``block`` without its parent link (opening: blocks come in key order, most
+        before their parents, and :meth:`rebuild_children` links them all in one pass)."""
+        assert block.key not in self.blocks and not block.loc
+        self.blocks[block.key] = block
+
     def add_new(self, blocks: list[Block]) -> None:
         """Enter each block of ``blocks`` that is not in the table yet (a put's new blocks,
         in chain order, in one loop): linked to its parent, or an orphan until the parent

@@ -45,6 +45,8 @@ from .results import (
 from .tiers import DiskTier, MemoryTier, TierName
 from .tiers.shm import default_shm_dir, reap_stale_regions
 
+_PRIORITIES = {int(p): p for p in Priority}  # an index record's priority (read once per block at open)
+
 log = logging.getLogger(__name__)
 FORMAT_VERSION = "1"
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
@@ -139,19 +141,17 @@ class Store(StoreAPI):
             if rec is None:
                 placement.quarantine_key(key, "undecodable index record")
                 continue
-            if rec.priority not in set(Priority) or len(rec.tokens) != 4 * self.layout.block_size:
+            if rec.priority not in _PRIORITIES or len(rec.tokens) != 4 * self.layout.block_size:
                 placement.quarantine_key(key, "index record out of range")
                 continue
             if rec.disk_loc == NO_DISK or not self.disk.claim(rec.disk_loc, rec.model_version):
                 placement.quarantine_key(key, "page missing or segment truncated")
                 continue
-            block = Block(
-                key=key, parent=rec.parent, model_version=rec.model_version, namespace=rec.namespace,
-                tokens=rec.tokens, checksum=rec.checksum, priority=Priority(rec.priority),
-            )
-            table.add(block)
+            block = Block(key, rec.parent, rec.model_version, rec.namespace, rec.tokens, rec.checksum,
+                          _PRIORITIES[rec.priority])
+            table.add_unlinked(block)
             table.place(block, DISK, rec.disk_loc)
-        table.rebuild_children()
+        table.rebuild_children()  # every parent link, in one pass
         if self.config.verify_on_open == "full":
             self.operations.verify(repair=True)
         self.disk.reclaim_empty()

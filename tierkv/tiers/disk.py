@@ -146,15 +146,16 @@ class DiskTier(SegmentFiles, DiskReads):
             return False
         if index in seg.used:
             return False
-        try:
-            size = seg.path.stat().st_size
-        except FileNotFoundError:
-            return False
-        except OSError as e:
-            # An I/O error says nothing about the slot; answering False would quarantine
-            # (delete) every record of the segment (RELIABILITY.md case 14).
-            raise DiskReadError(f"cannot check segment {seg.path}: {e}") from e
-        if size < seg.header.data_offset + (index + 1) * self.slot_bytes:
+        if seg.size is None:  # once per segment: an open claims every record of each
+            try:
+                seg.size = seg.path.stat().st_size
+            except FileNotFoundError:
+                return False
+            except OSError as e:
+                # An I/O error says nothing about the slot; answering False would quarantine
+                # (delete) every record of the segment (RELIABILITY.md case 14).
+                raise DiskReadError(f"cannot check segment {seg.path}: {e}") from e
+        if seg.size < seg.header.data_offset + (index + 1) * self.slot_bytes:
             return False
         seg.used.add(index)
         self._rooms.reset()

@@ -33,6 +33,7 @@ class Segment:
     header: SegmentHeader
     path: Path
     used: set[int] = field(default_factory=set)
+    size: int | None = None  # the file's size, as the first claim at open saw it (DiskTier.claim)
 
 
 class SegmentFiles:

@@ -90,7 +90,7 @@ class SegmentHeader:
     def records_area(self) -> int:
         return round_up(self.segment_pages * self.record_bytes, ALIGN) if self.record_bytes else 0
 
-    @property
+    @cached_property  # cached: a claim at open and every page's offset ask for it
     def data_offset(self) -> int:
         return self.records_offset + self.records_area
 
