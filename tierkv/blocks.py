@@ -2,21 +2,20 @@
 
 :class:`BlockTable` is the one owner of a block's locations: only :meth:`place` and
 :meth:`unplace` change them (and keep the per-tier LRU lists in step). Leases and in-flight
-I/O are counted on the block and changed only here, through paired methods that check each
-transition (:meth:`lease`/:meth:`unlease`, :meth:`busy`/:meth:`unbusy`, and :meth:`held` for
+I/O are counted on the block and changed only through the table's paired methods that check
+each transition (tierkv/holds.py: ``lease``/``unlease``, ``busy``/``unbusy``, and ``held`` for
 a scope); :meth:`victim` never returns a block that is leased, busy,
 pinned, or that still has a child block in the same tier (leaf first: a block without its
 prefix is useless, so prefixes outlive their extensions).
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
-from .errors import LeaseError
+from .holds import Holds
 from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy, make_policy
+from .priority import Priority
 from .tiers.base import TierName
 
 if TYPE_CHECKING:
@@ -25,15 +24,6 @@ if TYPE_CHECKING:
 TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
 _TIER_NAMES = tuple(t.value for t in TIERS)  # fastest first: the keys of Block.loc
 _TIER_VALUE = {t: t.value for t in TIERS}
-
-
-class Priority(IntEnum):
-    """Eviction classes: ephemeral goes first (and is dropped when its lease ends),
-    pinned never goes."""
-
-    EPHEMERAL = 0
-    NORMAL = 1
-    PINNED = 2
 
 
 PRIORITIES = tuple(Priority)  # iterating the enum itself costs more than a victim choice
@@ -84,7 +74,9 @@ class Block:
         self.top = ""
 
 
-class BlockTable:
+class BlockTable(Holds):
+    """(Leases and busy counts: :class:`tierkv.holds.Holds`, a part of this class.)"""
+
     def __init__(self, policy: str = DEFAULT_POLICY, capacities: dict[TierName, int] | None = None) -> None:
         """``policy`` names the eviction order of every tier (see :mod:`tierkv.policy`);
         ``capacities`` (slots per tier) bound the policies' ghost lists."""
@@ -211,86 +203,6 @@ class BlockTable:
             counts = self.evicted_by[_TIER_VALUE[tier]]
             counts[reason] = counts.get(reason, 0) + 1
         return slot
-
-    # ---- holds: leases (a reader owns the pages) and busy counts (I/O in flight) ----------
-    # Paired and asserting: a count never goes below zero, and a caller cannot forget the
-    # second half of a pair inside a scope (held). "Unheld" (the return value of unlease and
-    # unbusy) means no lease and no I/O: a dead block may then be freed by its owner.
-    @staticmethod
-    def lease(block: Block) -> None:
-        block.leases += 1
-
-    @staticmethod
-    def unlease(block: Block) -> bool:
-        """Drop one lease of ``block``; returns whether nothing holds it any more."""
-        assert block.leases > 0, f"block {block.key.hex()[:12]} released more often than leased"
-        block.leases -= 1
-        return not block.leases and not block.busy
-
-    @staticmethod
-    def busy(block: Block) -> None:
-        block.busy += 1
-
-    @staticmethod
-    def unbusy(block: Block) -> bool:
-        """End one in-flight I/O on ``block``; returns whether nothing holds it any more."""
-        assert block.busy > 0, f"block {block.key.hex()[:12]}: busy count below zero"
-        block.busy -= 1
-        return not block.leases and not block.busy
-
-    @contextlib.contextmanager
-    def held(self, blocks: Iterable[Block], on_unheld: Callable[[Block], None] | None = None) -> Iterator[list[Block]]:
-        """Keep ``blocks`` busy (never a victim) for the scope; every one is released even
-        when the body raises, and ``on_unheld(b)`` is called for each dead block nothing
-        holds any more (the store frees it there)."""
-        blocks = list(blocks)
-        for b in blocks:  # = busy(b), written out: a put holds its whole chain
-            b.busy += 1
-        try:
-            yield blocks
-        finally:
-            unheld = []  # every count first, then the frees
-            for b in blocks:  # = unbusy(b), written out
-                assert b.busy > 0, f"block {b.key.hex()[:12]}: busy count below zero"
-                b.busy -= 1
-                if b.dead and not b.busy and not b.leases:
-                    unheld.append(b)
-            if on_unheld is not None:
-                for b in unheld:
-                    on_unheld(b)
-
-    def lease_resident(self, chain: list[Block], tier: TierName) -> list[int]:
-        """Lease the blocks of ``chain`` from its start while they are live and in
-        ``tier``; returns their slots in ``tier`` (as many as were leased: the caller leases
-        the rest one by one, promoting each). One pass for the common case of a chain that
-        is all resident, which also gives the lease its slots."""
-        slots: list[int] = []
-        append = slots.append
-        name = _TIER_VALUE[tier]  # the plain str: see Block._update_top
-        for b in chain:
-            slot = b.loc.get(name)
-            if slot is None or b.dead:
-                break
-            b.leases += 1
-            append(slot)
-        return slots
-
-    def unlease_many(self, blocks: list[Block]) -> list[Block]:
-        """Drop one lease of each block; returns those nothing holds any more that are dead
-        or ephemeral (the only ones whose last release asks anything more of the caller). A
-        block released more often than leased raises, with every count as it was before
-        the call (the counts dropped before it are restored: one pass in the common case)."""
-        unheld = []
-        for i, b in enumerate(blocks):
-            n = b.leases
-            if n <= 0:
-                for done in blocks[:i]:
-                    done.leases += 1
-                raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
-            b.leases = n - 1
-            if n == 1 and not b.busy and (b.dead or b.priority == Priority.EPHEMERAL):
-                unheld.append(b)
-        return unheld
 
     def set_priority(self, block: Block, priority: Priority) -> None:
         for t in block.loc:
