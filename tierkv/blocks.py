@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
 _TIER_NAMES = tuple(t.value for t in TIERS)  # fastest first: the keys of Block.loc
 _TIER_VALUE = {t: t.value for t in TIERS}
-
-
 PRIORITIES = tuple(Priority)  # iterating the enum itself costs more than a victim choice
 _PRIORITY_NAME = {p: p.name.lower() for p in Priority}
 
@@ -82,10 +80,9 @@ class BlockTable(Holds):
         ``capacities`` (slots per tier) bound the policies' ghost lists."""
         self.blocks: dict[bytes, Block] = {}
         # Children whose parent is not in the table, by parent key (a dict of keys, as
-        # Block.children): an extension can be
-        # stored before its prefix (put with start_block > 0) or outlive it in another tier;
-        # when the prefix arrives it must learn its children, or leaf-first eviction could
-        # take it from under them.
+        # Block.children): an extension can be stored before its prefix (put with
+        # start_block > 0) or outlive it in another tier; when the prefix arrives it must
+        # learn its children, or leaf-first eviction could take it from under them.
         self._orphans: dict[bytes, dict[bytes, None]] = {}
         # One policy per tier and priority class: victims come from ephemeral first, then
         # normal, then pinned, each class in its policy's order.
