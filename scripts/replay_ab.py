@@ -55,8 +55,13 @@ def import_revision(rev: str, into: Path) -> ModuleType:
     return importlib.import_module("tierkv_base")
 
 
+def trace_layout(mod: ModuleType) -> object:
+    """The replay's page layout (as scripts/replay_trace.py's), built by ``mod``'s tierkv."""
+    return mod.PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=TRACE_BLOCK, dtype="float16")
+
+
 def open_store(mod: ModuleType, home: str, capacity: int, policy: str) -> object:
-    layout = mod.PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=TRACE_BLOCK, dtype="float16")
+    layout = trace_layout(mod)
     return mod.open(home, layout, device="cpu", device_bytes=capacity * layout.page_bytes, host_bytes=0,
                     disk_bytes=0, eviction_policy=policy, prefetch_workers=1, shm_dir=Path(home))
 
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="tierkv-ab-") as tmp:
         mods = [import_revision(args.base, Path(tmp)), tierkv]
-        layout = mods[1].PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=TRACE_BLOCK, dtype="float16")
+        layout = trace_layout(mods[1])
         pages = torch.zeros((longest, *layout.shape), dtype=layout.torch_dtype)
         for cap in args.capacity or [1000]:
             runs = []

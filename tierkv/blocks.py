@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING
 from .holds import Holds
 from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy, make_policy
 from .priority import Priority
-from .tiers.base import TierName
+from .tiers.base import TIER_KEY, TierName
 
 if TYPE_CHECKING:
     from .tiers.base import SlotAllocator
 
 TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
-_TIER_NAMES = tuple(t.value for t in TIERS)  # fastest first: the keys of Block.loc
-_TIER_VALUE = {t: t.value for t in TIERS}
+_TIER_NAMES = tuple(TIER_KEY[t] for t in TIERS)  # fastest first: the keys of Block.loc
 PRIORITIES = tuple(Priority)  # iterating the enum itself costs more than a victim choice
 _PRIORITY_NAME = {p: p.name.lower() for p in Priority}
 
@@ -62,8 +61,7 @@ class Block:
         return None
 
     def _update_top(self) -> None:
-        # Runs at every place/unplace. Looked up by the plain str: a TierName member finds
-        # the same entry, but through the slower path of a str subclass (~30 ns a lookup).
+        # Runs at every place/unplace; looked up by the plain str (tiers.base.TIER_KEY).
         loc = self.loc
         for name in _TIER_NAMES:
             if name in loc:
@@ -117,7 +115,7 @@ class BlockTable(Holds):
         """Enter each block of ``blocks`` that is not in the table yet (a put's new blocks,
         in chain order, in one loop): linked to its parent, or an orphan until the parent
         comes; children that came before it are adopted."""
-        table, orphans_of, get = self.blocks, self._orphans, self.blocks.get
+        table, orphans_of, link = self.blocks, self._orphans, self._link
         for b in blocks:
             key = b.key
             if key in table:
@@ -128,11 +126,7 @@ class BlockTable(Holds):
                 orphans = orphans_of.pop(key, None)
                 if orphans:
                     b.children.update(orphans)
-            parent = get(b.parent)  # = _link(b)
-            if parent is not None:
-                parent.children[key] = None
-            else:
-                orphans_of.setdefault(b.parent, {})[key] = None
+            link(b)
 
     def _link(self, block: Block) -> None:
         parent = self.blocks.get(block.parent)
@@ -185,19 +179,19 @@ class BlockTable(Holds):
 
     def place(self, block: Block, tier: TierName, slot: int) -> None:
         assert tier not in block.loc, f"block already in {tier.value}"
-        block.loc[_TIER_VALUE[tier]] = slot  # the plain str (see Block)
+        block.loc[TIER_KEY[tier]] = slot  # the plain str (see Block)
         block._update_top()
         self._order[tier][block.priority].add(block.key, block.hint)
 
     def unplace(self, block: Block, tier: TierName, evicted: bool = False) -> int:
         """Take ``block`` out of ``tier``; ``evicted``: it was chosen as a victim (counted by
         reason, and the policy may keep a ghost of it)."""
-        slot = block.loc.pop(_TIER_VALUE[tier])
+        slot = block.loc.pop(TIER_KEY[tier])
         block._update_top()
         segment = self._order[tier][block.priority].remove(block.key, evicted)
         if evicted:
             reason = segment if block.priority == Priority.NORMAL else _PRIORITY_NAME[block.priority]
-            counts = self.evicted_by[_TIER_VALUE[tier]]
+            counts = self.evicted_by[TIER_KEY[tier]]
             counts[reason] = counts.get(reason, 0) + 1
         return slot
 
@@ -235,7 +229,7 @@ class BlockTable(Holds):
     def evictable(self, block: Block, tier: TierName) -> bool:
         if block.leases or block.busy or block.priority == Priority.PINNED and tier == TierName.DISK:
             return False
-        name = _TIER_VALUE[tier]  # the plain str: see Block._update_top
+        name = TIER_KEY[tier]
         for c in block.children:
             child = self.blocks.get(c)
             if child is not None and name in child.loc:
@@ -264,56 +258,31 @@ class BlockTable(Holds):
 
     def place_dropping(self, blocks: list[Block], tier: TierName, slots: "SlotAllocator") -> tuple[list[int], int]:
         """Place ``blocks`` in ``tier`` in order, each in a slot of ``slots`` (the tier's
-        allocator), making room by dropping victims: the caller has checked that an
-        eviction from ``tier`` only drops (no lower tier, no listener). Stops at the first
-        block for which nothing can be evicted; returns the slots of those placed (the
-        first ``len`` blocks) and the number of evictions.
+        allocator), making room by dropping victims (:meth:`victim`, :meth:`drop`): the
+        caller has checked that an eviction from ``tier`` only drops (no lower tier, no
+        listener). Stops at the first block for which nothing can be evicted; returns the
+        slots of those placed (the first ``len`` blocks) and the number of evictions.
 
         One loop for a put into a full tier (scripts/replay_trace.py, issue #12): ``place``
-        and :meth:`drop_victim` written out, a victim's slot handed straight to the new
-        block, and the victim search's common case (the policy's head is an unheld leaf)
-        tried before :meth:`victim`. Each step is the one the methods would take, in the
-        same order, so the policy sees the same calls."""
+        written out, and a victim's slot handed straight to the new block."""
         alloc, reuse = slots.alloc, slots.reuse
         orders = self._order[tier]
-        victim_order = self._victim_order[tier]
-        table, victim_of, unlink = self.blocks, self.victim, self._unlink
-        value = _TIER_VALUE[tier]  # the key of loc (see Block)
-        counts = self.evicted_by[value]
-        name = value if tier is TIERS[0] else None  # a new block's top tier, when it is the fastest
+        victim, drop = self.victim, self.drop
+        key = TIER_KEY[tier]
         placed: list[int] = []
-        append = placed.append
         evicted = 0
         for b in blocks:
             slot = alloc()
             while slot is None:
-                v = None
-                for order in victim_order:  # = victim(tier), its first test written out
-                    if order:
-                        v = table[order.head()]
-                        if v.children or v.leases or v.busy or v.priority == Priority.PINNED:
-                            v = victim_of(tier)
-                        break
+                v = victim(tier)
                 if v is None:
                     return placed, evicted
-                # = drop_victim: unplace(v, tier, evicted=True), then remove(v) if no tier holds it
-                old = v.loc.pop(value)
-                v._update_top()
-                segment = orders[v.priority].remove(v.key, True)
-                reason = segment if v.priority == Priority.NORMAL else _PRIORITY_NAME[v.priority]
-                counts[reason] = counts.get(reason, 0) + 1
-                if not v.loc and table.get(v.key) is v:
-                    del table[v.key]
-                    unlink(v)
                 evicted += 1
-                slot = reuse(old)
-            b.loc[value] = slot  # = place(b, tier, slot)
-            if name is not None and len(b.loc) == 1:
-                b.top = name
-            else:
-                b._update_top()
+                slot = reuse(drop(v, tier))
+            b.loc[key] = slot  # = place(b, tier, slot)
+            b._update_top()
             orders[b.priority].add(b.key, b.hint)
-            append(slot)
+            placed.append(slot)
         return placed, evicted
 
     def drop_victim(self, tier: TierName) -> int | None:
@@ -321,8 +290,11 @@ class BlockTable(Holds):
         nothing else follows an eviction: no lower tier, no listener); returns its freed
         slot, or None when nothing can be evicted."""
         b = self.victim(tier)
-        if b is None:
-            return None
+        return None if b is None else self.drop(b, tier)
+
+    def drop(self, b: Block, tier: TierName) -> int:
+        """Evict ``b`` from ``tier`` by dropping it (``unplace`` as a victim, and out of the
+        table when no tier holds it any more); returns its slot there."""
         slot = self.unplace(b, tier, True)
         if not b.loc:
             self.remove(b)

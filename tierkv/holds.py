@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from .errors import LeaseError
 from .priority import Priority
-from .tiers.base import TierName
+from .tiers.base import TIER_KEY, TierName
 
 if TYPE_CHECKING:
     from .blocks import Block
-
-_TIER_VALUE = {t: t.value for t in TierName}  # Block.loc's keys (plain str: see Block)
 
 
 class Holds:
@@ -75,7 +73,7 @@ class Holds:
         is all resident, which also gives the lease its slots."""
         slots: list[int] = []
         append = slots.append
-        name = _TIER_VALUE[tier]  # the plain str: see Block._update_top
+        name = TIER_KEY[tier]
         for b in chain:
             slot = b.loc.get(name)
             if slot is None or b.dead:

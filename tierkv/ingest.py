@@ -22,6 +22,7 @@ from .placement import Placement
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
 from .results import PutResult
 from .tiers import TierName
+from .tiers.base import TIER_KEY
 
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
@@ -168,7 +169,7 @@ class Ingest:
             self.stats_counters.puts += 1
             self.stats_counters.blocks_stored += len(new)
             get = self.table.blocks.get
-            all_durable = all((blk := get(k)) is not None and DISK.value in blk.loc for k in keys[start_block:])
+            all_durable = all((blk := get(k)) is not None and TIER_KEY[DISK] in blk.loc for k in keys[start_block:])
         return PutResult(stored=len(new), skipped=n - len(new), durable=all_durable)
 
     def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]]) -> None:

@@ -26,9 +26,10 @@ from .placement import Placement
 from .promotion import PlannedRead, Promotion
 from .results import Lease
 from .tiers import TierName
+from .tiers.base import TIER_KEY
 
 DEVICE = TierName.DEVICE
-DEVICE_KEY = DEVICE.value  # Block.loc's key: a plain str, found faster than by the member
+DEVICE_KEY = TIER_KEY[DEVICE]  # Block.loc's key (tiers.base.TIER_KEY)
 
 if TYPE_CHECKING:
     from .store import Store

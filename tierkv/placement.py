@@ -27,6 +27,7 @@ from .identity import ChainMemo, iter_block_keys
 from .index import BlockRecord
 from .stats import Counters
 from .tiers import TierName
+from .tiers.base import TIER_KEY
 
 if TYPE_CHECKING:
     import numpy as np
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
-_TIER_VALUE = {t: t.value for t in TierName}
 
 
 class Placement:
@@ -116,7 +116,7 @@ class Placement:
         if slot is not None:
             return slot
         table = self.table
-        evictions, tv = self.stats_counters.evictions, _TIER_VALUE[t]
+        evictions, tv = self.stats_counters.evictions, TIER_KEY[t]
         if self.drops_only(t):  # without evict()'s tests per victim
             drop, free = table.drop_victim, slots.free
             while slot is None:
@@ -146,7 +146,7 @@ class Placement:
         """``alloc_mem`` + ``table.place`` for each new block, in one loop (where
         :meth:`drops_only`); returns the slots of the first blocks, those placed."""
         placed, evicted = self.table.place_dropping(blocks, t, self.tier(t).slots)
-        self.stats_counters.evictions[_TIER_VALUE[t]] += evicted
+        self.stats_counters.evictions[TIER_KEY[t]] += evicted
         return placed
 
     def alloc_disk(self, model_version: str, keep: Sequence[Block] = ()) -> int | None:
@@ -177,7 +177,7 @@ class Placement:
     def evict(self, b: Block, t: TierName) -> None:
         """Take ``b`` out of tier ``t``: demote it to the host when it leaves the device, and
         write it back to disk when this was its last copy (ephemeral blocks are just dropped)."""
-        self.stats_counters.evictions[_TIER_VALUE[t]] += 1
+        self.stats_counters.evictions[TIER_KEY[t]] += 1
         moves = (t == DISK or (t == DEVICE and HOST not in b.loc and self.host.slots.capacity)
                  or (DISK not in b.loc and self.disk.capacity_slots and not self.disk.degraded))
         if not moves:

@@ -28,10 +28,14 @@ class SegmentRooms:
         self._by_version: dict[str, list[int]] | None = None  # model version -> heap of segment ids
         self._free: dict[int, list[int]] = {}  # segment id -> heap of free indices (built on first use)
 
+    def pages(self, seg: Segment) -> int:
+        """How many pages ``seg`` takes: the smaller of its own size and the tier's current
+        segment size, as the tier always counted."""
+        return min(seg.header.segment_pages, self._segment_pages)
+
     def room(self, seg: Segment) -> bool:
-        """Whether ``seg`` takes another page (counted against the smaller of its own size
-        and the tier's current segment size, as the tier always has)."""
-        return len(seg.used) < min(seg.header.segment_pages, self._segment_pages)
+        """Whether ``seg`` takes another page."""
+        return len(seg.used) < self.pages(seg)
 
     def reset(self) -> None:
         """Segments' ``used`` sets were changed behind these heaps (claims at open)."""
@@ -85,7 +89,7 @@ class SegmentRooms:
         free = self._free.get(seg_id)
         if free is not None:
             heapq.heappush(free, index)
-        if self._by_version is not None and len(seg.used) + 1 == min(seg.header.segment_pages, self._segment_pages):
+        if self._by_version is not None and len(seg.used) + 1 == self.pages(seg):
             # It was full, so no heap entry is live for it: it has room again.
             heapq.heappush(self._by_version.setdefault(seg.header.model_version, []), seg_id)
 
