@@ -207,9 +207,11 @@ def main(argv: list[str] | None = None) -> int:
                 "evicted_by": {t: dict(v) for t, v in r["stats"]["evicted_by"].items()} if "stats" in r else None,
             })
     if args.json:
-        print(json.dumps({"trace": str(args.trace), "requests": len(trace), "rows": rows}, indent=1))
+        print(json.dumps({"trace": str(args.trace), "requests": len(trace), "native": tierkv.native.status(),
+                          "rows": rows}, indent=1))
         return 0
-    print(f"{args.trace}: {len(trace)} requests, {sum(len(r.hash_ids) for r in trace)} blocks")
+    print(f"{args.trace}: {len(trace)} requests, {sum(len(r.hash_ids) for r in trace)} blocks; "
+          f"store: {tierkv.native.describe()}")
     print(f"{'capacity':>9} {'policy':<16} {'block hit':>9} {'token hit':>9} {'of opt':>7} {'req/s':>8} {'req/cpu-s':>9}")
     for row in rows:
         share = f"{row['share_of_optimum']:.3f}" if row["share_of_optimum"] is not None else "-"

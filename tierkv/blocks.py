@@ -53,6 +53,12 @@ class Block:
     hint: int = HINT_FRESH
 
     @property
+    def tiers(self) -> list[TierName]:
+        """The tiers holding the block, fastest first, as TierName members (``loc`` is keyed
+        by their plain str names; the compiled table checks that a tier is a TierName)."""
+        return [t for t in TIERS if t.value in self.loc]
+
+    @property
     def top_tier(self) -> TierName | None:
         """The fastest tier holding the block, from its locations (``top`` caches it)."""
         for t in TIERS:
@@ -171,7 +177,7 @@ class BlockTable(Holds):
         """Make ``block`` unreachable (invalidated or quarantined) while its slots stay
         allocated until the store frees them: out of the table and every LRU list."""
         block.dead = True
-        for t in block.loc:
+        for t in block.tiers:
             self._order[t][block.priority].remove(block.key)
         if self.blocks.get(block.key) is block:
             del self.blocks[block.key]
@@ -196,7 +202,7 @@ class BlockTable(Holds):
         return slot
 
     def set_priority(self, block: Block, priority: Priority) -> None:
-        for t in block.loc:
+        for t in block.tiers:
             self._order[t][block.priority].remove(block.key)
             self._order[t][priority].add(block.key, block.hint)
         block.priority = priority

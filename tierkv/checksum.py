@@ -19,7 +19,7 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float16, torch.float64, torch.ui
 
 def page_checksum(key: bytes, page: torch.Tensor) -> int:
     data = page.detach().cpu().contiguous().view(torch.uint8).numpy()
-    return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))
+    return xxhash.xxh3_64_intdigest(data.data, seed=int.from_bytes(key[:8], "little"))
 
 
 def page_rows(pages: torch.Tensor) -> np.ndarray:
@@ -41,6 +41,6 @@ def page_checksums(keys: list[bytes], pages: torch.Tensor, rows: list[int]) -> l
     # Rows as slices of one flat memoryview (a numpy row view per page cost more than the
     # hash of a small page), the seed as page_checksum takes it: the key's first 8 bytes.
     step = data.shape[1]
-    flat = memoryview(np.ascontiguousarray(data).reshape(-1))
+    flat = np.ascontiguousarray(data).reshape(-1).data
     digest, seed = xxhash.xxh3_64_intdigest, _SEED.unpack_from
     return [digest(flat[r * step : (r + 1) * step], seed(k)[0]) for k, r in zip(keys, rows)]

@@ -263,12 +263,22 @@ class ChainMemo:
                 m = min(n, len(keys), len(raw) // step, len(known) // step)
                 if m <= len(best):
                     continue
-                if known.startswith(memoryview(raw)[: m * step]):
+                view = memoryview(raw)
+                if known.startswith(view[: m * step]):
                     k = m
-                else:  # the first block whose bytes differ (the first block is equal: the slot says so)
-                    a = np.frombuffer(raw, dtype=np.uint8, count=m * step)
-                    b = np.frombuffer(known, dtype=np.uint8, count=m * step)
-                    k = int(np.argmax(a != b)) // step
+                else:
+                    # The blocks before the first that differs, by bisection with memcmp over
+                    # the bytes not compared yet: block 0 is equal (the slot says so), block
+                    # m - 1 is not. (numpy's argmax over an elementwise compare of the whole
+                    # prefix cost 8 us a call, most of a lookup's proof.)
+                    lo, hi = 1, m
+                    while hi - lo > 1:
+                        mid = (lo + hi) // 2
+                        if known.startswith(view[lo * step : mid * step], lo * step):
+                            lo = mid
+                        else:
+                            hi = mid
+                    k = lo
                 if k > len(best):
                     best = keys[:k]
             return best

@@ -187,7 +187,7 @@ class Ingest:
         for b in new:
             if DISK in b.loc or self.table.get(b.key) is not b:
                 continue
-            for t in list(b.loc):
+            for t in b.tiers:
                 self.placement.free(b, t)
             if self.table.get(b.key) is b:
                 self.table.remove(b)

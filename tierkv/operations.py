@@ -97,7 +97,7 @@ class StoreOperations:
             b = self.table.get(last_key)
             while b is not None:
                 blocks += 1
-                for t in b.loc:
+                for t in b.tiers:
                     counts[t] += 1
                 b = self.table.get(b.parent)
             return Residency(blocks, counts[DEVICE], counts[HOST], counts[DISK])

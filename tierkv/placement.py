@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 from .blocks import Block, BlockTable, Priority
 from .errors import DiskWriteError, IndexWriteError
@@ -62,7 +62,8 @@ class Placement:
         self._dead: list[Block] = []
         self.chain_memo = ChainMemo()  # key chains hashed here, for the lookups and puts that repeat them
 
-    def tier(self, t: TierName) -> "MemoryTier":
+    def tier(self, t: str) -> "MemoryTier":
+        """The memory tier named ``t`` (a TierName, or its plain str: the keys of Block.loc)."""
         return self.device if t == DEVICE else self.host
 
     # ---- matching ------------------------------------------------------------------------
@@ -83,9 +84,10 @@ class Placement:
         proven = memo.proven(scope.seed, raw, step, len(raw) // step) if memo is not None else ()
         chain: list[Block] = []
         if proven:  # a miss inside it ends the chain; stored ids disagreeing: hash and walk
-            chain = list(map(get, proven))  # no block in the table is dead (BlockTable.check_integrity)
-            if None in chain:
-                del chain[chain.index(None):]
+            found: list[Block | None] = list(map(get, proven))  # no block in the table is dead (check_integrity)
+            if None in found:
+                del found[found.index(None):]
+            chain = cast("list[Block]", found)  # free at run time; compiled, a check that it is a list
             if b"".join([b.tokens for b in chain]) != raw[: len(chain) * step]:
                 chain, proven = [], ()
             elif len(chain) < len(proven):

@@ -59,11 +59,15 @@ would need recomputing whenever lambda adapts. ARC without the insertion classes
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 HINT_FRESH = 0
 HINT_CONTINUATION = 1  # bit: the block is part of a put whose request found a cached prefix
 HINT_TAIL = 2  # bit: the block is the last one of its put (the deepest of the request)
+# What a policy orders: block keys (bytes) in the store, int ids in tierkv.traces' model
+# replays of these same classes. Any rather than bytes: compiled (setup.py), an annotation
+# is a type check at every call.
+Key = Any
 POLICIES = ("lru", "arc")
 DEFAULT_POLICY = "arc"
 _ABSENT = object()
@@ -75,13 +79,13 @@ class EvictionPolicy(Protocol):
 
     def __len__(self) -> int: ...
     def __contains__(self, key: object) -> bool: ...
-    def add(self, key: bytes, hint: int = HINT_FRESH) -> None: ...
-    def remove(self, key: bytes, evicted: bool = False) -> str: ...  # the segment it left
-    def touch(self, keys: list[bytes], hit: bool) -> None: ...
-    def candidates(self) -> Iterator[bytes]: ...
-    def head(self) -> bytes: ...  # the first of candidates() (asked only when non-empty)
-    def segment(self, key: bytes) -> str: ...
-    def keys(self) -> set[bytes]: ...
+    def add(self, key: Key, hint: int = HINT_FRESH) -> None: ...
+    def remove(self, key: Key, evicted: bool = False) -> str: ...  # the segment it left
+    def touch(self, keys: list[Key], hit: bool) -> None: ...
+    def candidates(self) -> Iterator[Key]: ...
+    def head(self) -> Key: ...  # the first of candidates() (asked only when non-empty)
+    def segment(self, key: Key) -> str: ...
+    def keys(self) -> set[Key]: ...
     def check_integrity(self) -> None: ...
 
 
@@ -98,7 +102,7 @@ class LRUPolicy:
     name = "lru"
 
     def __init__(self) -> None:
-        self._d: OrderedDict[bytes, None] = OrderedDict()
+        self._d: OrderedDict[Key, None] = OrderedDict()
         self.ghost_hits = 0  # LRU keeps no ghosts
 
     def __len__(self) -> int:
@@ -107,29 +111,29 @@ class LRUPolicy:
     def __contains__(self, key: object) -> bool:
         return key in self._d
 
-    def add(self, key: bytes, hint: int = HINT_FRESH) -> None:
+    def add(self, key: Key, hint: int = HINT_FRESH) -> None:
         self._d[key] = None
 
-    def remove(self, key: bytes, evicted: bool = False) -> str:
+    def remove(self, key: Key, evicted: bool = False) -> str:
         self._d.pop(key, None)
         return "lru"
 
-    def touch(self, keys: list[bytes], hit: bool) -> None:
+    def touch(self, keys: list[Key], hit: bool) -> None:
         d = self._d
         for k in keys:
             if k in d:
                 d.move_to_end(k)
 
-    def candidates(self) -> Iterator[bytes]:
+    def candidates(self) -> Iterator[Key]:
         return iter(self._d)
 
-    def head(self) -> bytes:
+    def head(self) -> Key:
         return next(iter(self._d))
 
-    def segment(self, key: bytes) -> str:
+    def segment(self, key: Key) -> str:
         return "lru"
 
-    def keys(self) -> set[bytes]:
+    def keys(self) -> set[Key]:
         return set(self._d)
 
     def check_integrity(self) -> None:
@@ -148,14 +152,14 @@ class ARCPolicy:
         self.cold_ratio = cold_ratio
         self.warm_ratio = warm_ratio
         self.p = 0.0  # target size of cold + recent
-        self._cold: OrderedDict[bytes, None] = OrderedDict()
-        self._recent: OrderedDict[bytes, None] = OrderedDict()
-        self._frequent: OrderedDict[bytes, None] = OrderedDict()
-        self._ghost_recent: OrderedDict[bytes, int] = OrderedDict()  # key -> insertion class
-        self._ghost_frequent: OrderedDict[bytes, None] = OrderedDict()
+        self._cold: OrderedDict[Key, None] = OrderedDict()
+        self._recent: OrderedDict[Key, None] = OrderedDict()
+        self._frequent: OrderedDict[Key, None] = OrderedDict()
+        self._ghost_recent: OrderedDict[Key, int] = OrderedDict()  # key -> insertion class
+        self._ghost_frequent: OrderedDict[Key, None] = OrderedDict()
         # Insertion class of blocks not yet seen again: all of cold and recent, and the
         # blocks of a warm class that entered frequent directly.
-        self._hint: dict[bytes, int] = {}
+        self._hint: dict[Key, int] = {}
         self._inserted = [0.0] * 4  # per insertion class (HINT_* bits), decayed
         self._reused = [0.0] * 4
         self._since_decay = 0
@@ -181,7 +185,7 @@ class ARCPolicy:
             self._inserted = [x / 2 for x in self._inserted]
             self._reused = [x / 2 for x in self._reused]
 
-    def _insert_segment(self, hint: int) -> OrderedDict[bytes, None]:
+    def _insert_segment(self, hint: int) -> OrderedDict[Key, None]:
         """Where a new block of class ``hint`` goes, after counting it: ``cold`` when the
         class's measured reuse rate is below ``cold_ratio`` x the overall rate, ``frequent``
         (warm) above ``warm_ratio`` x overall and 0.5. The sums are written out, not sum():
@@ -202,7 +206,7 @@ class ARCPolicy:
             return self._frequent
         return self._recent
 
-    def add(self, key: bytes, hint: int = HINT_FRESH) -> None:
+    def add(self, key: Key, hint: int = HINT_FRESH) -> None:
         hint &= 3
         if key not in self._ghost_recent and key not in self._ghost_frequent:
             self._hint[key] = hint
@@ -220,7 +224,7 @@ class ARCPolicy:
             self.p = max(0.0, self.p - max(ratio, 1.0))
             self._frequent[key] = None
 
-    def remove(self, key: bytes, evicted: bool = False) -> str:
+    def remove(self, key: Key, evicted: bool = False) -> str:
         if key in self._frequent:
             del self._frequent[key]
             segment = "frequent"
@@ -249,7 +253,7 @@ class ARCPolicy:
                 gf.popitem(last=False)
         return segment
 
-    def touch(self, keys: list[bytes], hit: bool) -> None:
+    def touch(self, keys: list[Key], hit: bool) -> None:
         cold, recent, frequent, hints = self._cold, self._recent, self._frequent, self._hint
         to_end = frequent.move_to_end
         for k in keys:
@@ -265,13 +269,13 @@ class ARCPolicy:
                 else:
                     (recent if k in recent else cold).move_to_end(k)
 
-    def _lists(self) -> tuple[OrderedDict[bytes, None], ...]:
+    def _lists(self) -> tuple[OrderedDict[Key, None], ...]:
         cold, recent, frequent = self._cold, self._recent, self._frequent
         if (cold or recent) and (not frequent or len(cold) + len(recent) > self.p):
             return (cold, recent, frequent)
         return (frequent, cold, recent)
 
-    def head(self) -> bytes:
+    def head(self) -> Key:
         """The first of :meth:`candidates` (the policy is not empty): the head of the
         first non-empty list in victim order."""
         cold, recent, frequent = self._cold, self._recent, self._frequent
@@ -279,7 +283,7 @@ class ARCPolicy:
             return next(iter(cold or recent))
         return next(iter(frequent or cold or recent))
 
-    def candidates(self) -> Iterator[bytes]:
+    def candidates(self) -> Iterator[Key]:
         lists = self._lists()
         for d in lists:  # each head first: a non-leaf head must not stall the others
             if d:
@@ -289,12 +293,12 @@ class ARCPolicy:
             next(it, None)
             yield from it
 
-    def segment(self, key: bytes) -> str:
+    def segment(self, key: Key) -> str:
         if key in self._frequent:
             return "frequent"
         return "cold" if key in self._cold else "recent"
 
-    def keys(self) -> set[bytes]:
+    def keys(self) -> set[Key]:
         return set(self._cold) | set(self._recent) | set(self._frequent)
 
     def check_integrity(self) -> None:

@@ -106,3 +106,19 @@ def test_a_repeated_prompt_is_not_hashed_again_and_bad_stored_tokens_are_still_c
     b.tokens = bytes(len(b.tokens))
     assert store.lookup(t, SCOPE).num_blocks == 1
     assert store.stats()["quarantined"] == 1
+
+
+def test_memo_proves_up_to_the_first_differing_block_wherever_it_is():
+    # The proof bisects over whole blocks: a prompt that leaves a 37-block chain at block j
+    # (one token changed, at the block's first or last byte) is proven for exactly j blocks.
+    chain = as_token_array(toks(30, 37))
+    keys = tuple(block_keys(chain, SCOPE, BS))
+    memo = ChainMemo()
+    memo.remember(SCOPE.seed, chain.tobytes(), STEP, keys)
+    for j in range(1, 37):
+        for at in (j * BS, (j + 1) * BS - 1):
+            other = chain.copy()
+            other[at] += 1
+            assert memo.proven(SCOPE.seed, other.tobytes(), STEP, 37) == keys[:j], (j, at)
+            assert memo.proven(SCOPE.seed, other.tobytes(), STEP, j + 1) == keys[:j], (j, at)
+    assert memo.proven(SCOPE.seed, chain.tobytes(), STEP, 37) == keys

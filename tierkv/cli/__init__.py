@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 
-from .. import __version__
+from .. import __version__, native
 from . import chat, cluster, keys, main_job, ops, serve
 from .common import TierKVGroup
 
 
 @click.group(cls=TierKVGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(version=__version__, prog_name="tierkv")
+@click.version_option(version=__version__, prog_name="tierkv",
+                      message="%(prog)s %(version)s (" + native.describe().replace("%", "%%") + ")")
 def main() -> None:
     """tierkv: a tiered KV-cache store for LLM serving."""
 
