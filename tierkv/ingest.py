@@ -169,7 +169,9 @@ class Ingest:
             self.stats_counters.puts += 1
             self.stats_counters.blocks_stored += len(new)
             get = self.table.blocks.get
-            all_durable = all((blk := get(k)) is not None and TIER_KEY[DISK] in blk.loc for k in keys[start_block:])
+            # Without a disk tier nothing is durable: no walk of the chain to find that out.
+            all_durable = not n or (self.disk.capacity_slots > 0 and all(
+                (blk := get(k)) is not None and TIER_KEY[DISK] in blk.loc for k in keys[start_block:]))
         return PutResult(stored=len(new), skipped=n - len(new), durable=all_durable)
 
     def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]]) -> None:

@@ -265,3 +265,17 @@ def test_a_stored_block_is_one_object_for_the_garbage_collector(make_store):
         keys = keys_of(a)
         assert keys[5] in table.get(keys[4]).children and keys[4] in table.get(keys[3]).children
         table.check_integrity()
+
+
+def test_a_put_says_durable_only_when_every_block_it_names_is_on_disk(make_store):
+    mem = make_store(disk_bytes=0)  # no disk tier: nothing is durable, nothing to walk
+    chain = toks(990, 3)
+    assert not mem.put(chain, pages_for(chain, SCOPE), SCOPE).durable
+    assert not mem.put(chain, pages_for(chain, SCOPE), SCOPE).durable  # all skipped, still memory only
+    assert mem.put(chain, pages_for(chain, SCOPE)[:0], SCOPE, start_block=3).durable  # names no block
+    mem.close()
+    disk = make_store()
+    assert disk.put(chain, pages_for(chain, SCOPE), SCOPE).durable
+    assert disk.put(chain, pages_for(chain, SCOPE), SCOPE).durable  # already there, on disk
+    eph = toks(991, 2)
+    assert not disk.put(eph, pages_for(eph, SCOPE), SCOPE, priority=Priority.EPHEMERAL).durable
