@@ -34,6 +34,7 @@ COMPILED = [
     "tierkv.blocks", "tierkv.checksum", "tierkv.holds", "tierkv.ingest", "tierkv.leasing",
     "tierkv.policy", "tierkv.tiers.base",
 ]
+SOURCES = {m: m.replace(".", "/") + ".py" for m in COMPILED}  # module -> path from the root
 MANIFEST = "_native.json"  # = tierkv.native.MANIFEST (tierkv itself cannot be imported here)
 
 
@@ -62,9 +63,7 @@ class BuildExt(build_ext):
             return
         # Where tierkv/blocks's extension went: the source tree (editable) or build_lib (wheel).
         out = Path(self.get_ext_fullpath("tierkv.blocks")).parent
-        digests = {m: hashlib.sha256((ROOT / (m.replace(".", "/") + ".py")).read_bytes()).hexdigest()
-                   for m in COMPILED}
-        out.mkdir(parents=True, exist_ok=True)
+        digests = {m: hashlib.sha256((ROOT / path).read_bytes()).hexdigest() for m, path in SOURCES.items()}
         (out / MANIFEST).write_text(json.dumps({"python": sys.implementation.cache_tag, "sources": digests},
                                                indent=1, sort_keys=True) + "\n")
 
@@ -82,7 +81,6 @@ def native_extensions() -> list:
     except ImportError:
         print("tierkv: mypyc not available; installing the metadata path as plain Python", file=sys.stderr)
         return []
-    paths = [m.replace(".", "/") + ".py" for m in COMPILED]
     # Third-party packages (numpy, torch...) need not be in the build environment: their
     # types are Any to the compiler, which then checks nothing about them at run time.
     try:
@@ -90,7 +88,7 @@ def native_extensions() -> list:
         # group_name: the modules' shared C library is tierkv._metadata__mypyc, inside the
         # package (the default, a top-level module named by a hash, is not importable
         # through an editable install, which maps only the package).
-        return mypycify(["--ignore-missing-imports", "--follow-imports=silent", *paths], opt_level="3",
+        return mypycify(["--ignore-missing-imports", "--follow-imports=silent", *SOURCES.values()], opt_level="3",
                         group_name="tierkv._metadata")
     except (Exception, SystemExit) as exc:  # a type error: mypy has printed it
         print(f"tierkv: mypyc refused the metadata path ({exc!r}); installing it as plain Python",

@@ -61,10 +61,8 @@ class Block:
     @property
     def top_tier(self) -> TierName | None:
         """The fastest tier holding the block, from its locations (``top`` caches it)."""
-        for t in TIERS:
-            if t.value in self.loc:
-                return t
-        return None
+        tiers = self.tiers
+        return tiers[0] if tiers else None
 
     def _update_top(self) -> None:
         # Runs at every place/unplace; looked up by the plain str (tiers.base.TIER_KEY).

@@ -41,11 +41,17 @@ def _compiled_files(package_dir: Path) -> list[Path]:
     return sorted(set(out))
 
 
-def check(package_dir: Path = PACKAGE_DIR, env: Mapping[str, str] | None = None) -> tuple[list[str], str]:
+def _source(root: Path, module: str) -> Path:
+    return root / (module.replace(".", "/") + ".py")
+
+
+def check(package_dir: Path = PACKAGE_DIR, env: Mapping[str, str] | None = None,
+          present: Sequence[Path] | None = None) -> tuple[list[str], str]:
     """(modules that may run compiled, why not the others): compiled modules are used only
-    when present, built for this Python, and built from the sources as they are now."""
+    when present, built for this Python, and built from the sources as they are now.
+    ``present``: the package's extension files, when the caller has listed them."""
     env = os.environ if env is None else env
-    present = _compiled_files(package_dir)
+    present = _compiled_files(package_dir) if present is None else present
     if not present:
         return [], "no compiled modules in this install (plain Python)"
     if env.get("TIERKV_PURE_PYTHON", "") not in ("", "0"):
@@ -60,7 +66,7 @@ def check(package_dir: Path = PACKAGE_DIR, env: Mapping[str, str] | None = None)
         return [], f"compiled for {tag}, running {sys.implementation.cache_tag}"
     root = package_dir.parent
     for module, digest in sorted(sources.items()):
-        path = root / (module.replace(".", "/") + ".py")
+        path = _source(root, module)
         try:
             now = hashlib.sha256(path.read_bytes()).hexdigest()
         except OSError:
@@ -80,8 +86,7 @@ class _SourceFirst(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.modules:
             return None
-        source = self.root / (fullname.replace(".", "/") + ".py")
-        return importlib.util.spec_from_file_location(fullname, source)
+        return importlib.util.spec_from_file_location(fullname, _source(self.root, fullname))
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -96,14 +101,14 @@ def _module_name(path: Path, root: Path) -> str:
 def install_guard(package_dir: Path = PACKAGE_DIR) -> importlib.abc.MetaPathFinder | None:
     """Decide once per process which modules run compiled (see the module docstring);
     returns the finder it put first on ``sys.meta_path``, if any."""
-    compiled, reason = check(package_dir)
+    present = _compiled_files(package_dir)  # one scan of the package per import
+    compiled, reason = check(package_dir, present=present)
     _state.update(compiled=compiled, reason=reason)
     root = package_dir.parent
     # Every extension with a source beside it that the manifest does not vouch for: all of
     # them when the build is not trusted, else leftovers of an earlier build (a module
     # since taken off the compiled list; an in-place rebuild does not delete it).
-    stale = [m for m in (_module_name(p, root) for p in _compiled_files(package_dir))
-             if m not in compiled and (root / (m.replace(".", "/") + ".py")).exists()]
+    stale = [m for m in (_module_name(p, root) for p in present) if m not in compiled and _source(root, m).exists()]
     if not stale:
         return None
     finder = _SourceFirst(stale, root)
