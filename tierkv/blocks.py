@@ -10,7 +10,6 @@ prefix is useless, so prefixes outlive their extensions).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .holds import Holds
@@ -27,36 +26,57 @@ PRIORITIES = tuple(Priority)  # iterating the enum itself costs more than a vict
 _PRIORITY_NAME = {p: p.name.lower() for p in Priority}
 
 
-@dataclass(eq=False, slots=True)  # slots: one per stored block, created at every put
 class Block:
-    # ``loc`` and ``children`` hold only str, int and bytes (tier names as plain str, which
-    # equal and hash as the TierName members, and child keys as the keys of a dict): such
-    # dicts are not tracked by Python's cyclic garbage collector, so a block is one tracked
-    # object instead of three. A full collection walks every tracked object; with a
-    # 200,000-block table it took 160-195 ms before this, and a daemon pauses for that long.
-    key: bytes
-    parent: bytes
-    model_version: str
-    namespace: str
-    tokens: bytes
-    checksum: int
-    priority: Priority
-    loc: dict[str, int] = field(default_factory=dict)  # TierName value -> slot (BlockTable.place)
-    leases: int = 0
-    busy: int = 0  # in-flight reads of this block's pages (outside the store lock)
-    children: dict[bytes, None] = field(default_factory=dict)  # child keys (a set, kept untracked)
-    dead: bool = False  # invalidated or quarantined; freed when the last lease ends
-    # The fastest tier holding the block ("" for none), kept by BlockTable.place/unplace so
-    # that a lookup of thousands of blocks need not search each block's locations.
-    top: str = ""
-    # Insertion class for the eviction policy (policy.HINT_*): set by put, read at place.
-    hint: int = HINT_FRESH
+    """A stored block's metadata: identity, token ids, checksum, locations and holds.
+
+    A plain class with its own ``__init__`` rather than a dataclass: compiled
+    (docs/architecture.md, "Compiled metadata path"), a dataclass keeps the ``__init__``
+    that :mod:`dataclasses` generates as interpreted Python, ~1 us per block, and a put
+    creates one per new block (an eighth of a replay's time at 1,000 blocks); this one
+    compiles to a native constructor. Identity equality, as before (``eq=False``).
+
+    ``loc`` and ``children`` hold only str, int and bytes (tier names as plain str, which
+    equal and hash as the TierName members, and child keys as the keys of a dict): such
+    dicts are not tracked by Python's cyclic garbage collector, so a block is one tracked
+    object instead of three. A full collection walks every tracked object; with a
+    200,000-block table it took 160-195 ms before this, and a daemon pauses for that long.
+    """
+
+    __slots__ = ("key", "parent", "model_version", "namespace", "tokens", "checksum", "priority", "loc",
+                 "leases", "busy", "children", "dead", "top", "hint")
+
+    def __init__(self, key: bytes, parent: bytes, model_version: str, namespace: str, tokens: bytes,
+                 checksum: int, priority: Priority, loc: dict[str, int] | None = None, leases: int = 0,
+                 busy: int = 0, children: dict[bytes, None] | None = None, dead: bool = False, top: str = "",
+                 hint: int = HINT_FRESH) -> None:
+        self.key = key
+        self.parent = parent
+        self.model_version = model_version
+        self.namespace = namespace
+        self.tokens = tokens
+        self.checksum = checksum
+        self.priority = priority
+        self.loc: dict[str, int] = {} if loc is None else loc  # TierName value -> slot (BlockTable.place)
+        self.leases = leases
+        self.busy = busy  # in-flight reads of this block's pages (outside the store lock)
+        self.children: dict[bytes, None] = {} if children is None else children  # child keys (a set, untracked)
+        self.dead = dead  # invalidated or quarantined; freed when the last lease ends
+        # The fastest tier holding the block ("" for none), kept by BlockTable.place/unplace so
+        # that a lookup of thousands of blocks need not search each block's locations.
+        self.top = top
+        # Insertion class for the eviction policy (policy.HINT_*): set by put, read at place.
+        self.hint = hint
+
+    def __repr__(self) -> str:
+        return (f"Block(key={self.key.hex()[:12]}, priority={self.priority.name}, loc={self.loc}, "
+                f"leases={self.leases}, busy={self.busy}, dead={self.dead})")
 
     @property
     def tiers(self) -> list[TierName]:
         """The tiers holding the block, fastest first, as TierName members (``loc`` is keyed
         by their plain str names; the compiled table checks that a tier is a TierName)."""
-        return [t for t in TIERS if t.value in self.loc]
+        loc = self.loc
+        return [t for t, name in zip(TIERS, _TIER_NAMES) if name in loc]
 
     @property
     def top_tier(self) -> TierName | None:

@@ -17,7 +17,7 @@ import torch
 from .blocks import Block, Priority
 from .checksum import page_checksums
 from .errors import PageFormatError
-from .identity import Scope, as_token_array, iter_block_keys
+from .identity import Scope, as_token_array, iter_block_keys, same_bytes
 from .placement import Placement
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
 from .results import PutResult
@@ -82,7 +82,9 @@ class Ingest:
             )
         bs = self.layout.block_size
         step = 4 * bs
-        raw = arr.tobytes()
+        # A byte view of the tokens, not a copy (tierkv/placement.py, match): each new block
+        # copies its own ids out of it.
+        raw = arr.data.cast("B")
         # Keys this store computed before from these very token bytes (the lookup before
         # this put, an earlier request on the same prefix) are reused: tierkv.identity.
         # ChainMemo proves each by byte equality; only the rest is hashed.
@@ -108,10 +110,9 @@ class Ingest:
             last = start_block + n - 1
             for i in range(start_block, start_block + n):
                 key = keys[i]
-                tokens_i = raw[i * step : (i + 1) * step]
                 old = get(key)
                 if old is not None:
-                    if old.tokens == tokens_i:
+                    if same_bytes(old.tokens, raw[i * step : (i + 1) * step]):
                         continue  # stored already
                     # A stored block under this key with other token ids (a corrupt record or
                     # a collision): it can never be served, so the new block replaces it.
@@ -124,7 +125,8 @@ class Ingest:
                 row_of[key] = i - start_block
                 # The checksum is filled in below, before the block is indexed or entered in
                 # the table (nothing sees it before then). Positional: Block's field order.
-                new.append(Block(key, keys[i - 1] if i else scope.seed, mv, ns, tokens_i, 0, priority,
+                ids = bytes(raw[i * step : (i + 1) * step])  # the block's own copy of its ids
+                new.append(Block(key, keys[i - 1] if i else scope.seed, mv, ns, ids, 0, priority,
                                  hint=cont | HINT_TAIL if i == last else cont))
             # Making room on disk must not evict this request's own blocks; those cached only
             # in memory (put while the disk was degraded, or in write-back mode) go to disk

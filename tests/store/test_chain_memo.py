@@ -8,7 +8,7 @@ import torch
 
 import tierkv.ingest
 from tierkv import Scope
-from tierkv.identity import ChainMemo, as_token_array, block_keys
+from tierkv.identity import ChainMemo, as_token_array, block_keys, same_bytes
 
 from .kit import BS, MV2, SCOPE, keys_of, pages_for, toks
 
@@ -122,3 +122,43 @@ def test_memo_proves_up_to_the_first_differing_block_wherever_it_is():
             assert memo.proven(SCOPE.seed, other.tobytes(), STEP, 37) == keys[:j], (j, at)
             assert memo.proven(SCOPE.seed, other.tobytes(), STEP, j + 1) == keys[:j], (j, at)
     assert memo.proven(SCOPE.seed, chain.tobytes(), STEP, 37) == keys
+
+
+def test_memo_takes_byte_views_and_keeps_its_own_copy():
+    # Lookups and puts hand the memo a view of the caller's array, not a copy: it must prove
+    # the same keys as from bytes, and what it remembers must not follow later changes to
+    # the caller's array (a key is reused only for the bytes it was computed from).
+    chain = as_token_array(toks(40, 6))
+    keys = tuple(block_keys(chain, SCOPE, BS))
+    view = chain.data.cast("B")
+    memo = ChainMemo()
+    memo.remember(SCOPE.seed, view, STEP, keys)
+    assert memo.proven(SCOPE.seed, view, STEP, 6) == keys
+    assert memo.proven(SCOPE.seed, chain.tobytes(), STEP, 6) == keys
+    original = chain.tobytes()
+    chain[3 * BS] += 1  # the caller reuses its array: block 3 differs now
+    assert memo.proven(SCOPE.seed, view, STEP, 6) == keys[:3]
+    assert memo.proven(SCOPE.seed, original, STEP, 6) == keys
+
+
+def test_same_bytes_compares_bytes_with_views_by_length_and_content():
+    a = np.arange(8, dtype="<i4")
+    view = a.data.cast("B")
+    assert same_bytes(a.tobytes(), view)
+    assert not same_bytes(a.tobytes()[:-4], view)  # a prefix is not equal
+    assert not same_bytes(a.tobytes() + b"\0", view)
+    b = a.copy()
+    b[-1] += 1
+    assert not same_bytes(b.tobytes(), view)
+
+
+def test_a_stored_block_keeps_its_own_token_ids_when_the_callers_array_changes(make_store):
+    store = make_store()
+    tokens = toks(50, 3)
+    arr = as_token_array(tokens)  # int32 and contiguous already: the store reads this very array
+    store.put(arr, pages_for(tokens, SCOPE), SCOPE)
+    arr[:] = 7  # the caller reuses its buffer
+    with store.acquire(tokens, SCOPE) as lease:
+        assert lease.num_blocks == 3 and torch.equal(lease.pages(), pages_for(tokens, SCOPE))
+    assert store.lookup(arr, SCOPE).num_blocks == 0
+    store.check_integrity()
