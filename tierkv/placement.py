@@ -78,17 +78,14 @@ class Placement:
         to the block-by-block walk, which quarantines the bad block)."""
         bs = self.layout.block_size
         step = 4 * bs
-        # A byte view of the tokens, not a copy: ``tobytes()`` of every prompt was most of a
-        # replay's page faults (a fresh buffer per lookup, 60 KB on average in the trace).
-        raw = arr.data.cast("B")
+        raw = arr.data.cast("B")  # a view: tobytes() of each prompt was a replay's page faults
         get = self.table.blocks.get
         memo = self.chain_memo if block_extra is None else None
         proven = memo.proven(scope.seed, raw, step, len(raw) // step) if memo is not None else ()
         chain: list[Block] = []
         if proven:  # a miss inside it ends the chain; stored ids disagreeing: hash and walk
             found: list[Block | None] = list(map(get, proven))  # no block in the table is dead (check_integrity)
-            if None in found:
-                del found[found.index(None):]
+            del found[found.index(None) if None in found else len(found):]
             chain = cast("list[Block]", found)  # free at run time; compiled, a check that it is a list
             if not same_bytes(b"".join([b.tokens for b in chain]), raw[: len(chain) * step]):
                 chain, proven = [], ()
@@ -106,7 +103,9 @@ class Placement:
                 self.quarantine(b, "stored token ids differ from the request's")
                 break
             chain.append(b)
-        if memo is not None and len(hashed) > len(proven):
+        # Only the first miss hashed (a known prefix, then a new block): not remembered, since
+        # a put re-hashing that one block costs less than copying the whole prefix here.
+        if memo is not None and len(hashed) > len(proven) + 1:
             memo.remember(scope.seed, raw, step, hashed)
         return chain
 
