@@ -21,6 +21,7 @@ hit rate. ``--check-model`` also asserts that each store's per-request hits equa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -89,10 +90,19 @@ def generated(kind: str, seed: int = 1) -> list[Request]:
     raise ValueError(f"unknown generated trace {kind!r}")
 
 
-def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: int = 0) -> tuple[SimResult, float, dict]:
+def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: int = 0,
+                 freeze_heap: bool = True) -> tuple[SimResult, float, dict]:
     """Per-request hits of the real store, its requests/s, and its stats at the end (with
     ``requests_per_cpu_s``: requests per CPU-second of this process, steadier than the wall
-    clock on a shared machine)."""
+    clock on a shared machine, and ``gc_seconds``: the collector's pauses in the replay).
+
+    ``freeze_heap``: the objects this process holds before the clock starts (torch, numpy,
+    the trace, the references' results: ~200,000 tracked objects) are frozen out of the
+    garbage collector for the replay (``gc.freeze``), as ``tierkv serve`` freezes its startup
+    heap (tierkv/daemon/gc_pauses.py). Without it one full collection in the 30,000-block
+    replay walks them all and takes ~0.15 s of a ~0.9 s replay, a cost of this harness's
+    heap rather than of the store; the store's own objects (its blocks) are collected as
+    usual either way. ``--no-freeze-heap`` measures with it."""
     token_cache: dict[int, np.ndarray] = {}
 
     def tokens_of(ids: tuple[int, ...]) -> np.ndarray:
@@ -114,6 +124,12 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
             disk_bytes=disk_blocks * LAYOUT.slot_bytes, eviction_policy=policy, prefetch_workers=1,
             shm_dir=Path(home),
         )
+        pauses = _GcPauses()
+        froze = freeze_heap and not gc.get_freeze_count()  # a caller's own freeze is left alone
+        if froze:
+            gc.collect()
+            gc.freeze()
+        gc.callbacks.append(pauses)
         try:
             t0, c0 = time.perf_counter(), time.process_time()
             for r, arr in zip(trace, arrays):
@@ -125,12 +141,32 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
                     store.put(arr, pages[: len(r.hash_ids) - n], SCOPE, start_block=n)
             seconds = time.perf_counter() - t0
             cpu = time.process_time() - c0
+            gc.callbacks.remove(pauses)
             store.check_integrity()
             stats = dict(store.stats())
             stats["requests_per_cpu_s"] = len(trace) / cpu if cpu else 0.0
+            stats["gc_seconds"] = pauses.seconds
         finally:
+            if pauses in gc.callbacks:
+                gc.callbacks.remove(pauses)
+            if froze:
+                gc.unfreeze()
             store.close()
     return SimResult(tuple(hits)), len(trace) / seconds if seconds else 0.0, stats
+
+
+class _GcPauses:
+    """A ``gc.callbacks`` entry summing the collector's pauses."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-blocks", type=int, default=0, help="add a disk tier of this many blocks")
     ap.add_argument("--repeat", type=int, default=1, help="store replays per policy (requests/s: median)")
     ap.add_argument("--no-store", action="store_true", help="references and policy models only")
+    ap.add_argument("--no-freeze-heap", action="store_true",
+                    help="leave this process's heap to the collector during store replays (see replay_store)")
     ap.add_argument("--check-model", action="store_true", help="assert the store's hits equal the policy model's")
     ap.add_argument("--tiers", action="append", metavar="HOST:DISK",
                     help="admission/promotion experiment on a small host tier over a disk tier, in blocks "
@@ -180,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rates, cpu_rates = [], []
             for _ in range(max(1, args.repeat)):
-                res, rps, stats = replay_store(trace, cap, pol, args.disk_blocks)
+                res, rps, stats = replay_store(trace, cap, pol, args.disk_blocks, not args.no_freeze_heap)
                 rates.append(rps)
                 cpu_rates.append(stats["requests_per_cpu_s"])
             if args.check_model:
@@ -203,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 "requests_per_s": round(r["requests_per_s"]) if "requests_per_s" in r else None,
                 "requests_per_s_runs": [round(x) for x in r.get("requests_per_s_runs", [])] or None,
                 "requests_per_cpu_s": round(r["requests_per_cpu_s"]) if "requests_per_cpu_s" in r else None,
+                "gc_seconds": round(r["stats"]["gc_seconds"], 4) if "stats" in r else None,
                 "ghost_hits": dict(r["stats"]["ghost_hits"]) if "stats" in r else None,
                 "evicted_by": {t: dict(v) for t, v in r["stats"]["evicted_by"].items()} if "stats" in r else None,
             })
@@ -211,14 +250,17 @@ def main(argv: list[str] | None = None) -> int:
                           "rows": rows}, indent=1))
         return 0
     print(f"{args.trace}: {len(trace)} requests, {sum(len(r.hash_ids) for r in trace)} blocks; "
-          f"store: {tierkv.native.describe()}")
-    print(f"{'capacity':>9} {'policy':<16} {'block hit':>9} {'token hit':>9} {'of opt':>7} {'req/s':>8} {'req/cpu-s':>9}")
+          f"store: {tierkv.native.describe()}; heap {'left to' if args.no_freeze_heap else 'frozen out of'} "
+          f"the collector during store replays")
+    print(f"{'capacity':>9} {'policy':<16} {'block hit':>9} {'token hit':>9} {'of opt':>7} {'req/s':>8} {'req/cpu-s':>9}"
+          f" {'gc s':>6}")
     for row in rows:
         share = f"{row['share_of_optimum']:.3f}" if row["share_of_optimum"] is not None else "-"
         rps = str(row["requests_per_s"]) if row["requests_per_s"] is not None else "-"
         cps = str(row["requests_per_cpu_s"]) if row["requests_per_cpu_s"] is not None else "-"
+        gcs = f"{row['gc_seconds']:.3f}" if row["gc_seconds"] is not None else "-"
         print(f"{row['capacity']:>9} {row['policy']:<16} {row['block_hit_rate']:>9.4f} "
-              f"{row['token_hit_rate']:>9.4f} {share:>7} {rps:>8} {cps:>9}")
+              f"{row['token_hit_rate']:>9.4f} {share:>7} {rps:>8} {cps:>9} {gcs:>6}")
     return 0
 
 

@@ -3,6 +3,7 @@ invariants every policy keeps in a real store, the references on hand-made trace
 known answers, the adaptive policy beating LRU where it must, and the replay tool."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import random
@@ -263,6 +264,10 @@ def test_store_replay_equals_policy_model(tmp_path, policy):
     if policy == "lru":  # the store's LRU is exactly the original rule
         assert res.hits == simulate_lru(trace, 150).hits
     assert rps > 0 and stats["eviction_policy"] == policy
+    # The harness freezes its own heap out of the collector for the replay only, and the
+    # collector changes no hit.
+    assert gc.get_freeze_count() == 0 and stats["gc_seconds"] >= 0
+    assert mod.replay_store(trace, 150, policy, freeze_heap=False)[0].hits == res.hits
 
 
 def test_replay_ab_script_replays_two_trees_in_lockstep(tmp_path, capsys):
