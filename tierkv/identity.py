@@ -161,11 +161,13 @@ def iter_block_keys(
 
     ``start``/``parent``: resume the chain at block ``start``, whose parent key (the key
     of block ``start - 1``, computed here earlier from the same tokens) is ``parent``.
-    ``raw``: ``tokens.tobytes()`` when the caller has it already."""
+    ``raw``: the bytes of ``tokens`` (or a byte view of them) when the caller has them."""
     n_blocks = len(tokens) // block_size
     # ``raw``: the caller's bytes of ``tokens`` (tobytes() of a 16k-token prompt again, to
-    # hash a block or two of it, was a measurable share of a lookup); keys hashed from the
-    # very bytes the caller compares with stored tokens, even if the array changes meanwhile.
+    # hash a block or two of it, was a measurable share of a lookup). The store passes a
+    # view of the request's array: should a caller change its array during the call, a key
+    # may come from other bytes than those compared or stored with it, and a hit still
+    # needs the stored ids to equal the request's, so such a block is a miss, never served.
     raw = memoryview(tokens.tobytes() if raw is None else raw)
     step = block_size * 4
     tok_head = b"t" + _U64.pack(step)

@@ -4,11 +4,11 @@
 eviction listeners; :class:`tierkv.store.Store` builds it, and the parts that read and write
 pages (ingest, promotion, the store operations) are given it. Every method here runs with
 ``lock`` held and changes locations only through ``BlockTable.place`` / ``unplace`` paired
-with the tiers' ``alloc`` / ``free``. Making room evicts least-recently-used evictable blocks (leaf first,
-see :meth:`BlockTable.victim`); a block evicted from memory moves one tier down
-(device -> host, or write-back to disk when it has no copy below), never silently lost
-while a tier below can take it. Write-back takes a block's missing prefix along first, so
-the disk tier holds whole prefixes and everything on it is reachable after a restart.
+with the tiers' ``alloc`` / ``free``. Making room evicts the policy's victims (leaf first,
+:meth:`BlockTable.victim`); a block evicted from memory moves one tier down (device -> host,
+or write-back to disk when it has no copy below), never silently lost while a tier below
+can take it. Write-back takes a block's missing prefix along first, so the disk tier holds
+whole prefixes and everything on it is reachable after a restart.
 
 A block that is being moved is marked ``busy`` for the duration, so that the nested
 evictions a move can trigger (device -> host -> disk) never pick the same block.
@@ -71,11 +71,9 @@ class Placement:
               block_extra: "Sequence[Sequence[str | bytes]] | None") -> list[Block]:
         """The longest chain of stored blocks for ``arr`` whose token ids equal the
         request's (held: the lock). A block whose stored ids differ is a collision or a
-        corrupt record: quarantined, and the chain ends there.
-
-        Keys of a prefix hashed before (byte-equal tokens, same seed) come from the chain
-        memo, and their blocks' stored ids are compared in one piece (a mismatch falls back
-        to the block-by-block walk, which quarantines the bad block)."""
+        corrupt record: quarantined, and the chain ends there. Keys of a prefix hashed
+        before (byte-equal tokens, same seed) come from the chain memo, and their blocks'
+        stored ids are compared in one piece (a mismatch: the block-by-block walk)."""
         bs = self.layout.block_size
         step = 4 * bs
         raw = arr.data.cast("B")  # a view: tobytes() of each prompt was a replay's page faults
@@ -85,7 +83,8 @@ class Placement:
         chain: list[Block] = []
         if proven:  # a miss inside it ends the chain; stored ids disagreeing: hash and walk
             found: list[Block | None] = list(map(get, proven))  # no block in the table is dead (check_integrity)
-            del found[found.index(None) if None in found else len(found):]
+            if None in found:
+                del found[found.index(None):]
             chain = cast("list[Block]", found)  # free at run time; compiled, a check that it is a list
             if not same_bytes(b"".join([b.tokens for b in chain]), raw[: len(chain) * step]):
                 chain, proven = [], ()
@@ -103,8 +102,7 @@ class Placement:
                 self.quarantine(b, "stored token ids differ from the request's")
                 break
             chain.append(b)
-        # Only the first miss hashed (a known prefix, then a new block): not remembered, since
-        # a put re-hashing that one block costs less than copying the whole prefix here.
+        # Only the first miss hashed: the put re-hashes it rather than the memo copy the prefix.
         if memo is not None and len(hashed) > len(proven) + 1:
             memo.remember(scope.seed, raw, step, hashed)
         return chain
