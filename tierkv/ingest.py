@@ -210,7 +210,8 @@ class Ingest:
         self.table.add_new(new)
         chain = [blk for blk in map(get, keys) if blk is not None]
         try:
-            with self.placement.held(chain):
+            self.table.hold(chain)  # = placement.held(chain), without a context manager per put
+            try:
                 if not disk_plan and self.placement.drops_only(DEVICE):
                     # One memory tier, nothing below it: place and evict in one loop.
                     placed = self.placement.place_new_dropping(new, DEVICE)
@@ -220,6 +221,8 @@ class Ingest:
                         self.table.remove(b)
                 else:
                     self._place_general(new, pages, row_of, page_of)
+            finally:
+                self.placement.unhold(chain)
         except BaseException:
             self._unplace_new(new)
             raise

@@ -50,9 +50,7 @@ class Placement:
         self.config = config
         self.layout = config.layout
         self.index, self.device, self.host, self.disk = index, device, host, disk
-        # One lock guards the table and the slot allocators (tierkv.store says what runs
-        # outside it).
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # the table and the slot allocators (tierkv.store: what runs outside it)
         self.table = BlockTable(config.eviction_policy, {
             DEVICE: device.slots.capacity, HOST: host.slots.capacity, DISK: disk.capacity_slots,
         })
@@ -314,9 +312,11 @@ class Placement:
         meanwhile are freed at its end if nothing else holds them."""
         return self.table.held(blocks, self._free_if_unheld)
 
+    def unhold(self, blocks: list[Block]) -> None:
+        self.table.unhold(blocks, self._free_if_unheld)
+
     def unbusy(self, b: Block) -> None:
-        """End an in-flight read of ``b``; a block retired meanwhile is freed now if nothing
-        else holds it."""
+        """End an in-flight read of ``b``; a retired block is freed now if nothing holds it."""
         if self.table.unbusy(b):
             self._free_if_unheld(b)
 
