@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 import tierkv
+from tierkv.daemon.gc_pauses import GcPauses, freeze_startup_heap
 from tierkv.identity import Scope
 from tierkv.policy import POLICIES
 from tierkv.traces import (REFERENCES, TRACE_BLOCK, Request, SimResult, block_tokens, read_trace, simulate_policy,
@@ -98,11 +99,12 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
 
     ``freeze_heap``: the objects this process holds before the clock starts (torch, numpy,
     the trace, the references' results: ~200,000 tracked objects) are frozen out of the
-    garbage collector for the replay (``gc.freeze``), as ``tierkv serve`` freezes its startup
-    heap (tierkv/daemon/gc_pauses.py). Without it one full collection in the 30,000-block
-    replay walks them all and takes ~0.15 s of a ~0.9 s replay, a cost of this harness's
-    heap rather than of the store; the store's own objects (its blocks) are collected as
-    usual either way. ``--no-freeze-heap`` measures with it."""
+    garbage collector for the replay, as ``tierkv serve`` freezes its startup heap (both with
+    :func:`tierkv.daemon.gc_pauses.freeze_startup_heap`; pauses counted by its ``GcPauses``).
+    Without it one full collection in the 30,000-block replay walks them all and takes
+    ~0.15 s of a ~0.9 s replay, a cost of this harness's heap rather than of the store; the
+    store's own objects (its blocks) are collected as usual either way. ``--no-freeze-heap``
+    measures with it."""
     token_cache: dict[int, np.ndarray] = {}
 
     def tokens_of(ids: tuple[int, ...]) -> np.ndarray:
@@ -124,12 +126,10 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
             disk_bytes=disk_blocks * LAYOUT.slot_bytes, eviction_policy=policy, prefetch_workers=1,
             shm_dir=Path(home),
         )
-        pauses = _GcPauses()
         froze = freeze_heap and not gc.get_freeze_count()  # a caller's own freeze is left alone
         if froze:
-            gc.collect()
-            gc.freeze()
-        gc.callbacks.append(pauses)
+            freeze_startup_heap()
+        pauses = GcPauses().install()
         try:
             t0, c0 = time.perf_counter(), time.process_time()
             for r, arr in zip(trace, arrays):
@@ -141,32 +141,17 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
                     store.put(arr, pages[: len(r.hash_ids) - n], SCOPE, start_block=n)
             seconds = time.perf_counter() - t0
             cpu = time.process_time() - c0
-            gc.callbacks.remove(pauses)
+            gc_seconds = sum(pauses.total_s)
             store.check_integrity()
             stats = dict(store.stats())
             stats["requests_per_cpu_s"] = len(trace) / cpu if cpu else 0.0
-            stats["gc_seconds"] = pauses.seconds
+            stats["gc_seconds"] = gc_seconds
         finally:
-            if pauses in gc.callbacks:
-                gc.callbacks.remove(pauses)
+            pauses.uninstall()
             if froze:
                 gc.unfreeze()
             store.close()
     return SimResult(tuple(hits)), len(trace) / seconds if seconds else 0.0, stats
-
-
-class _GcPauses:
-    """A ``gc.callbacks`` entry summing the collector's pauses."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._start = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._start
 
 
 def main(argv: list[str] | None = None) -> int:
