@@ -10,7 +10,9 @@ same moment and the ratio of their times is steady where their rates are not.
 
 The other revision's ``tierkv`` package is taken from git (``git archive``) into a
 temporary directory as ``tierkv_base`` (its imports are relative, so it runs under that
-name beside this tree's ``tierkv``). Both replay exactly what ``scripts/replay_trace.py``
+name beside this tree's ``tierkv``); when this tree runs compiled, the base's metadata path
+is compiled too, with mypyc, as its own setup.py lists it (``--no-compile-base``: plain
+Python). Both replay exactly what ``scripts/replay_trace.py``
 does (acquire, release, put of the missing blocks; one in-memory tier of N pages); their
 per-request hits must be equal, which is also checked (the hit rate must not change when
 the metadata path gets faster: issue #12).
@@ -21,9 +23,12 @@ the metadata path gets faster: issue #12).
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
+import hashlib
 import importlib
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -37,22 +42,51 @@ import numpy as np
 import torch
 
 import tierkv
+from tierkv import native
 from tierkv.policy import POLICIES
 from tierkv.traces import TRACE_BLOCK, Request, block_tokens, read_trace
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def import_revision(rev: str, into: Path) -> ModuleType:
-    """The ``tierkv`` package of git revision ``rev``, imported as ``tierkv_base``."""
+def import_revision(rev: str, into: Path, compile_it: bool = False) -> ModuleType:
+    """The ``tierkv`` package of git revision ``rev``, imported as ``tierkv_base``;
+    ``compile_it``: its metadata path compiled first, as that revision's setup.py would."""
     archive = into / "base.tar"
     with archive.open("wb") as f:
-        subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "tierkv"], stdout=f, check=True)
+        subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "tierkv", "setup.py"], stdout=f,
+                       check=True)
     with tarfile.open(archive) as tar:
         tar.extractall(into / "src", filter="data")
     (into / "src" / "tierkv").rename(into / "src" / "tierkv_base")
+    if compile_it:
+        compile_revision(into / "src")
     sys.path.insert(0, str(into / "src"))
     return importlib.import_module("tierkv_base")
+
+
+def compile_revision(src: Path) -> None:
+    """Compile ``src/tierkv_base``'s metadata path in place with mypyc (a minute or two):
+    the modules its own setup.py lists, under the package's new name, and the manifest
+    tierkv.native checks (else the base would run as plain Python against a compiled tree,
+    and the ratio would measure the compiler)."""
+    listed = re.search(r"^COMPILED = (\[.*?\])", (src / "setup.py").read_text(), re.S | re.M)
+    if listed is None:
+        raise SystemExit("the base revision's setup.py names no compiled modules: run without --compile-base")
+    modules = [m.replace("tierkv.", "tierkv_base.", 1) for m in ast.literal_eval(listed.group(1))]
+    paths = [m.replace(".", "/") + ".py" for m in modules]
+    script = (
+        "import sys\nfrom setuptools import setup\nfrom mypyc.build import mypycify\n"
+        f"setup(name='tierkv_base', ext_modules=mypycify(['--ignore-missing-imports', '--follow-imports=silent', "
+        f"*{paths!r}], opt_level='3', group_name='tierkv_base._metadata'), script_args=['build_ext', '--inplace'])\n"
+    )
+    print(f"compiling the base's {len(paths)} modules with mypyc...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, "-c", script], cwd=src, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"compiling the base failed:\n{done.stderr[-2000:]}")
+    digests = {m: hashlib.sha256((src / p).read_bytes()).hexdigest() for m, p in zip(modules, paths)}
+    (src / "tierkv_base" / "_native.json").write_text(json.dumps({"python": sys.implementation.cache_tag,
+                                                                  "sources": digests}))
 
 
 def trace_layout(mod: ModuleType) -> object:
@@ -104,14 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="lockstep replays per capacity (ratio: median)")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compile-base", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile the base's metadata path with mypyc first (default: when this tree runs compiled)")
     args = ap.parse_args(argv)
+    compile_base = native.status()["compiled"] != [] if args.compile_base is None else args.compile_base
     trace = read_trace(args.trace, args.limit)
     cache: dict[int, np.ndarray] = {}
     arrays = [np.concatenate([cache.setdefault(x, block_tokens(x)) for x in r.hash_ids]) for r in trace]
     longest = max(len(r.hash_ids) for r in trace)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tierkv-ab-") as tmp:
-        mods = [import_revision(args.base, Path(tmp)), tierkv]
+        mods = [import_revision(args.base, Path(tmp), compile_base), tierkv]
+        print(f"base {args.base}: {mods[0].native.describe()}; this tree: {native.describe()}", file=sys.stderr)
         layout = trace_layout(mods[1])
         pages = torch.zeros((longest, *layout.shape), dtype=layout.torch_dtype)
         for cap in args.capacity or [1000]:

@@ -10,7 +10,7 @@ prefix is useless, so prefixes outlive their extensions).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from .holds import Holds
 from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy, make_policy
@@ -24,6 +24,11 @@ TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
 _TIER_NAMES = tuple(TIER_KEY[t] for t in TIERS)  # fastest first: the keys of Block.loc
 PRIORITIES = tuple(Priority)  # iterating the enum itself costs more than a victim choice
 _PRIORITY_NAME = {p: p.name.lower() for p in Priority}
+# Members bound once: on Python 3.11 the enum's class has a __getattr__, so each
+# ``Priority.PINNED`` in a victim search was a slow attribute lookup (3% of a replay).
+_PINNED: Final = Priority.PINNED
+_NORMAL: Final = Priority.NORMAL
+_DISK: Final = TierName.DISK
 
 
 class Block:
@@ -214,7 +219,7 @@ class BlockTable(Holds):
         block._update_top()
         segment = self._order[tier][block.priority].remove(block.key, evicted)
         if evicted:
-            reason = segment if block.priority == Priority.NORMAL else _PRIORITY_NAME[block.priority]
+            reason = segment if block.priority == _NORMAL else _PRIORITY_NAME[block.priority]
             counts = self.evicted_by[TIER_KEY[tier]]
             counts[reason] = counts.get(reason, 0) + 1
         return slot
@@ -251,7 +256,7 @@ class BlockTable(Holds):
         }
 
     def evictable(self, block: Block, tier: TierName) -> bool:
-        if block.leases or block.busy or block.priority == Priority.PINNED and tier == TierName.DISK:
+        if block.leases or block.busy or block.priority == _PINNED and tier == _DISK:
             return False
         name = TIER_KEY[tier]
         for c in block.children:
@@ -268,13 +273,13 @@ class BlockTable(Holds):
             if not order:  # most classes are empty most of the time
                 continue
             b = blocks[order.head()]  # the policy's first choice, without a generator
-            if not b.children and not b.leases and not b.busy and b.priority != Priority.PINNED:
+            if not b.children and not b.leases and not b.busy and b.priority != _PINNED:
                 return b
             for key in order.candidates():
                 b = blocks[key]
                 # The common case first, without the call: an unheld leaf (for pinned
                 # blocks in the disk tier, evictable() says no).
-                if not b.children and not b.leases and not b.busy and b.priority != Priority.PINNED:
+                if not b.children and not b.leases and not b.busy and b.priority != _PINNED:
                     return b
                 if evictable(b, tier):
                     return b

@@ -59,7 +59,15 @@ would need recomputing whenever lambda adapts. ARC without the insertion classes
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, TypeVar
+
+try:  # the compiler's class options (setup.py); mypy's package, not a dependency at run time
+    from mypy_extensions import mypyc_attr
+except ImportError:  # plain Python, or a compiled install without mypy: a decorator that does nothing
+    _C = TypeVar("_C")
+
+    def mypyc_attr(**_: object) -> Callable[[_C], _C]:  # type: ignore[misc]
+        return lambda cls: cls
 
 HINT_FRESH = 0
 HINT_CONTINUATION = 1  # bit: the block is part of a put whose request found a cached prefix
@@ -73,20 +81,48 @@ DEFAULT_POLICY = "arc"
 _ABSENT = object()
 
 
-class EvictionPolicy(Protocol):
-    name: str
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests wrap a policy to check each eviction
+class EvictionPolicy:
+    """What the table calls (the module docstring says when). A base class rather than a
+    Protocol: compiled (setup.py), the table's calls on a policy are then direct calls
+    into the compiled methods, where through a Protocol each was a Python method call
+    with its arguments parsed (a put into a full tier makes three or four per block)."""
+
+    name = ""
     ghost_hits: int
 
-    def __len__(self) -> int: ...
-    def __contains__(self, key: object) -> bool: ...
-    def add(self, key: Key, hint: int = HINT_FRESH) -> None: ...
-    def remove(self, key: Key, evicted: bool = False) -> str: ...  # the segment it left
-    def touch(self, keys: list[Key], hit: bool) -> None: ...
-    def candidates(self) -> Iterator[Key]: ...
-    def head(self) -> Key: ...  # the first of candidates() (asked only when non-empty)
-    def segment(self, key: Key) -> str: ...
-    def keys(self) -> set[Key]: ...
-    def check_integrity(self) -> None: ...
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __contains__(self, key: object) -> bool:
+        raise NotImplementedError
+
+    def add(self, key: Key, hint: int = HINT_FRESH) -> None:
+        raise NotImplementedError
+
+    def remove(self, key: Key, evicted: bool = False) -> str:  # the segment it left
+        raise NotImplementedError
+
+    def touch(self, keys: list[Key], hit: bool) -> None:
+        raise NotImplementedError
+
+    def candidates(self) -> Iterator[Key]:
+        raise NotImplementedError
+
+    def head(self) -> Key:  # the first of candidates() (asked only when non-empty)
+        raise NotImplementedError
+
+    def segment(self, key: Key) -> str:
+        raise NotImplementedError
+
+    def keys(self) -> set[Key]:
+        raise NotImplementedError
+
+    def check_integrity(self) -> None:
+        raise NotImplementedError
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
@@ -98,7 +134,7 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")
 
 
-class LRUPolicy:
+class LRUPolicy(EvictionPolicy):
     name = "lru"
 
     def __init__(self) -> None:
@@ -140,7 +176,7 @@ class LRUPolicy:
         pass
 
 
-class ARCPolicy:
+class ARCPolicy(EvictionPolicy):
     """ARC on a prefix tree with measured insertion classes (see the module docstring)."""
 
     name = "arc"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tierkv import Priority, StoreConfig
-from tierkv.policy import POLICIES, ARCPolicy, LRUPolicy
+from tierkv.policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy
 from tierkv.traces import (Request, block_tokens, read_trace, simulate_belady, simulate_lru, simulate_lru2,
                            simulate_policy, simulate_tiers)
 from .kit import LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, tier_keys, toks
@@ -38,16 +38,17 @@ def _hot_and_scans(scan: int = 4, n: int = 40) -> list[Request]:
 
 
 # ---- invariants of every policy, in a real store ------------------------------------------
-class CheckedOrder:
+class CheckedOrder(EvictionPolicy):
     """One tier's policy for one priority class, checking the policy's rules at the moment
     of every eviction (the table tells the policy ``remove(key, evicted=True)`` while the
     block is still in the table): never a leased or busy block (the one being evicted holds
     itself busy while it moves, hence <= 1), never pinned on disk, never a block with an
     extension in the same tier. (The table's own methods cannot be patched: it is compiled,
-    see tierkv/native.py.)"""
+    see tierkv/native.py; a policy is a base class compiled to allow such subclasses.)"""
 
     def __init__(self, inner, tier, table, evicted: list[str]) -> None:
         self.inner, self.tier, self.table, self.evicted = inner, tier, table, evicted
+        self.name, self.ghost_hits = inner.name, inner.ghost_hits  # (a compiled attribute: kept in step in add)
 
     def remove(self, key, evicted=False):
         if evicted:
@@ -60,7 +61,7 @@ class CheckedOrder:
             self.evicted.append(self.tier.value)
         return self.inner.remove(key, evicted)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # anything else a caller reads (cold_inserts...)
         return getattr(self.inner, name)
 
     def __len__(self) -> int:
@@ -71,6 +72,28 @@ class CheckedOrder:
 
     def __contains__(self, key) -> bool:
         return key in self.inner
+
+    def add(self, key, hint=HINT_FRESH):
+        self.inner.add(key, hint)
+        self.ghost_hits = self.inner.ghost_hits  # a ghost hit happens on add
+
+    def touch(self, keys, hit):
+        self.inner.touch(keys, hit)
+
+    def candidates(self):
+        return self.inner.candidates()
+
+    def head(self):
+        return self.inner.head()
+
+    def segment(self, key):
+        return self.inner.segment(key)
+
+    def keys(self):
+        return self.inner.keys()
+
+    def check_integrity(self):
+        self.inner.check_integrity()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
