@@ -43,6 +43,7 @@ import torch
 
 import tierkv
 from tierkv import native
+from tierkv.daemon.gc_pauses import freeze_startup_heap
 from tierkv.policy import POLICIES
 from tierkv.traces import TRACE_BLOCK, Request, block_tokens, read_trace
 
@@ -155,8 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         for cap in args.capacity or [1000]:
             runs = []
             for _ in range(args.repeat):
-                gc.collect()
-                spent, hits = lockstep(mods, trace, arrays, pages, cap, args.policy)
+                # The harness's heap (torch, numpy, the trace) out of the collector, as in
+                # scripts/replay_trace.py: a full collection would walk it in whichever
+                # store's turn it fell. The stores' own blocks are collected as usual.
+                freeze_startup_heap()
+                try:
+                    spent, hits = lockstep(mods, trace, arrays, pages, cap, args.policy)
+                finally:
+                    gc.unfreeze()
                 if hits[0] != hits[1]:
                     differ = sum(a != b for a, b in zip(*hits))
                     raise SystemExit(f"capacity {cap}: the stores' hits differ on {differ} requests")

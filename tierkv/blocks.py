@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Final
 
 from .holds import Holds
 from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy, make_policy
-from .priority import Priority
+from .priority import NORMAL, PINNED, Priority
 from .tiers.base import TIER_KEY, TierName
 
 if TYPE_CHECKING:
@@ -24,10 +24,8 @@ TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
 _TIER_NAMES = tuple(TIER_KEY[t] for t in TIERS)  # fastest first: the keys of Block.loc
 PRIORITIES = tuple(Priority)  # iterating the enum itself costs more than a victim choice
 _PRIORITY_NAME = {p: p.name.lower() for p in Priority}
-# Members bound once: on Python 3.11 the enum's class has a __getattr__, so each
-# ``Priority.PINNED`` in a victim search was a slow attribute lookup (3% of a replay).
-_PINNED: Final = Priority.PINNED
-_NORMAL: Final = Priority.NORMAL
+_PINNED: Final = PINNED  # bound here once (tierkv/priority.py says why)
+_NORMAL: Final = NORMAL
 _DISK: Final = TierName.DISK
 
 

@@ -13,7 +13,7 @@ import contextlib
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from .errors import LeaseError
-from .priority import Priority
+from .priority import EPHEMERAL
 from .tiers.base import TIER_KEY, TierName
 
 if TYPE_CHECKING:
@@ -105,6 +105,6 @@ class Holds:
                     done.leases += 1
                 raise LeaseError(f"block {b.key.hex()[:12]} released more often than leased")
             b.leases = n - 1
-            if n == 1 and not b.busy and (b.dead or b.priority == Priority.EPHEMERAL):
+            if n == 1 and not b.busy and (b.dead or b.priority == EPHEMERAL):
                 unheld.append(b)
         return unheld

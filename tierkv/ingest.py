@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .blocks import Block, Priority
+from .priority import EPHEMERAL, PINNED
 from .checksum import page_checksums
 from .errors import PageFormatError
 from .identity import Scope, as_token_array, iter_block_keys, same_bytes
@@ -96,7 +97,7 @@ class Ingest:
                                     raw=memoryview(raw)[: (start_block + n) * step]))
         if block_extra is None and len(keys) > len(known):
             memo.remember(scope.seed, raw, step, keys)  # the next request on this prefix hashes none of it
-        durable_wanted = priority == Priority.PINNED or (self.config.write_through and priority != Priority.EPHEMERAL)
+        durable_wanted = priority == PINNED or (self.config.write_through and priority != EPHEMERAL)
         new: list[Block] = []
         row_of: dict[bytes, int] = {}
         page_of = _PagesByKey(pages, row_of)  # a view per block only when one is needed
@@ -135,7 +136,7 @@ class Ingest:
                 if durable_wanted and self.disk.capacity_slots and not self.disk.degraded:
                     cached = [blk for k in keys if (blk := get(k)) is not None]
                     for blk in cached:
-                        if DISK not in blk.loc and blk.priority != Priority.EPHEMERAL:
+                        if DISK not in blk.loc and blk.priority != EPHEMERAL:
                             self.placement.flush_to_disk(blk)
                     for b in new:
                         loc = self.placement.alloc_disk(b.model_version, cached)
@@ -258,7 +259,7 @@ class Ingest:
                     place(b, tiers[0], slot)
                     break
                 tiers.pop(0)
-            if not b.loc and b.priority != Priority.EPHEMERAL:
+            if not b.loc and b.priority != EPHEMERAL:
                 copy_pending()  # write-back may read this put's earlier pages from memory
                 self.placement.flush_to_disk(b, page_of[b.key])  # write-back: memory is full
             if not b.loc:

@@ -20,7 +20,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Sequence, cast
 
-from .blocks import Block, BlockTable, Priority
+from .blocks import Block, BlockTable
+from .priority import EPHEMERAL
 from .errors import DiskWriteError, IndexWriteError
 from .eviction import EvictionListeners
 from .identity import ChainMemo, iter_block_keys, same_bytes
@@ -194,9 +195,9 @@ class Placement:
             return
         with self.table.held([b]):  # the nested evictions a move triggers never pick b
             if (t == DEVICE and HOST not in b.loc and self.host.slots.capacity
-                    and (DISK not in b.loc or b.priority != Priority.EPHEMERAL)):
+                    and (DISK not in b.loc or b.priority != EPHEMERAL)):
                 self._demote(b, DEVICE, HOST)
-            if (t != DISK and DISK not in b.loc and b.priority != Priority.EPHEMERAL and set(b.loc) == {t}
+            if (t != DISK and DISK not in b.loc and b.priority != EPHEMERAL and set(b.loc) == {t}
                     and self.disk.capacity_slots and not self.disk.degraded):
                 # Write-back (write_through=False, or a put that could not reach disk):
                 # the last memory copy goes to disk instead of being lost. Without a usable
@@ -237,7 +238,7 @@ class Placement:
             return True
         ancestors = self._ancestors(b)
         for a in reversed(ancestors):
-            if DISK in a.loc or a.priority == Priority.EPHEMERAL:  # ephemeral: never on disk
+            if DISK in a.loc or a.priority == EPHEMERAL:  # ephemeral: never on disk
                 continue
             if not self._write_back(a, None, ancestors):
                 return False
@@ -332,7 +333,7 @@ class Placement:
         for b in self.table.unlease_many(blocks):
             if b.dead:
                 self._free_if_unheld(b)
-            elif b.priority == Priority.EPHEMERAL and ended:
+            elif b.priority == EPHEMERAL and ended:
                 self.retire(b)
 
     # ---- quarantine ----------------------------------------------------------------------
