@@ -27,6 +27,7 @@ import ast
 import gc
 import hashlib
 import importlib
+import importlib.util
 import json
 import re
 import statistics
@@ -66,7 +67,7 @@ def import_revision(rev: str, into: Path, compile_it: bool = False) -> ModuleTyp
     return importlib.import_module("tierkv_base")
 
 
-def compile_revision(src: Path) -> None:
+def compile_revision(src: Path, only: list[str] | None = None) -> None:
     """Compile ``src/tierkv_base``'s metadata path in place with mypyc (a minute or two):
     the modules its own setup.py lists, under the package's new name, and the manifest
     tierkv.native checks (else the base would run as plain Python against a compiled tree,
@@ -74,7 +75,8 @@ def compile_revision(src: Path) -> None:
     listed = re.search(r"^COMPILED = (\[.*?\])", (src / "setup.py").read_text(), re.S | re.M)
     if listed is None:
         raise SystemExit("the base revision's setup.py names no compiled modules: run without --compile-base")
-    modules = [m.replace("tierkv.", "tierkv_base.", 1) for m in ast.literal_eval(listed.group(1))]
+    modules = [m.replace("tierkv.", "tierkv_base.", 1) for m in ast.literal_eval(listed.group(1))
+               if only is None or m in only]  # only: a subset (a test's quick build)
     paths = [m.replace(".", "/") + ".py" for m in modules]
     script = (
         "import sys\nfrom setuptools import setup\nfrom mypyc.build import mypycify\n"
@@ -142,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-base", action=argparse.BooleanOptionalAction, default=None,
                     help="compile the base's metadata path with mypyc first (default: when this tree runs compiled)")
     args = ap.parse_args(argv)
-    compile_base = native.status()["compiled"] != [] if args.compile_base is None else args.compile_base
+    compile_base = args.compile_base
+    if compile_base is None:  # like for like: compiled when this tree is and mypyc is here to build it
+        compile_base = native.status()["compiled"] != [] and importlib.util.find_spec("mypyc") is not None
+        if native.status()["compiled"] and not compile_base:
+            print("mypyc is not installed here: the base runs as plain Python against this compiled tree "
+                  "(pip install mypy==2.4.1, or --no-compile-base to silence this)", file=sys.stderr)
     trace = read_trace(args.trace, args.limit)
     cache: dict[int, np.ndarray] = {}
     arrays = [np.concatenate([cache.setdefault(x, block_tokens(x)) for x in r.hash_ids]) for r in trace]
