@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from .blocks import Block, Priority
-from .priority import EPHEMERAL, PINNED
 from .checksum import page_checksums
 from .errors import PageFormatError
 from .identity import Scope, as_token_array, iter_block_keys, same_bytes
 from .placement import Placement
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
+from .priority import EPHEMERAL, PINNED
 from .results import PutResult
 from .tiers import TierName
 from .tiers.base import TIER_KEY

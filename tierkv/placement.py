@@ -21,11 +21,11 @@ import time
 from typing import TYPE_CHECKING, Sequence, cast
 
 from .blocks import Block, BlockTable
-from .priority import EPHEMERAL
 from .errors import DiskWriteError, IndexWriteError
 from .eviction import EvictionListeners
 from .identity import ChainMemo, iter_block_keys, same_bytes
 from .index import BlockRecord
+from .priority import EPHEMERAL
 from .stats import Counters
 from .tiers import TierName
 from .tiers.base import TIER_KEY

@@ -13,7 +13,8 @@ class Priority(IntEnum):
     PINNED = 2
 
 
-# The members as module constants, for per-block paths: on Python 3.11 the enum's class has
-# a __getattr__, so every ``Priority.PINNED`` is a slow attribute lookup (~50 ns; in a
-# victim search that scans candidates it was a sixth of a 30,000-block replay).
+# The members as module constants, for per-block paths (a victim check, the release of each
+# leased block): on Python 3.11 the enum's class has a __getattr__, so every
+# ``Priority.PINNED`` is a slow attribute lookup (52 ns against 15 ns for an attribute of a
+# plain class, timeit).
 EPHEMERAL, NORMAL, PINNED = Priority.EPHEMERAL, Priority.NORMAL, Priority.PINNED
