@@ -53,6 +53,12 @@ class Leasing:
         chain = self.placement.match(arr, scope, block_extra)[start_block:]
         return chain if max_blocks is None else chain[:max_blocks]
 
+    def asked(self, arr: np.ndarray, max_blocks: int | None, start_block: int) -> int:
+        """How many full blocks an acquire of ``arr`` asks for: those of its window (the
+        denominator of the acquire hit rate in stats)."""
+        n = max(0, len(arr) // self.layout.block_size - start_block)
+        return n if max_blocks is None else min(n, max(0, max_blocks))
+
     def lease_of(self, chain: list[Block], start_block: int, slots: list[int] | None = None) -> Lease:
         """The lease of ``chain``, every block leased and in the device tier (``slots``:
         their device slots, when the caller has them already)."""
@@ -105,10 +111,11 @@ class Leasing:
                 finally:
                     placement.release_blocks(chain[:leased], ended=False)
                 raise
+            asked = self.asked(arr, max_blocks, start_block)
             if len(resident) == len(chain):  # all in the device tier: nothing to read or wait for
-                placement.stats_counters.record_acquire_resident(len(chain))
+                placement.stats_counters.record_acquire_resident(len(chain), asked)
                 return self.lease_of(chain, start_block, resident)
-            placement.stats_counters.record_acquire([b.top for b in chain])
+            placement.stats_counters.record_acquire([b.top for b in chain], asked)
             if not plan and not waits:  # every leased block is in the device tier (the chain was cut short)
                 return self.lease_of(chain, start_block)
         try:
@@ -137,7 +144,7 @@ class Leasing:
                 table.unlease_many(chain[: len(slots)])  # none is dead (lease_resident stops there)
                 return None
             table.touch_chain(chain)
-            self.placement.stats_counters.record_acquire_resident(len(chain))
+            self.placement.stats_counters.record_acquire_resident(len(chain), self.asked(arr, max_blocks, start_block))
             return self.lease_of(chain, start_block, slots)
         finally:
             self._lock.release()

@@ -115,7 +115,10 @@ class CounterStats:
     hit_rate: float = 0.0
     hit_rate_by_tier: Mapping[str, float] = field(default_factory=dict)
     acquires: int = 0
+    acquire_blocks: int = 0
     acquire_hits: Mapping[str, int] = field(default_factory=dict)
+    acquire_hit_rate: float = 0.0
+    acquire_hit_rate_by_tier: Mapping[str, float] = field(default_factory=dict)
     evictions: Mapping[str, int] = field(default_factory=dict)
     promoted_bytes: int = 0
     demoted_bytes: int = 0

@@ -11,13 +11,21 @@ def _per_tier() -> dict[str, int]:
     return {"device": 0, "host": 0, "disk": 0}
 
 
+def acquire_rates(hits: dict[str, int], asked: int) -> dict[str, object]:
+    """``acquire_hit_rate`` (blocks leased over full blocks asked for) and the same by the
+    tier each block was found in."""
+    return {"acquire_hit_rate": sum(hits.values()) / asked if asked else 0.0,
+            "acquire_hit_rate_by_tier": {t: n / asked if asked else 0.0 for t, n in hits.items()}}
+
+
 @dataclass
 class Counters:
     lookups: int = 0
     lookup_blocks: int = 0  # full blocks asked for
     hits: dict[str, int] = field(default_factory=_per_tier)  # blocks found, by the tier found in
     acquires: int = 0
-    acquire_hits: dict[str, int] = field(default_factory=_per_tier)
+    acquire_blocks: int = 0  # full blocks asked for by acquires (each its window's)
+    acquire_hits: dict[str, int] = field(default_factory=_per_tier)  # blocks leased, by the tier found in
     evictions: dict[str, int] = field(default_factory=_per_tier)
     promoted_bytes: int = 0
     demoted_bytes: int = 0
@@ -40,14 +48,18 @@ class Counters:
         self.lookup_seconds += seconds
         self._recent.append(time.monotonic())
 
-    def record_acquire(self, tiers: Sequence[str]) -> None:
+    def record_acquire(self, tiers: Sequence[str], asked: int) -> None:
+        """An acquire that asked for ``asked`` full blocks and found blocks in ``tiers``."""
         self.acquires += 1
+        self.acquire_blocks += asked
         for t in tiers:
             self.acquire_hits[t] += 1
 
-    def record_acquire_resident(self, n_blocks: int) -> None:
-        """An acquire whose ``n_blocks`` blocks were all in the device tier."""
+    def record_acquire_resident(self, n_blocks: int, asked: int) -> None:
+        """An acquire that asked for ``asked`` full blocks and found ``n_blocks``, all in
+        the device tier."""
         self.acquires += 1
+        self.acquire_blocks += asked
         self.acquire_hits["device"] += n_blocks
 
     def lookups_per_s(self, window_s: float = 10.0) -> float:
@@ -64,7 +76,11 @@ class Counters:
             "hit_rate": (hit_blocks / self.lookup_blocks) if self.lookup_blocks else 0.0,
             "hit_rate_by_tier": {t: (n / self.lookup_blocks if self.lookup_blocks else 0.0) for t, n in self.hits.items()},
             "acquires": self.acquires,
+            "acquire_blocks": self.acquire_blocks,
             "acquire_hits": dict(self.acquire_hits),
+            # A client that only acquires (a daemon's lookup and lease are one request) has
+            # no lookups: its hit rate is this one.
+            **acquire_rates(self.acquire_hits, self.acquire_blocks),
             "evictions": dict(self.evictions),
             "promoted_bytes": self.promoted_bytes,
             "demoted_bytes": self.demoted_bytes,

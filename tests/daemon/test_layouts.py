@@ -62,6 +62,9 @@ def test_two_layouts_through_one_daemon_on_an_empty_home(workdir):
         assert s["blocks"] == 7 and s["tiers"]["disk"]["blocks"] == 7
         assert s["layouts"][layout_id(LAYOUT)]["blocks"] == 4 and s["layouts"][layout_id(OTHER)]["blocks"] == 3
         assert s["model_versions"] == {SCOPE.model_version: 4, SCOPE_B.model_version: 3}
+        # Rates are recomputed from the layouts' summed counts: two acquires, 4 + 3 blocks, all found.
+        assert s["acquires"] == 2 and s["acquire_blocks"] == 7 and s["acquire_hit_rate"] == 1.0
+        assert s["layouts"][layout_id(OTHER)]["acquire_blocks"] == 3
         # Budgets: each layout's tiers hold at most 1/max_layouts of each budget.
         for lid in ids:
             tiers = s["layouts"][lid]["tiers"]

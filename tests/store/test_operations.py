@@ -8,7 +8,7 @@ from tierkv.errors import NotFoundError
 from tierkv.results import Residency
 
 from .kit import (BS, MV1, MV2, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, segment_files,
-                  tier_counts, toks)
+                  tier_counts, tier_keys, toks)
 
 
 def test_invalidate_model_version_everywhere(make_store, home):
@@ -155,5 +155,40 @@ def test_stats_counters(make_store):
     assert st["lookups"] == 2 and st["lookup_blocks"] == 4 and st["hit_rate"] == 0.5
     assert st["hits"]["device"] == 2 and st["acquires"] == 1 and st["puts"] == 1
     assert st["blocks"] == 2 and st["layout"]["block_size"] == BS
+    assert st["acquire_blocks"] == 2 and st["acquire_hit_rate"] == 1.0
+
+
+def test_acquire_hit_rate_counts_each_acquires_window(make_store):
+    """Blocks leased over the full blocks each acquire asked for (its window's), by the tier
+    each came from: the hit rate of a client that acquires without looking up first (a
+    daemon's acquire is one request), for whom the lookup hit rate stays 0."""
+    store = make_store()  # device 4, host 4, disk 32 pages
+    chain = toks(980, 3)
+    put_chain(store, chain[: 2 * BS])  # blocks 0-1 of the 3
+    with store.acquire(chain, SCOPE) as lease:  # asks 3, finds 2, both in the device tier
+        assert lease.num_blocks == 2
+    with store.acquire(chain, SCOPE, start_block=1, max_blocks=1):  # its window: 1 block, found
+        pass
+    with store.acquire(toks(981, 2, extra=BS - 1), SCOPE):  # 2 full blocks asked (never the partial one), none found
+        pass
+    lease = store.acquire_resident(chain[: 2 * BS], SCOPE)  # the daemon's path: asks 2, finds 2
+    assert lease is not None and lease.num_blocks == 2
+    store.release(lease)
+    st = store.stats()
+    assert st["lookups"] == 0 and st["hit_rate"] == 0.0
+    assert st["acquires"] == 4 and st["acquire_blocks"] == 3 + 1 + 2 + 2
+    assert st["acquire_hits"] == {"device": 5, "host": 0, "disk": 0}
+    assert st["acquire_hit_rate"] == pytest.approx(5 / 8)
+    assert st["acquire_hit_rate_by_tier"] == pytest.approx({"device": 5 / 8, "host": 0.0, "disk": 0.0})
+    fresh = toks(982, 2)
+    put_chain(store, fresh)
+    for i in range(6):  # 12 other blocks: ``fresh``, never read, leaves the device tier (disk keeps it)
+        put_chain(store, toks(990 + i, 2))
+    assert not set(keys_of(fresh)) & tier_keys(store)["device"]
+    with store.acquire(fresh, SCOPE) as lease:  # read back from below the device tier
+        assert lease.num_blocks == 2
+    st = store.stats()
+    assert st["acquire_blocks"] == 8 + 2 and st["acquire_hits"]["host"] + st["acquire_hits"]["disk"] == 2
+    assert st["acquire_hit_rate"] == pytest.approx(7 / 10)
     assert st["tiers"]["device"]["capacity_bytes"] == 4 * PAGE
     assert MV1 in st["model_versions"]

@@ -344,7 +344,13 @@ def test_policy_metrics_from_store_stats(make_store):
     fams = {f.name: f for f in policy_metrics(store.stats())}
     by_reason = {(s.labels["tier"], s.labels["reason"]): s.value for s in fams["tierkv_evictions_by_reason"].samples}
     assert sum(v for (t, _), v in by_reason.items() if t == "device") == store.stats()["evictions"]["device"] > 0
-    assert {"tierkv_ghost_hits", "tierkv_cold_admissions", "tierkv_admissions_refused", "tierkv_hit_rate"} <= set(fams)
+    assert {"tierkv_ghost_hits", "tierkv_cold_admissions", "tierkv_admissions_refused", "tierkv_hit_rate",
+            "tierkv_acquire_hit_rate"} <= set(fams)
+    with store.acquire(toks(705, 2) + toks(706, 1), SCOPE) as lease:  # 2 of 3 blocks stored
+        assert lease.num_blocks == 2
+    fams = {f.name: f for f in policy_metrics(store.stats())}
+    rates = {s.labels["tier"]: s.value for s in fams["tierkv_acquire_hit_rate"].samples}
+    assert sum(rates.values()) == pytest.approx(2 / 3)
 
 
 def test_arc_not_below_lru_on_recency_chat():

@@ -29,13 +29,13 @@ def stats(home: Path, socket_path: Path | None, as_json: bool) -> None:
         emit(True, s)
         return
     tiers = s["tiers"]
-    hit_rate = s.get("hit_rate_by_tier", {})
+    hit_rate, acquire_rate = s.get("hit_rate_by_tier", {}), s.get("acquire_hit_rate_by_tier", {})
     evictions = s.get("evictions", {})
     print_columns(
-        ["tier", "blocks", "used", "capacity", "use %", "hit rate", "evictions"],
+        ["tier", "blocks", "used", "capacity", "use %", "lookup hits", "acquire hits", "evictions"],
         [[t, tiers[t]["blocks"], fmt_bytes(tiers[t]["used_bytes"]), fmt_bytes(tiers[t]["capacity_bytes"]),
           f"{100 * tiers[t]['used_bytes'] / tiers[t]['capacity_bytes']:.1f}" if tiers[t]["capacity_bytes"] else "-",
-          f"{100 * hit_rate.get(t, 0.0):.1f}%", evictions.get(t, 0)]
+          f"{100 * hit_rate.get(t, 0.0):.1f}%", f"{100 * acquire_rate.get(t, 0.0):.1f}%", evictions.get(t, 0)]
          for t in ("device", "host", "disk")],
     )
     _print_layouts(s)
@@ -43,6 +43,7 @@ def stats(home: Path, socket_path: Path | None, as_json: bool) -> None:
     print_table([
         ("blocks", s.get("blocks", 0)), ("leased blocks", s.get("leased_blocks", 0)),
         ("lookups", s.get("lookups", 0)), ("hit rate", f"{100 * s.get('hit_rate', 0.0):.1f}%"),
+        ("acquires", s.get("acquires", 0)), ("acquire hit rate", f"{100 * s.get('acquire_hit_rate', 0.0):.1f}%"),
         ("lookups/s", s.get("lookups_per_s", 0.0)), ("mean lookup ms", s.get("mean_lookup_ms", 0.0)),
         ("promoted", fmt_bytes(s.get("promoted_bytes", 0))), ("demoted", fmt_bytes(s.get("demoted_bytes", 0))),
         ("quarantined", s.get("quarantined", 0)), ("token mismatches", s.get("token_mismatch", 0)),

@@ -299,7 +299,7 @@ class Layouts:
 
 
 # ---- stats across layouts -----------------------------------------------------------------
-_RATES = ("hit_rate", "hit_rate_by_tier", "mean_lookup_ms")  # recomputed from the summed counts
+_RATES = ("hit_rate", "hit_rate_by_tier", "acquire_hit_rate", "acquire_hit_rate_by_tier", "mean_lookup_ms")  # recomputed
 
 
 def _sum(values: list[Any]) -> Any:
@@ -316,7 +316,7 @@ def merge_stats(per_layout: dict[str, dict[str, Any]], home: str) -> dict[str, A
     """The stats of several layouts' stores (each StoreStats' JSON shape) as one: blocks,
     bytes and counters summed, rates recomputed from the sums, ``layout`` the only layout's
     or None, and ``layouts`` with each store's own figures (layout id -> its stats)."""
-    from ..stats import Counters
+    from ..stats import Counters, acquire_rates
 
     stores = list(per_layout.values())
     out: dict[str, Any] = _sum(stores) if stores else {
@@ -330,6 +330,7 @@ def merge_stats(per_layout: dict[str, dict[str, Any]], home: str) -> dict[str, A
     hits = dict(out.get("hits", {}))
     out["hit_rate"] = sum(hits.values()) / asked if asked else 0.0
     out["hit_rate_by_tier"] = {t: n / asked if asked else 0.0 for t, n in hits.items()}
+    out.update(acquire_rates(dict(out.get("acquire_hits", {})), int(out.get("acquire_blocks", 0))))
     ms = sum(s.get("mean_lookup_ms", 0.0) * s.get("lookups", 0) for s in stores)
     out["mean_lookup_ms"] = ms / lookups if lookups else 0.0
     out["home"] = home

@@ -47,6 +47,9 @@ class StoreCollector(Collector):
         for tier, n in s["acquire_hits"].items():
             acq.add_metric([tier], n)
         yield acq
+        c = CounterMetricFamily("tierkv_acquire_asked_blocks", "Full blocks asked for by acquires")
+        c.add_metric([], s.get("acquire_blocks", 0))
+        yield c
         ev = CounterMetricFamily("tierkv_evictions", "Blocks evicted, by tier", labels=["tier"])
         for tier, n in s["evictions"].items():
             ev.add_metric([tier], n)
@@ -106,8 +109,8 @@ class StoreCollector(Collector):
 
 def policy_metrics(s: Any) -> Iterator[Any]:
     """The eviction policy's figures (tierkv/policy.py): evictions by tier and reason, ghost
-    hits, new blocks put in the cold segment, blocks no tier could take; lookup hit rate
-    by tier."""
+    hits, new blocks put in the cold segment, blocks no tier could take; lookup and
+    acquire hit rates by tier."""
     ev = CounterMetricFamily("tierkv_evictions_by_reason", "Blocks evicted, by tier and reason "
                              "(ephemeral/pinned, or the policy segment: lru, cold, recent, frequent)",
                              labels=["tier", "reason"])
@@ -126,6 +129,11 @@ def policy_metrics(s: Any) -> Iterator[Any]:
     yield fam
     g = GaugeMetricFamily("tierkv_hit_rate", "Lookup blocks found, over blocks asked for, by tier found in", labels=["tier"])
     for tier, rate in (s.get("hit_rate_by_tier") or {}).items():
+        g.add_metric([tier], rate)
+    yield g
+    g = GaugeMetricFamily("tierkv_acquire_hit_rate", "Blocks leased by acquires, over full blocks asked for, "
+                          "by tier found in", labels=["tier"])
+    for tier, rate in (s.get("acquire_hit_rate_by_tier") or {}).items():
         g.add_metric([tier], rate)
     yield g
 
