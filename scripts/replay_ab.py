@@ -67,7 +67,7 @@ def import_revision(rev: str, into: Path, compile_it: bool = False) -> ModuleTyp
     return importlib.import_module("tierkv_base")
 
 
-def compile_revision(src: Path, only: list[str] | None = None) -> None:
+def compile_revision(src: Path) -> None:
     """Compile ``src/tierkv_base``'s metadata path in place with mypyc (a minute or two):
     the modules its own setup.py lists, under the package's new name, and the manifest
     tierkv.native checks (else the base would run as plain Python against a compiled tree,
@@ -75,8 +75,7 @@ def compile_revision(src: Path, only: list[str] | None = None) -> None:
     listed = re.search(r"^COMPILED = (\[.*?\])", (src / "setup.py").read_text(), re.S | re.M)
     if listed is None:
         raise SystemExit("the base revision's setup.py names no compiled modules: run without --compile-base")
-    modules = [m.replace("tierkv.", "tierkv_base.", 1) for m in ast.literal_eval(listed.group(1))
-               if only is None or m in only]  # only: a subset (a test's quick build)
+    modules = [m.replace("tierkv.", "tierkv_base.", 1) for m in ast.literal_eval(listed.group(1))]
     paths = [m.replace(".", "/") + ".py" for m in modules]
     script = (
         "import sys\nfrom setuptools import setup\nfrom mypyc.build import mypycify\n"

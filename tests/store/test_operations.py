@@ -155,6 +155,8 @@ def test_stats_counters(make_store):
     assert st["lookups"] == 2 and st["lookup_blocks"] == 4 and st["hit_rate"] == 0.5
     assert st["hits"]["device"] == 2 and st["acquires"] == 1 and st["puts"] == 1
     assert st["blocks"] == 2 and st["layout"]["block_size"] == BS
+    assert st["tiers"]["device"]["capacity_bytes"] == 4 * PAGE
+    assert MV1 in st["model_versions"]
     assert st["acquire_blocks"] == 2 and st["acquire_hit_rate"] == 1.0
 
 
@@ -190,5 +192,3 @@ def test_acquire_hit_rate_counts_each_acquires_window(make_store):
     st = store.stats()
     assert st["acquire_blocks"] == 8 + 2 and st["acquire_hits"]["host"] + st["acquire_hits"]["disk"] == 2
     assert st["acquire_hit_rate"] == pytest.approx(7 / 10)
-    assert st["tiers"]["device"]["capacity_bytes"] == 4 * PAGE
-    assert MV1 in st["model_versions"]
