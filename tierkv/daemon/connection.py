@@ -9,6 +9,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from ..errors import ProtocolError
 from . import messages, security
 from .layouts import LayoutEntry
 from .protocol import FLAG_ERROR, FLAG_REPLY, encode_frame, send_with_fds
@@ -26,6 +27,10 @@ class Connection:
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     unsent: int = 0  # bytes of replies encoded and not yet taken by the peer (quotas.py)
     send_timeout_s: float = 30.0
+    # The read loop waits for the first byte of a frame: requests may be served as they
+    # arrive (fast_path.py), and ``fast_at`` is when one last was (time.monotonic()).
+    parked: bool = False
+    fast_at: float = 0.0
 
     def request_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -56,6 +61,49 @@ class Connection:
                     raise ConnectionError(f"the peer read no reply for {self.send_timeout_s:g} s") from None
         finally:
             self.unsent -= len(frame)
+
+    def unpark(self) -> None:
+        self.parked = False
+
+    def send_now(self, opcode: int, request_id: int, header: dict, payload: bytes = b"",
+                 fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Send one reply from outside a coroutine (fast_path.py, which has checked that no
+        other reply is being sent). What the kernel does not take at once, and a reply
+        carrying descriptors, is finished by a task holding the write lock, as :meth:`send`."""
+        if fds:
+            asyncio.ensure_future(self._send_quietly(opcode, request_id, header, payload, fds))
+            return
+        try:
+            frame = encode_frame(opcode, request_id, header, payload, FLAG_REPLY)
+        except ProtocolError as e:  # a reply over the frame limits: its error instead, as send() callers do
+            asyncio.ensure_future(self.send_error(opcode, request_id, e))
+            return
+        self.writer.write(frame)
+        left = self.writer.transport.get_write_buffer_size()
+        if left:
+            self.unsent += left
+            asyncio.ensure_future(self._drain_quietly(left))
+
+    async def _send_quietly(self, opcode: int, request_id: int, header: dict, payload: bytes,
+                            fds: list[int] | tuple[int, ...]) -> None:
+        try:
+            await self.send(opcode, request_id, header, payload, fds=fds)
+        except (ConnectionError, OSError):
+            pass  # the peer is gone; its reader notices and cleans up
+
+    async def _drain_quietly(self, n: int) -> None:
+        """Wait, as :meth:`send` does, until the peer took the ``n`` bytes a reply left in
+        the transport's buffer (cut off after ``send_timeout_s``)."""
+        try:
+            async with self.write_lock:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await self.writer.drain()
+        except TimeoutError:
+            self.writer.transport.abort()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self.unsent -= n
 
     async def wait_for_reader(self, max_unsent: int, timeout_s: float) -> bool:
         """The peer does not read its replies: read no more of its requests until it does

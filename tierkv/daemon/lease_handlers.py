@@ -154,19 +154,31 @@ class LeaseHandlers:
             log.exception("releasing a lease failed")
             return True
 
+    def release_oneway(self, conn: "Connection", msg: m.Release) -> bool:
+        """A release that wants no reply, done now (fast_path.py); False, with nothing
+        done, for one that wants a reply (:meth:`release` then runs in the read loop)."""
+        if msg.reply:
+            return False
+        taken = [(i, self.leases.take(conn.id, i)) for i in msg.lease_ids]
+        self._release_soon([lease for _, lease in taken if lease is not None])
+        unknown = [i for i, lease in taken if lease is None]
+        if unknown:
+            log.info("connection %d: %s", conn.id, self._not_held(unknown))
+        return True
+
+    def _not_held(self, unknown: list[int]) -> str:
+        return (f"lease {', '.join(map(str, unknown))} is not held by this connection (released, or expired "
+                f"after {self.leases.timeout_s:g} s without renew)")
+
     async def release(self, conn: "Connection", msg: m.Release) -> Reply | None:
+        if self.release_oneway(conn, msg):
+            return None  # the client waits for nothing
         taken = [(i, self.leases.take(conn.id, i)) for i in msg.lease_ids]
         leases = [lease for _, lease in taken if lease is not None]
         unknown = [i for i, lease in taken if lease is None]
         self._release_soon(leases)
-        problem = (f"lease {', '.join(map(str, unknown))} is not held by this connection (released, or expired "
-                   f"after {self.leases.timeout_s:g} s without renew)") if unknown else None
-        if not msg.reply:
-            if problem:
-                log.info("connection %d: %s", conn.id, problem)
-            return None  # the client waits for nothing
-        if problem:
-            raise LeaseError(problem)
+        if unknown:
+            raise LeaseError(self._not_held(unknown))
         await self.settle_releases()
         return {}, b""
 

@@ -182,14 +182,16 @@ class FrameTimeoutError(FatalFrameError):
 
 
 async def read_frame(reader: asyncio.StreamReader, *, idle_timeout: float | None = None,
-                     frame_timeout: float | None = None, is_idle: Callable[[], bool] = lambda: True) -> Frame | None:
+                     frame_timeout: float | None = None, is_idle: Callable[[], bool] = lambda: True,
+                     started: Callable[[], None] | None = None) -> Frame | None:
     """The next frame, or None at a clean end of stream (EOF between frames).
 
     Raises FatalFrameError on a bad head or a stream cut inside a frame (truncated), and
     ProtocolError on an undecodable header (the caller can reply and go on). With
     ``idle_timeout``: IdleConnectionError when no byte came for that long and ``is_idle()``
     (otherwise it keeps waiting); with ``frame_timeout``: FrameTimeoutError when the frame's
-    remaining bytes do not all come within that long of its first byte."""
+    remaining bytes do not all come within that long of its first byte. ``started`` is
+    called when that first byte is read."""
     loop = asyncio.get_running_loop()
     while True:
         waiting = True  # for the first byte (idle_timeout), else for the rest (frame_timeout)
@@ -199,6 +201,8 @@ async def read_frame(reader: asyncio.StreamReader, *, idle_timeout: float | None
             async with asyncio.timeout(idle_timeout) as deadline:
                 first = await reader.readexactly(1)
                 waiting = False
+                if started is not None:
+                    started()
                 deadline.reschedule(None if frame_timeout is None else loop.time() + frame_timeout)
                 head = first + await _read_exactly(reader, HEAD.size - 1, "frame head", 1)
                 opcode, flags, rid, hlen, plen = parse_head(head)

@@ -20,7 +20,9 @@ fails never stops the daemon, which serves locally meanwhile (docs/cluster.md; r
 Per connection: frames are read in order; each request runs as its own task (at most
 ``max_inflight`` per connection) and replies carry the request id, so a slow put does not
 hold up a lookup. Two kinds are served as they are read, without a task: a one-way
-release, and an acquire that can finish at once (``Handlers.now``). A bad head (magic,
+release, and an acquire that can finish at once (``Handlers.now``); while the read loop
+waits for a frame, those are answered as their bytes arrive, before the loop wakes
+(fast_path.py). A bad head (magic,
 version, length) or a truncated frame gets one error reply and the connection is closed;
 an undecodable header or unknown opcode gets an error reply and the connection goes on. Either way other clients are unaffected. A connection's
 state and its replies: connection.py.
@@ -48,6 +50,7 @@ from ..tiers.shm import default_shm_dir
 from . import security
 from .config import DaemonConfig
 from .connection import Connection
+from .fast_path import FastPath, FastProtocol
 from .gc_pauses import GcPauses, freeze_startup_heap
 from .handlers import Handlers
 from .layouts import Budget, Layouts, TierLimits
@@ -84,6 +87,7 @@ class Daemon(RemoteKeeper, Reload):
         self.layouts: Layouts | None = None
         self.handlers: Handlers | None = None
         self.metrics: DaemonMetrics | None = None
+        self.fast: FastPath | None = None
 
     # ---- opening and closing -----------------------------------------------------------
     @property
@@ -165,6 +169,7 @@ class Daemon(RemoteKeeper, Reload):
     def _daemon_stats(self) -> dict[str, Any]:
         d = self.handlers.daemon_stats() if self.handlers else {}
         d["connections"] = len(self.connections)
+        d["fast_path_requests"] = self.fast.served if self.fast is not None else 0
         return d
 
     def run(self) -> None:
@@ -192,7 +197,15 @@ class Daemon(RemoteKeeper, Reload):
         self._stop = asyncio.Event()
         sock = self._open()
         assert self.handlers is not None and self.layouts is not None
-        server = await asyncio.start_unix_server(self._on_connect, sock=sock)
+        loop, stop = self._loop, self._stop
+        self.fast = FastPath(self.handlers, self.config.quotas.unread_reply_bytes, stop.is_set, self.metrics,
+                             _OP_NAMES)
+        fast = self.fast
+
+        def connection() -> FastProtocol:  # = asyncio.start_unix_server's, with the fast path
+            return FastProtocol(asyncio.StreamReader(loop=loop), self._on_connect, loop, fast)
+
+        server = await loop.create_unix_server(connection, sock=sock)
         if self._install_signals:
             self._loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             self._loop.add_signal_handler(signal.SIGINT, self._stop.set)
@@ -271,9 +284,15 @@ class Daemon(RemoteKeeper, Reload):
             writer.close()
             return
         self.connections[conn.id] = conn
+        protocol = writer.transport.get_protocol()
+        if isinstance(protocol, FastProtocol):
+            protocol.conn = conn  # requests may now be served as they arrive (fast_path.py)
         try:
             await self._serve_connection(conn, reader)
         finally:
+            if isinstance(protocol, FastProtocol):
+                protocol.conn = None
+            conn.parked = False
             if conn.tasks:
                 await asyncio.wait(list(conn.tasks))  # their leases must be known before we free
             assert self.handlers is not None
@@ -290,6 +309,24 @@ class Daemon(RemoteKeeper, Reload):
         except TierKVError as e:
             return e
         return None
+
+    async def _read_frame(self, conn: Connection, reader: asyncio.StreamReader) -> Frame | None:
+        """The connection's next frame. Parked until its first byte: meanwhile requests may
+        be answered as they arrive, without this loop (fast_path.py), and count as activity
+        for the idle timeout."""
+        q = self.config.quotas
+        conn.parked = True
+        try:
+            return await read_frame(reader, idle_timeout=q.idle_timeout_s, frame_timeout=q.frame_timeout_s,
+                                    is_idle=lambda: self._holds_nothing(conn) and self._quiet(conn),
+                                    started=conn.unpark)
+        finally:
+            conn.parked = False
+
+    def _quiet(self, conn: Connection) -> bool:
+        """No request served on the fast path for the idle timeout."""
+        idle = self.config.quotas.idle_timeout_s
+        return idle is None or time.monotonic() - conn.fast_at >= idle
 
     def _holds_nothing(self, conn: Connection) -> bool:
         assert self.handlers is not None
@@ -308,8 +345,7 @@ class Daemon(RemoteKeeper, Reload):
                 conn.writer.transport.abort()
                 return
             try:
-                frame = await read_frame(reader, idle_timeout=q.idle_timeout_s, frame_timeout=q.frame_timeout_s,
-                                         is_idle=lambda: self._holds_nothing(conn))
+                frame = await self._read_frame(conn, reader)
             except BadHeaderError as e:
                 await conn.send_error(e.opcode, e.request_id, e)
                 continue
