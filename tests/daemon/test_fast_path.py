@@ -138,3 +138,38 @@ def test_a_connection_busy_on_the_fast_path_is_not_idle(workdir):
         d.call(d.daemon.check_integrity)
     finally:
         d.stop()
+
+
+def test_bytes_after_a_frame_handed_to_the_reader_go_to_the_reader_too():
+    """A frame's first part handed to the stream reader, then its rest arriving before the
+    read loop ran (two data_received calls in one turn of the event loop): the rest must
+    not be taken for the start of a new frame and served here."""
+    import asyncio
+
+    from tierkv.daemon.fast_path import FastProtocol
+
+    class Conn:
+        parked = True
+
+    class Fast:
+        def __init__(self) -> None:
+            self.seen: list[bytes] = []
+
+        def serve(self, conn, data: bytes) -> bytes:
+            self.seen.append(data)
+            return data  # nothing whole to serve: all of it goes on to the reader
+
+    loop = asyncio.new_event_loop()
+    try:
+        reader = asyncio.StreamReader(loop=loop)
+        fast = Fast()
+        protocol = FastProtocol(reader, lambda r, w: None, loop, fast)
+        protocol.conn = conn = Conn()
+        frame = acquire_frame(1, prompt(16, seed=11))
+        protocol.data_received(frame[:10])
+        assert fast.seen == [frame[:10]] and not conn.parked
+        protocol.data_received(frame[10:])  # the loop has not run: still the reader's
+        assert fast.seen == [frame[:10]]
+        assert loop.run_until_complete(reader.readexactly(len(frame))) == frame
+    finally:
+        loop.close()

@@ -53,6 +53,10 @@ class FastProtocol(asyncio.StreamReaderProtocol):
             data = self._fast.serve(conn, data)
             if not data:
                 return
+            # The reader holds bytes from here on (a frame not served, or its first part):
+            # the read loop must take them before anything else is served here, though it
+            # only runs at the loop's next turn, after more bytes may have arrived.
+            conn.parked = False
         super().data_received(data)
 
 
