@@ -22,10 +22,11 @@ Per connection: frames are read in order; each request runs as its own task (at 
 hold up a lookup. Two kinds are served as they are read, without a task: a one-way
 release, and an acquire that can finish at once (``Handlers.now``); while the read loop
 waits for a frame, those are answered as their bytes arrive, before the loop wakes
-(fast_path.py). A bad head (magic,
-version, length) or a truncated frame gets one error reply and the connection is closed;
-an undecodable header or unknown opcode gets an error reply and the connection goes on. Either way other clients are unaffected. A connection's
-state and its replies: connection.py.
+(fast_path.py). A bad head (magic, version, length) or a truncated frame gets one error
+reply and the connection is closed; an undecodable header or unknown opcode gets an error
+reply and the connection goes on. Either way other clients are unaffected. The read loop
+and the running of requests: serving.py; a connection's state and its replies:
+connection.py.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import StoreConfig
-from ..errors import ConfigError, DaemonUnavailableError, ProtocolError, TierKVError
+from ..errors import ConfigError
 from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import default_shm_dir
@@ -57,14 +58,13 @@ from .layouts import Budget, Layouts, TierLimits
 from .metrics import DaemonMetrics
 from .reload import Reload
 from .remote_keeper import RemoteKeeper
-from .protocol import BadHeaderError, FatalFrameError, Frame, FrameTimeoutError, IdleConnectionError, Op, read_frame
+from .serving import OP_NAMES, Serving
 
 log = logging.getLogger(__name__)
-_OP_NAMES = {int(op): op.name.lower() for op in Op}  # metric labels, without an enum lookup per request
 DRAIN_TIMEOUT_S = 60.0
 
 
-class Daemon(RemoteKeeper, Reload):
+class Daemon(Serving, RemoteKeeper, Reload):
     def __init__(self, config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = None,
                  install_signals: bool = True, remote_backend_factory: Callable[[Any], Any] | None = None,
                  freeze_heap: bool = False) -> None:
@@ -199,7 +199,7 @@ class Daemon(RemoteKeeper, Reload):
         assert self.handlers is not None and self.layouts is not None
         loop, stop = self._loop, self._stop
         self.fast = FastPath(self.handlers, self.config.quotas.unread_reply_bytes, stop.is_set, self.metrics,
-                             _OP_NAMES)
+                             OP_NAMES)
         fast = self.fast
 
         def connection() -> FastProtocol:  # = asyncio.start_unix_server's, with the fast path
@@ -256,163 +256,6 @@ class Daemon(RemoteKeeper, Reload):
             await self.handlers.expire_leases()
             if self.layouts is not None and any(e.over_limit for e in self.layouts.entries()):
                 await self.handlers.run(self.layouts.retrim)  # blocks held when a limit was lowered
-
-    # ---- connections ----------------------------------------------------------------------
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        creds = security.peer_credentials(writer.get_extra_info("socket"))
-        conn = Connection(next(self._ids), creds, writer, asyncio.Semaphore(self.config.max_inflight),
-                          send_timeout_s=self.config.quotas.send_timeout_s)
-        reason = None
-        assert self.handlers is not None
-        if not security.peer_allowed(creds, self.config.allowed_uids):
-            reason = "uid"
-            err: TierKVError = security.PeerRejectedError(f"peer uid {creds.uid} (pid {creds.pid}) may not use this daemon")
-        elif len(self.connections) >= self.config.max_connections:
-            reason = "limit"
-            err = DaemonUnavailableError(f"the daemon serves {self.config.max_connections} connections already",
-                                         hint="retry later; the operator can raise max_connections")
-        elif (err2 := self._uid_connection_refusal(creds.uid)) is not None:
-            reason, err = "uid_connections", err2
-        elif self._stop is not None and self._stop.is_set():
-            reason = "stopping"
-            err = DaemonUnavailableError("the daemon is shutting down")
-        if reason is not None:
-            log.warning("refused connection from pid %d uid %d: %s", creds.pid, creds.uid, reason)
-            if self.metrics:
-                self.metrics.rejected.labels(reason).inc()
-            await conn.send_error(0, 0, err)
-            writer.close()
-            return
-        self.connections[conn.id] = conn
-        protocol = writer.transport.get_protocol()
-        if isinstance(protocol, FastProtocol):
-            protocol.conn = conn  # requests may now be served as they arrive (fast_path.py)
-        try:
-            await self._serve_connection(conn, reader)
-        finally:
-            if isinstance(protocol, FastProtocol):
-                protocol.conn = None
-            conn.parked = False
-            if conn.tasks:
-                await asyncio.wait(list(conn.tasks))  # their leases must be known before we free
-            assert self.handlers is not None
-            n = await self.handlers.end_connection(conn)
-            if n:
-                log.info("connection %d (pid %d) ended holding %d leases; released", conn.id, conn.client_pid, n)
-            del self.connections[conn.id]
-            writer.close()
-
-    def _uid_connection_refusal(self, uid: int) -> TierKVError | None:
-        assert self.handlers is not None
-        try:
-            self.handlers.quota.check_connection(uid, [c.creds.uid for c in self.connections.values()])
-        except TierKVError as e:
-            return e
-        return None
-
-    async def _read_frame(self, conn: Connection, reader: asyncio.StreamReader) -> Frame | None:
-        """The connection's next frame. Parked until its first byte: meanwhile requests may
-        be answered as they arrive, without this loop (fast_path.py), and count as activity
-        for the idle timeout."""
-        q = self.config.quotas
-        conn.parked = True
-        try:
-            return await read_frame(reader, idle_timeout=q.idle_timeout_s, frame_timeout=q.frame_timeout_s,
-                                    is_idle=lambda: self._holds_nothing(conn) and self._quiet(conn),
-                                    started=conn.unpark)
-        finally:
-            conn.parked = False
-
-    def _quiet(self, conn: Connection) -> bool:
-        """No request served on the fast path for the idle timeout."""
-        idle = self.config.quotas.idle_timeout_s
-        return idle is None or time.monotonic() - conn.fast_at >= idle
-
-    def _holds_nothing(self, conn: Connection) -> bool:
-        assert self.handlers is not None
-        return (conn.holds_nothing() and self.handlers.leases.count(conn.id) == 0
-                and not any(e.staging.held_by([conn.id]) for e in self.handlers.layouts.entries()))
-
-    async def _serve_connection(self, conn: Connection, reader: asyncio.StreamReader) -> None:
-        q = self.config.quotas
-        while True:
-            if conn.unsent > q.unread_reply_bytes and not await conn.wait_for_reader(q.unread_reply_bytes,
-                                                                                  q.send_timeout_s):
-                log.warning("connection %d: %d reply bytes unread for %.0f s; closing it", conn.id, conn.unsent,
-                            q.send_timeout_s)
-                if self.metrics:
-                    self.metrics.rejected.labels("unread_replies").inc()
-                conn.writer.transport.abort()
-                return
-            try:
-                frame = await self._read_frame(conn, reader)
-            except BadHeaderError as e:
-                await conn.send_error(e.opcode, e.request_id, e)
-                continue
-            except FatalFrameError as e:
-                log.warning("connection %d: %s; closing it", conn.id, e.message)
-                if self.metrics:
-                    reason = {IdleConnectionError: "idle", FrameTimeoutError: "frame_timeout"}.get(type(e), "frame")
-                    self.metrics.rejected.labels(reason).inc()
-                await conn.send_error(0, 0, e)
-                return
-            except (ConnectionError, OSError):
-                return
-            if frame is None:
-                return
-            if frame.opcode == Op.RELEASE:
-                # Served here, without a task: a one-way release waits on nothing (it ends
-                # the store leases on the loop or queues them), and a task per request is
-                # a measurable share of the daemon's time at thousands of requests a second.
-                await self._serve_request(conn, frame)
-                continue
-            if frame.opcode in self.handlers.now and await self._serve_request(conn, frame, now=True):
-                continue  # answered as read (an acquire of resident blocks): no task either
-            await conn.inflight.acquire()
-            task = asyncio.create_task(self._serve_request(conn, frame))
-            conn.tasks.add(task)
-            task.add_done_callback(conn.request_done)
-
-    async def _serve_request(self, conn: Connection, frame: Frame, now: bool = False) -> bool:
-        """Decode one request, run its handler, send the reply (or the error). With
-        ``now``: only if the handler's synchronous form (``Handlers.now``) can answer
-        without waiting; False, with nothing done or sent, when it cannot."""
-        assert self.handlers is not None
-        t0, measured = time.perf_counter(), True
-        op_name = _OP_NAMES.get(frame.opcode, "unknown")
-        try:
-            if frame.is_reply:
-                raise ProtocolError("clients send requests, not replies")
-            entry = self.handlers.table.get(frame.opcode)
-            if entry is None:
-                raise ProtocolError(f"unknown opcode {frame.opcode}")
-            if self._stop is not None and self._stop.is_set() and frame.opcode != Op.RELEASE:
-                raise DaemonUnavailableError("the daemon is shutting down")
-            cls, handler = entry
-            msg = cls.decode(frame.header, frame.payload)
-            if now:
-                out = self.handlers.now[frame.opcode](conn, msg)
-                if out is None:
-                    measured = False  # not served here: the task that serves it measures it
-                    return False
-            else:
-                out = await handler(conn, msg)
-            if out is None:
-                return True  # a one-way request (RELEASE with reply=False): the client waits for nothing
-            header, payload, *fds = out
-            await conn.send(frame.opcode, frame.request_id, header, payload, fds=fds[0] if fds else ())
-        except ConnectionError:
-            return True  # the peer is gone; the connection's reader notices and cleans up
-        except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
-            if not isinstance(e, (TierKVError, ValueError, OSError)):
-                log.exception("request %s failed", op_name)
-            if self.metrics:
-                self.metrics.errors.labels(op_name, type(e).__name__).inc()
-            await conn.send_error(frame.opcode, frame.request_id, e)
-        finally:
-            if self.metrics and measured:
-                self.metrics.observe_latency(op_name, time.perf_counter() - t0)
-        return True
 
     def check_integrity(self) -> None:
         """Cross-check the daemon's lease table, every layout's staging table and store, and
