@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import ProtocolError
 from . import messages, security
@@ -31,6 +32,7 @@ class Connection:
     # arrive (fast_path.py), and ``fast_at`` is when one last was (time.monotonic()).
     parked: bool = False
     fast_at: float = 0.0
+    sending: set[asyncio.Task] = field(default_factory=set)  # send_now's tasks (a task needs a reference)
 
     def request_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -71,18 +73,23 @@ class Connection:
         other reply is being sent). What the kernel does not take at once, and a reply
         carrying descriptors, is finished by a task holding the write lock, as :meth:`send`."""
         if fds:
-            asyncio.ensure_future(self._send_quietly(opcode, request_id, header, payload, fds))
+            self._spawn(self._send_quietly(opcode, request_id, header, payload, fds))
             return
         try:
             frame = encode_frame(opcode, request_id, header, payload, FLAG_REPLY)
         except ProtocolError as e:  # a reply over the frame limits: its error instead, as send() callers do
-            asyncio.ensure_future(self.send_error(opcode, request_id, e))
+            self._spawn(self.send_error(opcode, request_id, e))
             return
         self.writer.write(frame)
         left = self.writer.transport.get_write_buffer_size()
         if left:
             self.unsent += left
-            asyncio.ensure_future(self._drain_quietly(left))
+            self._spawn(self._drain_quietly(left))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
 
     async def _send_quietly(self, opcode: int, request_id: int, header: dict, payload: bytes,
                             fds: list[int] | tuple[int, ...]) -> None:
