@@ -70,7 +70,6 @@ class FastPath:
         self.stopping = stopping
         self.metrics = metrics
         self.op_names = op_names
-        self.served = 0  # requests answered here (daemon stats)
 
     def serve(self, conn: Connection, data: bytes) -> bytes:
         """Serve the whole frames at the start of ``data`` that need neither a task nor a
@@ -121,7 +120,7 @@ class FastPath:
             # nothing else is being sent), or by a task if the kernel did not take it all.
             conn.send_now(opcode, request_id, header, reply_payload, fds=fds[0] if fds else ())
         conn.fast_at = time.monotonic()
-        self.served += 1
+        self.handlers.fast_path_requests += 1
         if self.metrics is not None:
             self.metrics.observe_latency(self.op_names.get(opcode, "unknown"), time.perf_counter() - t0)
         return True

@@ -76,6 +76,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
         self._drains: set[asyncio.Future] = set()
         self.quota = QuotaRules(config.quotas)
         self.acquires = {"inline": 0, "worker": 0}  # where acquires ran (daemon stats)
+        self.fast_path_requests = 0  # requests answered as they arrived (fast_path.py)
         self._scopes: dict[tuple[str, str, tuple[str, ...]], Scope] = {}
         self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
         self.gc_stats: Callable[[], dict[str, Any]] = lambda: {}  # the process's GC pauses (gc_pauses.py); server sets it
@@ -250,4 +251,5 @@ class Handlers(LeaseHandlers, OperationHandlers):
                             "host_bytes": self.layouts.budget.host_bytes,
                             "disk_bytes": self.layouts.budget.disk_bytes},
                 "over_limit_slots": {e.layout_id: e.over_limit for e in entries if e.over_limit},
-                "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.acquires), "gc": self.gc_stats()}
+                "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.acquires),
+                "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats()}

@@ -93,6 +93,10 @@ class StoreCollector(Collector):
             g = GaugeMetricFamily(f"tierkv_daemon_{key}", doc)
             g.add_metric([], d.get(key, 0))
             yield g
+        c = CounterMetricFamily("tierkv_daemon_fast_path_requests",
+                                "Requests answered as their bytes arrived, before the connection's read loop woke")
+        c.add_metric([], d.get("fast_path_requests", 0))
+        yield c
         gc_stats = d.get("gc") or {}
         if gc_stats:  # the process's garbage-collector pauses (tierkv/daemon/gc_pauses.py)
             n = CounterMetricFamily("tierkv_daemon_gc_collections", "Garbage collections, by generation",

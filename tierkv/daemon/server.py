@@ -169,7 +169,6 @@ class Daemon(Serving, RemoteKeeper, Reload):
     def _daemon_stats(self) -> dict[str, Any]:
         d = self.handlers.daemon_stats() if self.handlers else {}
         d["connections"] = len(self.connections)
-        d["fast_path_requests"] = self.fast.served if self.fast is not None else 0
         return d
 
     def run(self) -> None:
