@@ -27,8 +27,7 @@ from .identity import ChainMemo, iter_block_keys, same_bytes
 from .index import BlockRecord
 from .priority import EPHEMERAL
 from .stats import Counters
-from .tiers import TierName
-from .tiers.base import TIER_KEY
+from .tiers.base import TIER_KEY, TierName
 
 if TYPE_CHECKING:
     import numpy as np

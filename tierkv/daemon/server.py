@@ -87,7 +87,6 @@ class Daemon(Serving, RemoteKeeper, Reload):
         self.layouts: Layouts | None = None
         self.handlers: Handlers | None = None
         self.metrics: DaemonMetrics | None = None
-        self.fast: FastPath | None = None
 
     # ---- opening and closing -----------------------------------------------------------
     @property
@@ -197,9 +196,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
         sock = self._open()
         assert self.handlers is not None and self.layouts is not None
         loop, stop = self._loop, self._stop
-        self.fast = FastPath(self.handlers, self.config.quotas.unread_reply_bytes, stop.is_set, self.metrics,
-                             OP_NAMES)
-        fast = self.fast
+        fast = FastPath(self.handlers, self.config.quotas.unread_reply_bytes, stop.is_set, self.metrics, OP_NAMES)
 
         def connection() -> FastProtocol:  # = asyncio.start_unix_server's, with the fast path
             return FastProtocol(asyncio.StreamReader(loop=loop), self._on_connect, loop, fast)

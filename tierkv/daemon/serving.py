@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ..errors import DaemonUnavailableError, ProtocolError, TierKVError
 from . import security
 from .connection import Connection
-from .fast_path import FastPath, FastProtocol
+from .fast_path import FastProtocol
 from .protocol import BadHeaderError, FatalFrameError, Frame, FrameTimeoutError, IdleConnectionError, Op, read_frame
 
 if TYPE_CHECKING:
@@ -36,7 +36,6 @@ class Serving:
     handlers: "Handlers | None"
     metrics: "DaemonMetrics | None"
     connections: dict[int, Connection]
-    fast: FastPath | None
     _ids: "itertools.count[int]"
     _stop: asyncio.Event | None
 
