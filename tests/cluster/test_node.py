@@ -137,7 +137,7 @@ def test_blocks_evicted_from_the_last_tier_are_written_back_through_the_listener
     for t in chains:
         a.put(t, pages_for(t), SCOPE)
     assert a.store.stats().counters.evictions["disk"] > 0
-    a._publisher.submit(lambda: None).result()  # the write-backs queued so far are done
+    a.publisher.flush()  # the write-backs queued so far are done
     assert a.counters["written_back_blocks"] == len(cluster.objects) > 0
     gone = [t for t in chains if a.store.lookup(t, SCOPE).tokens_matched < len(t)]
     assert gone

@@ -6,14 +6,15 @@ local prefix that the remote tier holds (one batched existence check); ``acquire
 *pulls* them: fetches, verifies against the request (key, model version, namespace,
 parent, token ids, page checksum), ``put``s them into the local store, then serves the
 lease locally, so pages always reach the caller from the device tier as usual. Pages are
-published to the remote tier by :class:`~tierkv.cluster.publish.PublishPolicy`.
+published to the remote tier by :class:`~tierkv.cluster.publisher.Publisher` (the write
+path), as :class:`~tierkv.cluster.publish.PublishPolicy` says.
 
 Remote faults never reach a request: the remote tier answers "miss" while it is down, and
 a local error while storing fetched pages only costs the pages (counted, logged).
 It implements :class:`~tierkv.api.StoreAPI`; the methods the remote tier does not change
-delegate to the store explicitly. With ``write_back_evicted`` it listens to the store's
-evictions (:meth:`Store.add_eviction_listener`) and publishes a block leaving its last
-local tier.
+delegate to the store explicitly. With ``write_back_evicted`` its publisher listens to the
+store's evictions (:meth:`Store.add_eviction_listener`) and publishes a block leaving its
+last local tier.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ import torch
 from ..api import StoreAPI
 from ..blocks import Priority
 from ..errors import TierKVError
-from ..eviction import EvictedBlock
 from ..identity import Scope, as_token_array, block_keys, iter_block_keys
 from ..results import (
     ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
@@ -39,6 +39,7 @@ from ..results import (
 from ..store import Store
 from .remote import RemoteMeta, RemotePutResult, RemoteTier
 from .publish import Event, PublishPolicy
+from .publisher import Publisher
 
 log = logging.getLogger(__name__)
 REMOTE = "remote"
@@ -70,10 +71,8 @@ class ClusterNode(StoreAPI):
         self._counters_lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_lock = threading.Lock()
-        self._publisher: ThreadPoolExecutor | None = None
-        if remote is not None and self.policy.write_back_evicted:
-            self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-cluster-publish")
-            store.add_eviction_listener(self._on_evicted, self._wants_evicted)
+        # The write path (and, with write_back_evicted, the store's eviction listener).
+        self.publisher = Publisher(store, remote, self.policy, self._count) if remote is not None else None
 
     # ---- read path -----------------------------------------------------------------------
     def _remote_for(self, scope: Scope) -> RemoteTier | None:
@@ -162,14 +161,10 @@ class ClusterNode(StoreAPI):
             start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
             priority: Priority = Priority.NORMAL) -> PutResult:
         """:meth:`Store.put`, then publish the pages when the policy wants them."""
-        prio = priority
-        result = self.store.put(tokens, pages, scope, start_block=start_block, block_extra=block_extra, priority=prio)
-        if self.remote is not None and self.policy.wants(Event.PUT, scope.namespace, prio):
-            arr = as_token_array(tokens)
-            n = int(pages.shape[0])
-            keys = block_keys(arr[: (start_block + n) * self.layout.block_size], scope, self.layout.block_size,
-                              block_extra)
-            self._publish(arr, keys, scope, start_block, pages)
+        result = self.store.put(tokens, pages, scope, start_block=start_block, block_extra=block_extra,
+                                priority=priority)
+        if self.publisher is not None:
+            self.publisher.publish_put(tokens, pages, scope, start_block, block_extra, priority)
         return result
 
     def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
@@ -182,100 +177,25 @@ class ClusterNode(StoreAPI):
         """Record the manifest locally, then publish the named prefix's blocks (write-through
         for materialised prefixes). The manifest itself stays local."""
         self.store.save_manifest(name, manifest)
-        self._publish_manifest(name, manifest)
-
-    def _publish_manifest(self, name: str, manifest: dict) -> RemotePutResult:
-        """Publish the blocks of a named prefix when the policy publishes materialised (or,
-        for a pinned one, pinned) prefixes; nothing when its chain is incomplete here."""
-        none = RemotePutResult(0, 0, 0)
-        last = manifest.get("last_block_key")
-        if self.remote is None or not isinstance(last, str) or not last:
-            return none
-        try:
-            tokens, mv, ns = self.store.chain_tokens(bytes.fromhex(last))
-        except (TierKVError, ValueError) as e:
-            log.warning("prefix %r not published: %s", name, e)
-            return none
-        scope = Scope(mv, ns, tuple(manifest.get("extra_keys", ())))
-        pinned = bool(manifest.get("pinned")) and self.policy.wants(Event.PINNED, ns)
-        if not (self.policy.wants(Event.MATERIALISED, ns) or pinned):
-            return none
-        keys = block_keys(tokens, scope, self.layout.block_size)
-        if not keys or keys[-1].hex() != last:
-            log.warning("prefix %r not published: its chain is incomplete on this node", name)
-            return none
-        return self.publish_prefix(tokens, scope)
+        if self.publisher is not None:
+            self.publisher.publish_manifest(name, manifest)
 
     def republish(self) -> int:
         """Publish every named prefix the policy publishes, again: a restarted master has lost
         every object. Objects still there are skipped. Returns the blocks written."""
-        written = 0
-        for name, manifest in self.store.list_manifests().items():
-            written += self._publish_manifest(name, manifest).published
-        return written
+        return self.publisher.republish() if self.publisher is not None else 0
 
     def publish_prefix(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                        block_extra: Sequence[Sequence[str | bytes]] | None = None,
                        window: int = 64) -> RemotePutResult:
-        """Publish the locally cached prefix of ``tokens``, leased ``window`` blocks at a
-        time (so a prefix larger than the device tier is published whole)."""
-        if self.remote is None or scope.namespace in self.policy.local_only_namespaces:
+        """Publish the locally cached prefix of ``tokens`` (:meth:`Publisher.publish_prefix`)."""
+        if self.publisher is None:
             return RemotePutResult(0, 0, 0)
-        arr = as_token_array(tokens)
-        keys = block_keys(arr, scope, self.layout.block_size, block_extra)
-        published = skipped = failed = start = 0
-        while start < len(keys):
-            with self.store.acquire(arr, scope, block_extra, max_blocks=window, start_block=start) as lease:
-                if not lease.num_blocks:
-                    break
-                r = self._publish(arr, keys, scope, start, lease.pages().cpu())
-                start += lease.num_blocks
-            published, skipped, failed = published + r.published, skipped + r.skipped, failed + r.failed
-        return RemotePutResult(published, skipped, failed)
+        return self.publisher.publish_prefix(tokens, scope, block_extra, window)
 
     def evicted(self, meta: RemoteMeta, page: torch.Tensor, priority: Priority = Priority.NORMAL) -> bool:
-        """The store's eviction hook: a block is leaving this node's last tier. Published
-        when the policy has ``write_back_evicted``; returns whether it was."""
-        if self.remote is None or not self.policy.wants(Event.EVICTED, meta.namespace, priority):
-            return False
-        return self.remote.put_pages([meta.key], page.unsqueeze(0), [meta]).failed == 0
-
-    def _wants_evicted(self, namespace: str, priority: Priority) -> bool:
-        return self.remote is not None and self.policy.wants(Event.EVICTED, namespace, priority)
-
-    def _on_evicted(self, block: EvictedBlock) -> None:
-        """The store's eviction listener (called under the store lock with a copy of the
-        page): publishing runs on a one-thread executor, never under the lock."""
-        publisher = self._publisher
-        if publisher is None:
-            return
-        meta = RemoteMeta(key=block.key, parent=block.parent, model_version=block.model_version,
-                          namespace=block.namespace, tokens=block.tokens, checksum=block.checksum)
-        try:
-            publisher.submit(self._write_back, meta, block.page, block.priority)
-        except RuntimeError:  # closing
-            pass
-
-    def _write_back(self, meta: RemoteMeta, page: torch.Tensor, priority: Priority) -> None:
-        if self.evicted(meta, page, priority):
-            self._count("written_back_blocks")
-
-    def _publish(self, arr: np.ndarray, keys: list[bytes], scope: Scope, start: int,
-                 pages: torch.Tensor) -> RemotePutResult:
-        assert self.remote is not None
-        from ..checksum import page_checksum
-
-        bs = self.layout.block_size
-        n = int(pages.shape[0])
-        metas = [
-            RemoteMeta(key=keys[i], parent=keys[i - 1] if i else scope.seed, model_version=scope.model_version,
-                       namespace=scope.namespace, tokens=arr[i * bs : (i + 1) * bs].tobytes(),
-                       checksum=page_checksum(keys[i], pages[i - start]))
-            for i in range(start, start + n)
-        ]
-        result = self.remote.put_pages(keys[start : start + n], pages, metas)
-        self._count("published_blocks", result.published)
-        return result
+        """The eviction hook (:meth:`Publisher.evicted`): whether the block was published."""
+        return self.publisher is not None and self.publisher.evicted(meta, page, priority)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._counters_lock:
@@ -385,9 +305,8 @@ class ClusterNode(StoreAPI):
     def close(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)
-        publisher, self._publisher = self._publisher, None
-        if publisher is not None:
-            publisher.shutdown(wait=True)
+        if self.publisher is not None:
+            self.publisher.close()  # queued write-backs read nothing from the store: before its close
         try:
             self.store.close()
         finally:
