@@ -42,6 +42,9 @@ from tierkv.traces import (REFERENCES, TRACE_BLOCK, Request, SimResult, block_to
 
 LAYOUT = tierkv.PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=TRACE_BLOCK, dtype="float16")
 SCOPE = Scope("ab" * 32, "replay")
+# Objects frozen before this module loaded: Python 3.12 starts with a few hundred frozen by
+# the interpreter itself, so "nothing frozen" is not zero there (replay_store).
+_FROZEN_AT_IMPORT = gc.get_freeze_count()
 
 
 def generated(kind: str, seed: int = 1) -> list[Request]:
@@ -95,7 +98,8 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
                  freeze_heap: bool = True) -> tuple[SimResult, float, dict]:
     """Per-request hits of the real store, its requests/s, and its stats at the end (with
     ``requests_per_cpu_s``: requests per CPU-second of this process, steadier than the wall
-    clock on a shared machine, and ``gc_seconds``: the collector's pauses in the replay).
+    clock on a shared machine, ``gc_seconds``: the collector's pauses in the replay, and
+    ``heap_frozen``: whether this call froze the heap, as below).
 
     ``freeze_heap``: the objects this process holds before the clock starts (torch, numpy,
     the trace, the references' results: ~200,000 tracked objects) are frozen out of the
@@ -126,7 +130,8 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
             disk_bytes=disk_blocks * LAYOUT.slot_bytes, eviction_policy=policy, prefetch_workers=1,
             shm_dir=Path(home),
         )
-        froze = freeze_heap and not gc.get_freeze_count()  # a caller's own freeze is left alone
+        # A caller's own freeze (after this module loaded) is left alone.
+        froze = freeze_heap and gc.get_freeze_count() <= _FROZEN_AT_IMPORT
         if froze:
             freeze_startup_heap()
         pauses = GcPauses().install()
@@ -146,6 +151,7 @@ def replay_store(trace: list[Request], capacity: int, policy: str, disk_blocks: 
             stats = dict(store.stats())
             stats["requests_per_cpu_s"] = len(trace) / cpu if cpu else 0.0
             stats["gc_seconds"] = gc_seconds
+            stats["heap_frozen"] = froze
         finally:
             pauses.uninstall()
             if froze:

@@ -3,14 +3,12 @@ each prompt alone, whatever the suffix lengths, and holds the prefix pages once.
 from __future__ import annotations
 
 import hashlib
-import os
 from unittest import mock
 
 import torch
+from triton_interpreter import use_interpreter_without_cuda
 
-if not torch.cuda.is_available():
-    # Before tierkv.kernels is first imported: triton.jit picks the interpreter at decoration.
-    os.environ["TRITON_INTERPRET"] = "1"
+use_interpreter_without_cuda()  # before tierkv.kernels is first imported
 
 import pytest
 

@@ -137,6 +137,9 @@ def test_enospc_while_serving_is_an_error_reply_and_the_daemon_goes_on(daemon):
 
 
 def test_metrics_endpoint(workdir):
+    import gc
+
+    frozen = gc.get_freeze_count()  # not 0 on Python 3.12: the interpreter freezes a few hundred
     d = DaemonThread(make_config(workdir, metrics_port=0)).start()
     try:
         with tierkv.connect(d.config.socket) as c:
@@ -155,9 +158,8 @@ def test_metrics_endpoint(workdir):
         assert "python_gc" not in text  # a private registry
     finally:
         d.stop()
-    import gc
     assert d.daemon.gc_pauses._on_gc not in gc.callbacks  # a daemon in a thread leaves no callback behind
-    assert gc.get_freeze_count() == 0  # nor a frozen heap in the program that ran it
+    assert gc.get_freeze_count() == frozen  # nor a frozen heap in the program that ran it
 
 
 def test_the_daemon_process_freezes_its_startup_heap_and_reports_gc_pauses(workdir):

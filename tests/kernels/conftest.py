@@ -5,15 +5,14 @@ TRITON_INTERPRET must be set before ``triton.jit`` wraps the kernels, i.e. befor
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import use_interpreter_without_cuda
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+use_interpreter_without_cuda()
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

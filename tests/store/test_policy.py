@@ -282,6 +282,7 @@ def _small_trace(tmp_path: Path) -> Path:
 def test_store_replay_equals_policy_model(tmp_path, policy):
     mod = _replay_module()
     trace = read_trace(_small_trace(tmp_path), limit=80)
+    frozen = gc.get_freeze_count()  # not 0 on Python 3.12: the interpreter freezes a few hundred
     res, rps, stats = mod.replay_store(trace, 150, policy)
     assert res.hits == simulate_policy(trace, 150, policy).hits
     if policy == "lru":  # the store's LRU is exactly the original rule
@@ -289,8 +290,9 @@ def test_store_replay_equals_policy_model(tmp_path, policy):
     assert rps > 0 and stats["eviction_policy"] == policy
     # The harness freezes its own heap out of the collector for the replay only, and the
     # collector changes no hit.
-    assert gc.get_freeze_count() == 0 and stats["gc_seconds"] >= 0
-    assert mod.replay_store(trace, 150, policy, freeze_heap=False)[0].hits == res.hits
+    assert stats["heap_frozen"] and gc.get_freeze_count() <= frozen and stats["gc_seconds"] >= 0
+    res2, _, stats2 = mod.replay_store(trace, 150, policy, freeze_heap=False)
+    assert res2.hits == res.hits and not stats2["heap_frozen"]
 
 
 def test_replay_ab_script_replays_two_trees_in_lockstep(tmp_path, capsys):
