@@ -115,8 +115,11 @@ class Leasing:
             if len(resident) == len(chain):  # all in the device tier: nothing to read or wait for
                 placement.stats_counters.record_acquire_resident(len(chain), asked)
                 return self.lease_of(chain, start_block, resident)
-            placement.stats_counters.record_acquire([b.top for b in chain], asked)
+            # Where each block was found; counted once the reads have settled, for the blocks
+            # the lease holds then (a page that fails its read or checksum is not a hit).
+            tops = [b.top for b in chain]
             if not plan and not waits:  # every leased block is in the device tier (the chain was cut short)
+                placement.stats_counters.record_acquire(tops, asked)
                 return self.lease_of(chain, start_block)
         try:
             failed = promotion.promote(plan)
@@ -125,10 +128,11 @@ class Leasing:
             with self._lock:
                 placement.release_blocks(chain, ended=False)  # the lease is never handed out
             raise
-        if failed is not None:
-            with self._lock:
+        with self._lock:
+            if failed is not None:
                 placement.release_blocks(chain[failed:], ended=False)
                 chain = chain[:failed]
+            placement.stats_counters.record_acquire(tops[: len(chain)], asked)
         return self.lease_of(chain, start_block)
 
     def acquire_resident(self, arr: np.ndarray, scope: Scope, block_extra: Sequence[Sequence[str | bytes]] | None,

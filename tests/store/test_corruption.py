@@ -51,6 +51,8 @@ def test_flipped_byte_in_page_is_a_miss_and_quarantined(make_store, within):
         assert_lease_exact(lease)
     st = store.stats()
     assert st["quarantined"] == 1
+    # Acquire hits count the blocks the lease held once its reads settled, not those planned.
+    assert st["acquire_blocks"] == 3 and st["acquire_hits"] == {"device": 0, "host": 0, "disk": 1}
     assert store.lookup(chain, SCOPE).num_blocks == 1
     q = store.index.quarantined()
     assert list(q) == [keys_of(chain)[1].hex()] and "checksum" in q[keys_of(chain)[1].hex()]
