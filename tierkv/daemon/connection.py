@@ -48,21 +48,24 @@ class Connection:
             async with self.write_lock:
                 if self.writer.is_closing():
                     return
-                try:
-                    if not fds:
-                        self.writer.write(frame)
-                        if not self.writer.transport.get_write_buffer_size():
-                            return  # the kernel took it all: nothing to wait for (no timer armed)
-                    async with asyncio.timeout(self.send_timeout_s):
-                        if fds:  # shared-memory descriptors travel with this reply (SCM_RIGHTS)
-                            await send_with_fds(self.writer, frame, fds)
-                            return
-                        await self.writer.drain()
-                except TimeoutError:
-                    self.writer.transport.abort()
-                    raise ConnectionError(f"the peer read no reply for {self.send_timeout_s:g} s") from None
+                if fds:  # shared-memory descriptors travel with this reply (SCM_RIGHTS)
+                    await self._bounded(send_with_fds(self.writer, frame, fds))
+                    return
+                self.writer.write(frame)
+                if self.writer.transport.get_write_buffer_size():  # else the kernel took it all (no timer armed)
+                    await self._bounded(self.writer.drain())
         finally:
             self.unsent -= len(frame)
+
+    async def _bounded(self, sending: Any) -> None:
+        """Await ``sending`` (held: the write lock); a peer that takes nothing for
+        ``send_timeout_s`` is cut off (ConnectionError)."""
+        try:
+            async with asyncio.timeout(self.send_timeout_s):
+                await sending
+        except TimeoutError:
+            self.writer.transport.abort()
+            raise ConnectionError(f"the peer read no reply for {self.send_timeout_s:g} s") from None
 
     def unpark(self) -> None:
         self.parked = False
@@ -103,12 +106,9 @@ class Connection:
         the transport's buffer (cut off after ``send_timeout_s``)."""
         try:
             async with self.write_lock:
-                async with asyncio.timeout(self.send_timeout_s):
-                    await self.writer.drain()
-        except TimeoutError:
-            self.writer.transport.abort()
+                await self._bounded(self.writer.drain())
         except (ConnectionError, OSError):
-            pass
+            pass  # cut off, or the peer is gone; its reader notices and cleans up
         finally:
             self.unsent -= n
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import LeaseError, QuotaExceededError
 from ..identity import Scope
@@ -159,12 +159,17 @@ class LeaseHandlers:
         done, for one that wants a reply (:meth:`release` then runs in the read loop)."""
         if msg.reply:
             return False
-        taken = [(i, self.leases.take(conn.id, i)) for i in msg.lease_ids]
-        self._release_soon([lease for _, lease in taken if lease is not None])
-        unknown = [i for i, lease in taken if lease is None]
+        unknown = self._take_and_release(conn, msg.lease_ids)
         if unknown:
             log.info("connection %d: %s", conn.id, self._not_held(unknown))
         return True
+
+    def _take_and_release(self, conn: "Connection", lease_ids: Sequence[int]) -> list[int]:
+        """Take ``conn``'s leases ``lease_ids`` and release them soon; returns the ids it
+        does not hold."""
+        taken = [(i, self.leases.take(conn.id, i)) for i in lease_ids]
+        self._release_soon([lease for _, lease in taken if lease is not None])
+        return [i for i, lease in taken if lease is None]
 
     def _not_held(self, unknown: list[int]) -> str:
         return (f"lease {', '.join(map(str, unknown))} is not held by this connection (released, or expired "
@@ -173,10 +178,7 @@ class LeaseHandlers:
     async def release(self, conn: "Connection", msg: m.Release) -> Reply | None:
         if self.release_oneway(conn, msg):
             return None  # the client waits for nothing
-        taken = [(i, self.leases.take(conn.id, i)) for i in msg.lease_ids]
-        leases = [lease for _, lease in taken if lease is not None]
-        unknown = [i for i, lease in taken if lease is None]
-        self._release_soon(leases)
+        unknown = self._take_and_release(conn, msg.lease_ids)
         if unknown:
             raise LeaseError(self._not_held(unknown))
         await self.settle_releases()
