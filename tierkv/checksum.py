@@ -25,19 +25,20 @@ def page_checksum(key: bytes, page: torch.Tensor) -> int:
 def page_rows(pages: torch.Tensor) -> np.ndarray:
     """Pages ``[n, ...]`` as a uint8 numpy array ``[n, page bytes]`` (no copy for contiguous
     CPU pages). Through numpy where it knows the dtype: half the cost of torch's chain of
-    calls, paid on every put (twice: checksums and the copy into the tier)."""
+    calls, paid on every put (once: its checksums and its copy into the tier share it)."""
     t = pages.detach()
     if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.is_contiguous():
         return t.numpy().view(np.uint8).reshape(t.shape[0], -1)
     return t.cpu().contiguous().view(torch.uint8).numpy().reshape(t.shape[0], -1)
 
 
-def page_checksums(keys: list[bytes], pages: torch.Tensor, rows: list[int]) -> list[int]:
-    """``page_checksum(keys[j], pages[rows[j]])`` for every j, converting the batch to bytes
-    once (a put of many small pages spent most of its time in per-page conversions)."""
+def row_checksums(keys: list[bytes], data: np.ndarray, rows: list[int]) -> list[int]:
+    """``page_checksum(keys[j], pages[rows[j]])`` for every j, given ``data = page_rows(pages)``,
+    in one pass: a put converts its pages to bytes once, for these and for the copy into
+    the memory tier (a put of many small pages spent most of its time in per-page
+    conversions)."""
     if not keys:
         return []
-    data = page_rows(pages)
     # Rows as slices of one flat memoryview (a numpy row view per page cost more than the
     # hash of a small page), the seed as page_checksum takes it: the key's first 8 bytes.
     step = data.shape[1]

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .blocks import Block, Priority
-from .checksum import page_checksums
+from .checksum import page_rows, row_checksums
 from .errors import PageFormatError
 from .identity import Scope, as_token_array, iter_block_keys, same_bytes
 from .placement import Placement
@@ -152,9 +152,12 @@ class Ingest:
             # per block cost more than the hashing of small pages).
             # With a page codec the checksum covers the stored (encoded) form (tierkv/codec.py).
             stored = self.disk.codec.to_stored(pages) if new else pages  # nothing to encode for a repeat
+            # The pages as bytes, once: for the checksums, and (exact pages) the memory copy.
+            stored_rows = page_rows(stored) if new else None
             # row_of: the new blocks' keys and page rows, in the order of ``new``
-            for b, s in zip(new, page_checksums(list(row_of), stored, list(row_of.values()))):
-                b.checksum = s
+            if stored_rows is not None:
+                for b, s in zip(new, row_checksums(list(row_of), stored_rows, list(row_of.values()))):
+                    b.checksum = s
             if disk_plan:
                 items = [(loc, stored[row_of[b.key]].detach().cpu()) for loc, b in disk_plan]
                 # Order matters: pages and their slot records written and fsynced, then the
@@ -168,7 +171,7 @@ class Ingest:
                 self._abort_put(new, disk_plan)
             raise
         with self._lock:
-            self._place_new(keys, new, disk_plan, page_of, pages, row_of)
+            self._place_new(keys, new, disk_plan, page_of, pages, row_of, stored_rows if stored is pages else None)
             self.stats_counters.puts += 1
             self.stats_counters.blocks_stored += len(new)
             get = self.table.blocks.get
@@ -198,8 +201,10 @@ class Ingest:
                 self.table.remove(b)
 
     def _place_new(self, keys: list[bytes], new: list[Block], disk_plan: list[tuple[int, Block]],
-                   page_of: Mapping[bytes, torch.Tensor], pages: torch.Tensor, row_of: dict[bytes, int]) -> None:
+                   page_of: Mapping[bytes, torch.Tensor], pages: torch.Tensor, row_of: dict[bytes, int],
+                   page_bytes: np.ndarray | None) -> None:
         """Enter a put's blocks in the table and copy them into memory (held: the lock).
+        ``page_bytes``: ``page_rows(pages)``, when the put made it for its checksums.
 
         The request's whole chain is held busy meanwhile, so that making room evicts other
         blocks, never this prefix; once the device tier has no room left, the rest of the
@@ -216,7 +221,7 @@ class Ingest:
                 if not disk_plan and self.placement.drops_only(DEVICE):
                     # One memory tier, nothing below it: place and evict in one loop.
                     placed = self.placement.place_new_dropping(new, DEVICE)
-                    self.placement.device.write_many(placed, pages, list(row_of.values())[: len(placed)])
+                    self.placement.device.write_many(placed, pages, list(row_of.values())[: len(placed)], page_bytes)
                     for b in new[len(placed):]:  # every block there is leased or held
                         self.stats_counters.admissions_refused += 1
                         self.table.remove(b)

@@ -78,7 +78,8 @@ HINT_TAIL = 2  # bit: the block is the last one of its put (the deepest of the r
 Key = Any
 POLICIES = ("lru", "arc")
 DEFAULT_POLICY = "arc"
-_ABSENT = object()
+_SEEN = -1  # an ARC list's value for a key seen again since it entered (no insertion class)
+_NOT_LISTED = -2  # pop()'s default: the key is not in that list (an int: no boxing, compiled)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # tests wrap a policy to check each eviction
@@ -188,14 +189,15 @@ class ARCPolicy(EvictionPolicy):
         self.cold_ratio = cold_ratio
         self.warm_ratio = warm_ratio
         self.p = 0.0  # target size of cold + recent
-        self._cold: OrderedDict[Key, None] = OrderedDict()
-        self._recent: OrderedDict[Key, None] = OrderedDict()
-        self._frequent: OrderedDict[Key, None] = OrderedDict()
+        # Each resident key maps to its insertion class while it has not been seen again
+        # (all of cold and recent, and the blocks of a warm class that entered frequent
+        # directly), to _SEEN in frequent once it has: the class rides in the list itself,
+        # not in a dict beside it (one dict operation fewer per insertion and eviction).
+        self._cold: OrderedDict[Key, int] = OrderedDict()
+        self._recent: OrderedDict[Key, int] = OrderedDict()
+        self._frequent: OrderedDict[Key, int] = OrderedDict()
         self._ghost_recent: OrderedDict[Key, int] = OrderedDict()  # key -> insertion class
         self._ghost_frequent: OrderedDict[Key, None] = OrderedDict()
-        # Insertion class of blocks not yet seen again: all of cold and recent, and the
-        # blocks of a warm class that entered frequent directly.
-        self._hint: dict[Key, int] = {}
         self._inserted = [0.0] * 4  # per insertion class (HINT_* bits), decayed
         self._reused = [0.0] * 4
         self._since_decay = 0
@@ -221,7 +223,7 @@ class ARCPolicy(EvictionPolicy):
             self._inserted = [x / 2 for x in self._inserted]
             self._reused = [x / 2 for x in self._reused]
 
-    def _insert_segment(self, hint: int) -> OrderedDict[Key, None]:
+    def _insert_segment(self, hint: int) -> OrderedDict[Key, int]:
         """Where a new block of class ``hint`` goes, after counting it: ``cold`` when the
         class's measured reuse rate is below ``cold_ratio`` x the overall rate, ``frequent``
         (warm) above ``warm_ratio`` x overall and 0.5. The sums are written out, not sum():
@@ -245,39 +247,37 @@ class ARCPolicy(EvictionPolicy):
     def add(self, key: Key, hint: int = HINT_FRESH) -> None:
         hint &= 3
         if key not in self._ghost_recent and key not in self._ghost_frequent:
-            self._hint[key] = hint
-            self._insert_segment(hint)[key] = None
+            self._insert_segment(hint)[key] = hint
         elif key in self._ghost_recent:
             self.ghost_hits += 1
             self._reused[self._ghost_recent.pop(key)] += 1
             ratio = len(self._ghost_frequent) / max(1, len(self._ghost_recent))
             self.p = min(float(self.capacity), self.p + max(ratio, 1.0))
-            self._frequent[key] = None
+            self._frequent[key] = _SEEN
         else:
             self.ghost_hits += 1
             del self._ghost_frequent[key]
             ratio = len(self._ghost_recent) / max(1, len(self._ghost_frequent))
             self.p = max(0.0, self.p - max(ratio, 1.0))
-            self._frequent[key] = None
+            self._frequent[key] = _SEEN
 
     def remove(self, key: Key, evicted: bool = False) -> str:
-        if key in self._frequent:
-            del self._frequent[key]
+        hint = self._frequent.pop(key, _NOT_LISTED)
+        if hint != _NOT_LISTED:
             segment = "frequent"
-            hint = self._hint.pop(key, None)
             if not evicted:
                 return segment
-            if hint is not None:  # warm, never seen again: a recent block really
+            if hint != _SEEN:  # warm, never seen again: a recent block really
                 self._ghost_recent[key] = hint
             else:
                 self._ghost_frequent[key] = None
         else:
-            if self._cold.pop(key, _ABSENT) is _ABSENT:
-                self._recent.pop(key, None)
+            hint = self._cold.pop(key, _NOT_LISTED)
+            if hint == _NOT_LISTED:
+                hint = self._recent.pop(key, HINT_FRESH)
                 segment = "recent"
             else:
                 segment = "cold"
-            hint = self._hint.pop(key, HINT_FRESH)
             if not evicted:
                 return segment
             self._ghost_recent[key] = hint
@@ -290,22 +290,23 @@ class ARCPolicy(EvictionPolicy):
         return segment
 
     def touch(self, keys: list[Key], hit: bool) -> None:
-        cold, recent, frequent, hints = self._cold, self._recent, self._frequent, self._hint
+        cold, recent, frequent = self._cold, self._recent, self._frequent
         to_end = frequent.move_to_end
         for k in keys:
-            if k in frequent:
+            h = frequent.get(k)
+            if h is not None:
                 to_end(k)
-                if hit and k in hints:  # a warm block seen again
-                    self._reused[hints.pop(k)] += 1
+                if hit and h != _SEEN:  # a warm block seen again
+                    self._reused[h] += 1
+                    frequent[k] = _SEEN
             elif k in recent or k in cold:
                 if hit:  # seen in a second request: frequent from now on
-                    (recent if k in recent else cold).pop(k)
-                    self._reused[hints.pop(k)] += 1
-                    frequent[k] = None
+                    self._reused[(recent if k in recent else cold).pop(k)] += 1
+                    frequent[k] = _SEEN
                 else:
                     (recent if k in recent else cold).move_to_end(k)
 
-    def _lists(self) -> tuple[OrderedDict[Key, None], ...]:
+    def _lists(self) -> tuple[OrderedDict[Key, int], ...]:
         cold, recent, frequent = self._cold, self._recent, self._frequent
         if (cold or recent) and (not frequent or len(cold) + len(recent) > self.p):
             return (cold, recent, frequent)
@@ -341,9 +342,9 @@ class ARCPolicy(EvictionPolicy):
         resident = [self._cold, self._recent, self._frequent]
         total = sum(len(d) for d in resident)
         assert len(self.keys()) == total, "a key sits in two ARC lists"
-        unseen = set(self._cold) | set(self._recent)
-        assert unseen <= set(self._hint) and set(self._hint) - unseen <= set(self._frequent), (
-            "insertion classes out of step")
+        assert all(0 <= h <= 3 for d in (self._cold, self._recent) for h in d.values()), (
+            "an unseen block without its insertion class")
+        assert all(h == _SEEN or 0 <= h <= 3 for h in self._frequent.values()), "a frequent block's class out of range"
         ghosts = set(self._ghost_recent) | set(self._ghost_frequent)
         assert len(ghosts) == len(self._ghost_recent) + len(self._ghost_frequent), "a key in both ghosts"
         assert len(ghosts) <= self.ghost_limit, "ghost lists over their bound"

@@ -309,6 +309,22 @@ def test_device_pool_views_are_pages(make_store):
         assert len(kv) == 2 and kv[0][0].shape == (1, 2, 2 * BS, 8)
 
 
+def test_write_many_with_the_callers_page_bytes_copies_the_rows_asked(make_store):
+    """A put hands the device tier its pages' bytes (made once, for its checksums too):
+    rows in any order, to any slots, land exactly as the per-page path puts them."""
+    from tierkv.checksum import page_rows
+
+    store = make_store()
+    tier = store.device
+    pages = torch.randn(5, *LAYOUT.shape).to(LAYOUT.torch_dtype)
+    tier.write_many([0], pages, [0])  # the first copy makes the pool's byte view
+    assert tier._bytes_view is not None  # so the calls below take the put's path
+    for slots, rows in (([2, 0, 1], [4, 1, 3]), ([3, 1], [0, 1])):  # a gather; consecutive rows: a slice
+        tier.write_many(slots, pages, rows, page_rows(pages))
+        for s, r in zip(slots, rows):
+            assert torch.equal(tier.page(s), pages[r])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_non_contiguous_pages_and_every_dtype_round_trip(tmp_path, dtype):
     import tierkv

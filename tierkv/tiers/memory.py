@@ -161,10 +161,17 @@ class MemoryTier:
         else:
             cpu_copy(dst, page)
 
-    def write_many(self, slots: list[int], pages: torch.Tensor, rows: list[int]) -> None:
+    def write_many(self, slots: list[int], pages: torch.Tensor, rows: list[int],
+                   data: np.ndarray | None = None) -> None:
         """``write(slots[j], pages[rows[j]])`` for every j, as one copy where the pool and
-        the pages are CPU memory (a put of many small pages spent its time in per-page calls)."""
+        the pages are CPU memory (a put of many small pages spent its time in per-page calls).
+        ``data``: ``page_rows(pages)`` when the caller has it (a put, from its checksums)."""
         if not slots:
+            return
+        if data is not None and not self.encoded and self.codec.exact and self._bytes_view is not None:
+            # The put's common case, without the checks below: exact pages, CPU pool (only
+            # a CPU pool has a bytes view), and the caller's bytes of them.
+            self._copy_rows(slots, data, rows)
             return
         if self.encoded:
             # Encode only the rows written (a put's pages also go to the device exact).
@@ -179,7 +186,13 @@ class MemoryTier:
             return
         if self._bytes_view is None:
             self._bytes_view = self._pool.view(torch.uint8).numpy()  # the pool's strides (host slots are padded)
-        src = page_rows(pages).reshape(-1, *self._bytes_view.shape[1:])  # contiguous: a view
+        self._copy_rows(slots, page_rows(pages), rows)
+
+    def _copy_rows(self, slots: list[int], data: np.ndarray, rows: list[int]) -> None:
+        """Rows ``rows`` of ``data`` (pages as bytes, ``[n, page bytes]``) into ``slots`` of
+        the CPU pool, in one numpy assignment."""
+        assert self._bytes_view is not None
+        src = data.reshape(-1, *self._bytes_view.shape[1:])  # contiguous: a view
         # A put's rows are consecutive: a slice, not a gather.
         consecutive = rows[-1] - rows[0] == len(rows) - 1 and (len(rows) < 3 or rows == list(range(rows[0], rows[-1] + 1)))
         self._bytes_view[np.asarray(slots)] = src[rows[0] : rows[-1] + 1] if consecutive else src[np.asarray(rows)]
