@@ -257,6 +257,22 @@ class ChainMemo:
                 _, dropped = self._chains.popitem(last=False)
                 self._bytes -= sum(len(r) for r, _ in dropped)
 
+    def chain_keys(self, arr: np.ndarray, seed: bytes, block_size: int, n: int,
+                   block_extra: Sequence[Sequence[str | bytes]] | None = None) -> list[bytes]:
+        """The keys of blocks ``0 .. n-1`` of ``arr`` (from :func:`as_token_array`) under
+        ``seed``: those a remembered chain proves (:meth:`proven`), the rest hashed and then
+        remembered, so that the next call on this prefix hashes none of it. With block
+        extras nothing is proved or remembered: all are hashed."""
+        step = 4 * block_size
+        raw = arr.data.cast("B")  # a view of the caller's array, not a copy
+        known = self.proven(seed, raw, step, n) if block_extra is None else ()
+        keys = list(known)
+        keys.extend(iter_block_keys(arr[: n * block_size], seed, block_size, block_extra, start=len(keys),
+                                    parent=keys[-1] if keys else None, raw=memoryview(raw)[: n * step]))
+        if block_extra is None and len(keys) > len(known):
+            self.remember(seed, raw, step, keys)
+        return keys
+
     def proven(self, seed: bytes, raw: bytes | memoryview, step: int, n: int) -> tuple[bytes, ...]:
         """The first ``k <= n`` keys of ``raw`` under ``seed`` (``step``: bytes per block;
         ``raw``: bytes or a byte view) that a remembered chain proves; empty when none

@@ -17,7 +17,7 @@ import torch
 from .blocks import Block, Priority
 from .checksum import page_rows, row_checksums
 from .errors import PageFormatError
-from .identity import Scope, as_token_array, iter_block_keys, same_bytes
+from .identity import Scope, as_token_array, same_bytes
 from .placement import Placement
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
 from .priority import EPHEMERAL, PINNED
@@ -89,14 +89,7 @@ class Ingest:
         # Keys this store computed before from these very token bytes (the lookup before
         # this put, an earlier request on the same prefix) are reused: tierkv.identity.
         # ChainMemo proves each by byte equality; only the rest is hashed.
-        memo = self.placement.chain_memo
-        known = memo.proven(scope.seed, raw, step, start_block + n) if block_extra is None else ()
-        keys = list(known)
-        keys.extend(iter_block_keys(arr[: (start_block + n) * bs], scope.seed, bs, block_extra,
-                                    start=len(keys), parent=keys[-1] if keys else None,
-                                    raw=memoryview(raw)[: (start_block + n) * step]))
-        if block_extra is None and len(keys) > len(known):
-            memo.remember(scope.seed, raw, step, keys)  # the next request on this prefix hashes none of it
+        keys = self.placement.chain_memo.chain_keys(arr, scope.seed, bs, start_block + n, block_extra)
         durable_wanted = priority == PINNED or (self.config.write_through and priority != EPHEMERAL)
         new: list[Block] = []
         row_of: dict[bytes, int] = {}

@@ -255,6 +255,14 @@ class Store(StoreAPI):
         return self.ingest.put(tokens, pages, scope, start_block=start_block, block_extra=block_extra,
                                priority=priority)
 
+    def block_keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, n_blocks: int | None = None,
+                   block_extra: Sequence[Sequence[str | bytes]] | None = None) -> list[bytes]:
+        """:func:`tierkv.identity.block_keys` of the first ``n_blocks`` (default: all), from the
+        chain memo where it proves them: a prompt just looked up or stored is not hashed again."""
+        arr, bs = as_token_array(tokens), self.layout.block_size
+        n = len(arr) // bs if n_blocks is None else max(0, min(n_blocks, len(arr) // bs))
+        return self.placement.chain_memo.chain_keys(arr, scope.seed, bs, n, block_extra)
+
     # ---- operations (tierkv.operations) ---------------------------------------------------
     def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
         self._check_usable()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import tierkv.ingest
+import tierkv.identity
 from tierkv import Scope
 from tierkv.identity import ChainMemo, as_token_array, block_keys, same_bytes
 
@@ -45,22 +45,25 @@ def test_put_after_acquire_hashes_only_new_blocks_and_keys_are_exact(make_store,
     shared = toks(10, 2)
     first, second = shared + toks(11, 2), shared + toks(12, 2)
     store.put(first, pages_for(first, SCOPE), SCOPE)
+    third = toks(13, 3)
+    # Expected keys and pages made before hashing is counted (the helpers hash too).
+    want, third_keys = keys_of(second), keys_of(third)
+    second_pages, third_pages = pages_for(second, SCOPE), pages_for(third, SCOPE)
     hashed = []
-    monkeypatch.setattr(tierkv.ingest, "iter_block_keys", counting_keys(tierkv.ingest.iter_block_keys, hashed))
+    # The put's keys come from ChainMemo.chain_keys (tierkv/identity.py), which hashes the rest.
+    monkeypatch.setattr(tierkv.identity, "iter_block_keys", counting_keys(tierkv.identity.iter_block_keys, hashed))
     with store.acquire(second, SCOPE) as lease:
         hits = lease.num_blocks
     assert hits == 2
-    store.put(second, pages_for(second, SCOPE)[hits:], SCOPE, start_block=hits)
-    want = keys_of(second)
+    store.put(second, second_pages[hits:], SCOPE, start_block=hits)
     # The lookup proved blocks 0-1 from the memo and hashed block 2, its first miss, which it
     # does not remember (tierkv/placement.py, match): the put hashes its new blocks, no more.
     assert hashed == want[2:]
     assert store.lookup(second, SCOPE).keys == tuple(want)
     # A put of other tokens after that lookup: nothing is reused, keys still exact.
     hashed.clear()
-    third = toks(13, 3)
-    store.put(third, pages_for(third, SCOPE), SCOPE)
-    assert hashed == keys_of(third)
+    store.put(third, third_pages, SCOPE)
+    assert hashed == third_keys
     assert store.lookup(third, SCOPE).keys == tuple(keys_of(third))
     with store.acquire(second, SCOPE) as lease:
         assert lease.num_blocks == 4 and torch.equal(lease.pages(), pages_for(second, SCOPE))
@@ -164,3 +167,22 @@ def test_a_stored_block_keeps_its_own_token_ids_when_the_callers_array_changes(m
         assert lease.num_blocks == 3 and torch.equal(lease.pages(), pages_for(tokens, SCOPE))
     assert store.lookup(arr, SCOPE).num_blocks == 0
     store.check_integrity()
+
+
+def test_store_block_keys_are_exact_and_reuse_what_a_put_hashed(make_store, monkeypatch):
+    """``Store.block_keys`` (the cluster publisher's keys after a put): the keys identity
+    gives, any prefix of them, with or without block extras, and none hashed again for a
+    prompt the store just stored."""
+    store = make_store()
+    prompt = toks(40, 3)
+    want, pages = keys_of(prompt), pages_for(prompt, SCOPE)
+    extra = [["img-a"], ["img-b"], []]
+    want_extra = block_keys(prompt, SCOPE, BS, extra)
+    store.put(prompt, pages, SCOPE)
+    hashed = []
+    monkeypatch.setattr(tierkv.identity, "iter_block_keys", counting_keys(tierkv.identity.iter_block_keys, hashed))
+    assert store.block_keys(prompt, SCOPE) == want
+    assert store.block_keys(prompt, SCOPE, 2) == want[:2]
+    assert hashed == []  # all from the chain memo
+    assert store.block_keys(prompt, SCOPE, block_extra=extra) == want_extra  # extras: hashed, never proved
+    assert hashed == want_extra

@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-import tierkv.ingest
+import tierkv.identity
 import tierkv.placement
 from tierkv import Scope
 from tierkv.index import BlockRecord
@@ -193,7 +193,7 @@ def _colliding_keys(tokens, seed, block_size, block_extra=None, start=0, parent=
 
 def test_forced_key_collision_is_a_miss(make_store, monkeypatch):
     monkeypatch.setattr(tierkv.placement, "iter_block_keys", _colliding_keys)  # lookup, acquire
-    monkeypatch.setattr(tierkv.ingest, "iter_block_keys", _colliding_keys)  # put
+    monkeypatch.setattr(tierkv.identity, "iter_block_keys", _colliding_keys)  # put (ChainMemo.chain_keys)
     store = make_store()
     a, b = toks(330, 2), toks(331, 2)
     zeros = torch.zeros((2, *LAYOUT.shape))

@@ -32,7 +32,7 @@ import torch
 from ..api import StoreAPI
 from ..blocks import Priority
 from ..errors import TierKVError
-from ..identity import Scope, as_token_array, block_keys, iter_block_keys
+from ..identity import Scope, as_token_array
 from ..results import (
     ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
 )
@@ -89,7 +89,8 @@ class ClusterNode(StoreAPI):
         remote = self._remote_for(scope)
         if remote is None:
             return local
-        rest = block_keys(arr, scope, self.layout.block_size, block_extra)[local.num_blocks :]
+        # The store's keys of the prompt: those its lookup just computed are not hashed again.
+        rest = self.store.block_keys(arr, scope, block_extra=block_extra)[local.num_blocks :]
         n = _leading(remote.exists(rest))
         if not n:
             return local
@@ -108,7 +109,7 @@ class ClusterNode(StoreAPI):
         if remote is None:
             return PullResult(n_local, 0, 0, time.perf_counter() - t0)
         bs = self.layout.block_size
-        keys = list(iter_block_keys(arr, scope.seed, bs, block_extra))
+        keys = self.store.block_keys(arr, scope, block_extra=block_extra)  # remembered: the put below hashes none
         limit = len(keys) if max_blocks is None else min(len(keys), max_blocks)
         rest = keys[n_local:limit]
         n = _leading(remote.exists(rest))

@@ -22,7 +22,7 @@ from ..blocks import Priority
 from ..checksum import page_checksum
 from ..errors import TierKVError
 from ..eviction import EvictedBlock
-from ..identity import Scope, as_token_array, block_keys
+from ..identity import Scope, as_token_array
 from ..store import Store
 from .publish import Event, PublishPolicy
 from .remote import RemoteMeta, RemotePutResult, RemoteTier
@@ -57,9 +57,8 @@ class Publisher:
         if not self.policy.wants(Event.PUT, scope.namespace, priority):
             return _NONE
         arr = as_token_array(tokens)
-        n = int(pages.shape[0])
-        bs = self.layout.block_size
-        keys = block_keys(arr[: (start_block + n) * bs], scope, bs, block_extra)
+        # The keys the put just computed, from the store's chain memo: not hashed again.
+        keys = self.store.block_keys(arr, scope, start_block + int(pages.shape[0]), block_extra)
         return self.publish(arr, keys, scope, start_block, pages)
 
     def publish_manifest(self, name: str, manifest: dict) -> RemotePutResult:
@@ -77,7 +76,7 @@ class Publisher:
         pinned = bool(manifest.get("pinned")) and self.policy.wants(Event.PINNED, ns)
         if not (self.policy.wants(Event.MATERIALISED, ns) or pinned):
             return _NONE
-        keys = block_keys(tokens, scope, self.layout.block_size)
+        keys = self.store.block_keys(tokens, scope)  # remembered: publish_prefix below hashes none
         if not keys or keys[-1].hex() != last:
             log.warning("prefix %r not published: its chain is incomplete on this node", name)
             return _NONE
@@ -96,7 +95,7 @@ class Publisher:
         if scope.namespace in self.policy.local_only_namespaces:
             return _NONE
         arr = as_token_array(tokens)
-        keys = block_keys(arr, scope, self.layout.block_size, block_extra)
+        keys = self.store.block_keys(arr, scope, block_extra=block_extra)
         published = skipped = failed = start = 0
         while start < len(keys):
             with self.store.acquire(arr, scope, block_extra, max_blocks=window, start_block=start) as lease:
