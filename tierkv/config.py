@@ -56,17 +56,18 @@ class StoreConfig:
     odirect: bool = True
     # Disk tier reads: O_DIRECT (where the file system accepts it), or buffered (page cache
     # and kernel readahead; each run dropped from the cache once read, so the memory tiers
-    # stay the only copy). On the virtio disk of docs/performance.md plain sequential reads
+    # stay the only copy). On the virtio disk of docs/performance-history.md plain sequential reads
     # were 1.2-1.3x faster buffered, but a restore was not (0.87-1.03x, more variable).
     direct_reads: bool = True
     fsync: bool = True
     prefetch_workers: int = 2
-    # Fault the shared-memory tiers in on a background thread after open (never at open).
-    # Worth it where the process has idle time before its first requests: the daemon, opened
-    # ahead of its clients, turns it on. Off (the default): pages fault in on first use, and
-    # nothing competes with the first requests; in a vLLM engine with an embedded store on
-    # 2 cores, populating 768 MiB right after start made the first hit after a restart
-    # 196-228 ms instead of 87-97 ms (docs/performance.md).
+    # Fault the whole shared-memory tiers in on a background thread after open (never at
+    # open). Worth it where the process has idle time before its first requests: the daemon,
+    # opened ahead of its clients, turns it on. Off (the default): nothing is faulted in at
+    # open, so nothing competes with the first requests (in a vLLM engine with an embedded
+    # store on 2 cores, populating 768 MiB right after start made the first hit after a
+    # restart 196-228 ms instead of 87-97 ms, docs/performance-history.md); once a tier is
+    # used, the same thread faults it in only 64 MiB ahead of its use (tiers/memory.py).
     populate_memory: bool = False
     eviction_policy: str = DEFAULT_POLICY  # tierkv/policy.py: "arc" (adaptive) or "lru"
     # tierkv/codec.py: how the host and disk tiers store pages, "none" (exact) or "int8";

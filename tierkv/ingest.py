@@ -8,7 +8,9 @@ A crash before the commit leaves slots nothing points to, reclaimed at the next 
 """
 from __future__ import annotations
 
+import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -18,6 +20,7 @@ from .blocks import Block, Priority
 from .checksum import page_rows, row_checksums
 from .errors import PageFormatError
 from .identity import Scope, as_token_array, same_bytes
+from .index import BlockRecord
 from .placement import Placement
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
 from .priority import EPHEMERAL, PINNED
@@ -25,7 +28,10 @@ from .results import PutResult
 from .tiers import TierName
 from .tiers.base import TIER_KEY
 
+log = logging.getLogger(__name__)
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
+# A put's pages of at least this many bytes are checksummed beside their disk write.
+OVERLAP_CHECKSUM_BYTES = 1 << 20
 
 
 class _PagesByKey(Mapping[bytes, torch.Tensor]):
@@ -55,6 +61,12 @@ class Ingest:
         self._lock = placement.lock
         self._io_lock = threading.Lock()  # serialises a put's disk writes (one fsync stream)
         self._writing: set[bytes] = set()  # keys a put has claimed and not yet entered or abandoned
+        # Hashes a large put's pages while they are written (xxhash drops the GIL).
+        self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-put-checksum")
+
+    def close(self) -> None:
+        """Wait for the checksum thread (after the last put has returned)."""
+        self._checksummer.shutdown(wait=True)
 
     def check_integrity(self) -> None:
         """(held: the lock) A key is claimed by a put only while it is not in the table:
@@ -95,6 +107,8 @@ class Ingest:
         row_of: dict[bytes, int] = {}
         page_of = _PagesByKey(pages, row_of)  # a view per block only when one is needed
         disk_plan: list[tuple[int, Block]] = []
+        reserved: list[int] = []  # device slots taken for ``new`` (in its order) before the write
+        copying: Future[None] | None = None
         with self._lock:
             get = self.table.blocks.get  # = table.get, bound once: called for every block
             # The eviction policy's insertion class (tierkv/policy.py): did the request find
@@ -136,35 +150,70 @@ class Ingest:
                         if loc is None:
                             break  # disk full of pinned/leased blocks: the rest stays in memory
                         disk_plan.append((loc, b))
+                # A whole batch bound for disk whose device slots are free now: the slots are
+                # taken here and filled by a helper thread while the disk is written, so the
+                # copy is off the put's path (it was an eighth of a large put's time). No
+                # block points at them until the put enters its blocks; an abort frees them.
+                if new and len(disk_plan) == len(new) and self.disk.codec.exact:
+                    reserved = self.placement.device.reserve(len(new))
             except BaseException:
                 self._abort_put(new, disk_plan)
                 raise
         try:
-            # Checksums first, in one pass over the batch: the slot records written with the
-            # pages carry them, so there is nothing to overlap them with (a thread-pool job
-            # per block cost more than the hashing of small pages).
             # With a page codec the checksum covers the stored (encoded) form (tierkv/codec.py).
             stored = self.disk.codec.to_stored(pages) if new else pages  # nothing to encode for a repeat
             # The pages as bytes, once: for the checksums, and (exact pages) the memory copy.
             stored_rows = page_rows(stored) if new else None
-            # row_of: the new blocks' keys and page rows, in the order of ``new``
+            # row_of: the new blocks' keys and page rows, in the order of ``new``. A large
+            # batch bound for disk is hashed on a helper thread while its pages are written
+            # (its slot records, which carry the checksums, are written after the pages);
+            # a small one in line (a thread-pool job cost more than hashing a small page).
+            sums: Future[list[int]] | None = None
             if stored_rows is not None:
-                for b, s in zip(new, row_checksums(list(row_of), stored_rows, list(row_of.values()))):
-                    b.checksum = s
+                if disk_plan and stored_rows.nbytes >= OVERLAP_CHECKSUM_BYTES:
+                    sums = self._checksummer.submit(row_checksums, list(row_of), stored_rows, list(row_of.values()))
+                else:
+                    for b, s in zip(new, row_checksums(list(row_of), stored_rows, list(row_of.values()))):
+                        b.checksum = s
+            if reserved:
+                copying = self._checksummer.submit(self.placement.device.write_many, reserved, pages,
+                                                   list(row_of.values()), stored_rows if stored is pages else None)
+            elif disk_plan:
+                # The device slots these pages will take are faulted in by the tier's helper
+                # thread while the disk is written (fresh memory: tierkv/tiers/memory.py).
+                self.placement.device.expect(len(new))
             if disk_plan:
                 items = [(loc, stored[row_of[b.key]].detach().cpu()) for loc, b in disk_plan]
+                records: list[BlockRecord] = []
+
+                def slot_bodies() -> list[bytes]:
+                    """The slot records, once the checksums are known (after the pages)."""
+                    if sums is not None:
+                        for b, s in zip(new, sums.result()):
+                            b.checksum = s
+                    records.extend(self.placement.record(b, loc) for loc, b in disk_plan)
+                    return [r.slot_body() for r in records]
+
                 # Order matters: pages and their slot records written and fsynced, then the
                 # index commit, then we ack. A slot record carries the checksum, so it waits.
                 with self._io_lock:
-                    records = [self.placement.record(b, loc) for loc, b in disk_plan]
-                    self.disk.write_pages(items, [r.slot_body() for r in records])
+                    self.disk.write_pages(items, slot_bodies)
                     self.index.put_blocks(records)
         except BaseException:
+            if copying is not None:
+                wait([copying])  # nothing may write a reserved slot once it is freed
             with self._lock:
-                self._abort_put(new, disk_plan)
+                self._abort_put(new, disk_plan, reserved)
             raise
+        if copying is not None and copying.exception() is not None:
+            # The pages are durable; only their copy in memory failed: placed as usual.
+            log.error("copying a put's pages into the device tier failed: %s", copying.exception())
+            with self._lock:
+                self._abort_put([], [], reserved)
+            reserved = []
         with self._lock:
-            self._place_new(keys, new, disk_plan, page_of, pages, row_of, stored_rows if stored is pages else None)
+            self._place_new(keys, new, disk_plan, page_of, pages, row_of, stored_rows if stored is pages else None,
+                            reserved)
             self.stats_counters.puts += 1
             self.stats_counters.blocks_stored += len(new)
             get = self.table.blocks.get
@@ -173,10 +222,13 @@ class Ingest:
                 (blk := get(k)) is not None and TIER_KEY[DISK] in blk.loc for k in keys[start_block:]))
         return PutResult(stored=len(new), skipped=n - len(new), durable=all_durable)
 
-    def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]]) -> None:
-        """Undo a failed put (held: the lock): its disk slots and its claim on the keys."""
+    def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]], reserved: Sequence[int] = ()) -> None:
+        """Undo a failed put (held: the lock): its disk slots, its reserved device slots (no
+        copy into them may be running) and its claim on the keys."""
         for loc, _ in disk_plan:
             self.disk.free(loc)
+        for slot in reserved:
+            self.placement.device.slots.free(slot)
         self._writing.difference_update(b.key for b in new)
 
     def _unplace_new(self, new: list[Block]) -> None:
@@ -195,9 +247,10 @@ class Ingest:
 
     def _place_new(self, keys: list[bytes], new: list[Block], disk_plan: list[tuple[int, Block]],
                    page_of: Mapping[bytes, torch.Tensor], pages: torch.Tensor, row_of: dict[bytes, int],
-                   page_bytes: np.ndarray | None) -> None:
+                   page_bytes: np.ndarray | None, reserved: list[int]) -> None:
         """Enter a put's blocks in the table and copy them into memory (held: the lock).
-        ``page_bytes``: ``page_rows(pages)``, when the put made it for its checksums.
+        ``page_bytes``: ``page_rows(pages)``, when the put made it for its checksums;
+        ``reserved``: device slots already holding the pages of ``new`` (in its order).
 
         The request's whole chain is held busy meanwhile, so that making room evicts other
         blocks, never this prefix; once the device tier has no room left, the rest of the
@@ -211,7 +264,11 @@ class Ingest:
         try:
             self.table.hold(chain)  # = placement.held(chain), without a context manager per put
             try:
-                if not disk_plan and self.placement.drops_only(DEVICE):
+                if reserved:
+                    place = self.table.place
+                    for b, slot in zip(new, reserved):
+                        place(b, DEVICE, slot)
+                elif not disk_plan and self.placement.drops_only(DEVICE):
                     # One memory tier, nothing below it: place and evict in one loop.
                     placed = self.placement.place_new_dropping(new, DEVICE)
                     self.placement.device.write_many(placed, pages, list(row_of.values())[: len(placed)], page_bytes)

@@ -113,8 +113,9 @@ class Store(StoreAPI):
             for part in ("device", "host", "disk", "index"):
                 if hasattr(self, part):
                     getattr(self, part).close()
-            if hasattr(self, "promotion"):
-                self.promotion.close()
+            for worker in ("promotion", "ingest"):
+                if hasattr(self, worker):
+                    getattr(self, worker).close()
             self._home_lock.release()
             raise
         log.info(
@@ -333,6 +334,7 @@ class Store(StoreAPI):
         try:
             self._executor.shutdown(wait=True)
             self.promotion.close()
+            self.ingest.close()
             with self._lock:
                 self._closed = True
                 if not self.config.write_through:

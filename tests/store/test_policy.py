@@ -303,7 +303,7 @@ def test_replay_ab_script_replays_two_trees_in_lockstep(tmp_path, capsys):
     assert spec.loader is not None
     spec.loader.exec_module(mod)
     # --no-compile-base: compiling the base with mypyc takes a minute or more (used by hand,
-    # docs/performance.md); the lockstep and its checks are the same either way.
+    # docs/performance-history.md); the lockstep and its checks are the same either way.
     rc = mod.main([str(_small_trace(tmp_path)), "--limit", "60", "--capacity", "100", "--repeat", "2", "--json",
                    "--no-compile-base"])
     assert rc == 0

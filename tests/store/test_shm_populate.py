@@ -94,15 +94,19 @@ def test_regions_populate_one_chunk_at_a_time(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("populate", [False, True])
-def test_a_store_populates_its_memory_tiers_only_when_asked(tmp_path, populate):
+def test_a_store_populates_its_memory_tiers_only_when_asked_or_just_ahead_of_use(tmp_path, populate):
     """``populate_memory`` (the daemon sets it) faults the device and host tiers in behind
-    the open; by default nothing does, and the pages fault in on first use: an engine
-    that opens its store and serves at once must not share its cores with a populator."""
+    the open. By default nothing is faulted in at open (an engine that opens its store and
+    serves at once must not share its cores with a populator of its whole pool); once a tier
+    is used, it is faulted in at most POPULATE_AHEAD_BYTES beyond its highest slot in use,
+    on the region's helper thread, and the pages written read back."""
     import tierkv
     from tierkv import PageLayout, Scope
+    from tierkv.tiers.memory import POPULATE_AHEAD_BYTES
 
-    layout = PageLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float32")  # 8 KiB pages
-    store = tierkv.open(tmp_path / "home", layout, device="cpu", device_bytes=8 << 20, host_bytes=8 << 20,
+    layout = PageLayout(num_layers=1, num_kv_heads=4, head_dim=128, block_size=16, dtype="float32")  # 64 KiB pages
+    pool = 4 * POPULATE_AHEAD_BYTES
+    store = tierkv.open(tmp_path / "home", layout, device="cpu", device_bytes=pool, host_bytes=8 << 20,
                         disk_bytes=0, shm_dir=tmp_path, populate_memory=populate)
     try:
         regions = [store.device.region, store.host.region]
@@ -112,15 +116,74 @@ def test_a_store_populates_its_memory_tiers_only_when_asked(tmp_path, populate):
                 r._populator.join(timeout=30)
         resident = [_rss_kib(r.path.name) for r in regions]
         if populate:
-            assert all(kib >= (8 << 20) // 1024 * 0.95 for kib in resident), resident
+            assert resident[0] >= pool // 1024 * 0.95, resident
+            assert resident[1] >= (8 << 20) // 1024 * 0.95, resident
         else:
-            assert all(kib < 256 for kib in resident), resident  # untouched: sparse
-            # First use faults in what it writes, and the pages read back.
+            assert all(kib < 256 for kib in resident), resident  # untouched at open: sparse
             toks = list(range(4 * 16))
             pages = torch.rand((4, *layout.shape))
             store.put(toks, pages, Scope("ab" * 32))
+            device = store.device.region
+            if device._populator is not None:
+                device._populator.join(timeout=30)
+            used = 4 * layout.page_bytes
+            kib = _rss_kib(device.path.name)
+            # Faulted in ahead of use (a madvise-less libc faults only what was written) ...
+            if shm_madvise_available():
+                assert kib >= (used + POPULATE_AHEAD_BYTES) // 1024 * 0.95, kib
+            # ... and never the whole pool (4 MiB of slack: the kernel may map a little
+            # around what it was asked to).
+            assert kib <= (used + POPULATE_AHEAD_BYTES + (4 << 20)) // 1024, kib
             with store.acquire(toks, Scope("ab" * 32)) as lease:
                 assert torch.equal(lease.pages(), pages)
         store.check_integrity()
     finally:
         store.close()
+
+
+def shm_madvise_available() -> bool:
+    from tierkv.tiers import shm
+
+    return shm._madvise() is not None
+
+
+def test_raising_the_populate_end_never_waits_for_a_chunk_but_lowering_does(tmp_path, monkeypatch):
+    """A tier's use growing raises its region's populate end on the put path (held: the
+    store lock): that must not wait for the populator's chunk in flight. Lowering the end
+    (a smaller budget, then a discard) must wait for it, so that nothing is faulted in
+    beyond the new end afterwards."""
+    import threading
+
+    from tierkv.tiers import shm
+
+    if shm._madvise() is None:
+        pytest.skip("no madvise in this libc: regions fault in on use, there is no populator")
+    entered, release = threading.Event(), threading.Event()
+    calls: list[tuple[int, int]] = []
+
+    def blocking(addr, n, advice):
+        calls.append((addr, n))
+        entered.set()
+        release.wait(30)
+        return 0
+
+    monkeypatch.setattr(shm, "_madvise", lambda: blocking)
+    region = SharedRegion.create(tmp_path, "tierkv-device", 16 << 20, populate_bytes=4 << 20)
+    try:
+        assert entered.wait(10), "the populator did not start"
+        t0 = time.perf_counter()
+        region.set_populate_end(12 << 20)  # raised while a chunk is in flight
+        assert time.perf_counter() - t0 < 1.0
+        lowered = threading.Thread(target=region.set_populate_end, args=(2 << 20,))
+        lowered.start()
+        lowered.join(0.3)
+        assert lowered.is_alive(), "lowering the end returned while a chunk was in flight"
+        release.set()
+        lowered.join(10)
+        assert not lowered.is_alive()
+        region._populator.join(10)
+        start = region.bytes.data_ptr()
+        assert all(addr - start + n <= 2 << 20 for addr, n in calls), calls  # nothing past the lowered end
+    finally:
+        release.set()
+        region.close()

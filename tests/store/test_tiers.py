@@ -426,3 +426,115 @@ def test_disk_reads_leave_no_copy_in_the_page_cache(make_store, home, direct_rea
     for loc in locs:
         seg, _, off = store.disk._offset(loc)
         assert _cached_pages(seg.path, off, store.disk.slot_bytes) == 0
+
+
+def test_slot_allocator_reports_each_new_high_mark_once():
+    """``on_new_high`` (a memory tier faults its pages in ahead of it) fires for each slot
+    above every slot handed out before, whichever call hands it out, and never again for a
+    slot reused below the mark."""
+    seen: list[int] = []
+    a = SlotAllocator(6, on_new_high=seen.append)
+    assert [a.alloc(), a.alloc()] == [0, 1] and seen == [0, 1]
+    a.free(0)
+    assert a.alloc() == 0 and seen == [0, 1]  # reused below the mark
+    a.claim(4)
+    assert seen == [0, 1, 4] and a.high == 5
+    assert a.alloc() == 2 and seen == [0, 1, 4]  # below the mark set by the claim
+    a.set_limit(6)
+    assert a.alloc_below_limit() == 3 and a.alloc() == 5 and seen == [0, 1, 4, 5]
+    a.check_integrity()
+
+
+def test_read_many_reads_runs_in_flight_and_fails_only_after_every_read_has_ended(tmp_path, monkeypatch):
+    """read_many keeps READ_DEPTH runs in flight: every page lands in its buffer and each
+    run is reported once; when one run's read fails, the error is raised only after the
+    other reads have ended, so no buffer is written once the caller falls back to reading
+    page by page."""
+    import mmap
+    import threading
+    import time as _time
+
+    from tierkv.tiers import disk as disk_mod
+    from tierkv.tiers import disk_reads
+    from tierkv.tiers.disk import DiskTier
+
+    monkeypatch.setattr(disk_mod, "RUN_BYTES", 2 * SLOT)  # two slots a run: several runs
+    tier = DiskTier(tmp_path / "d", LAYOUT, capacity_bytes=64 * SLOT, segment_pages=16, fsync=False)
+    try:
+        locs = [tier.alloc(SCOPE.model_version) for _ in range(10)]
+        pages = [torch.randn(LAYOUT.shape) for _ in locs]
+        tier.write_pages(list(zip(locs, pages)))
+        bufs = [mmap.mmap(-1, SLOT) for _ in locs]
+        reported: list[int] = []
+        lock = threading.Lock()
+
+        def on_run(run: list[int]) -> None:
+            with lock:
+                reported.extend(run)
+
+        tier.read_many([(loc, memoryview(b)) for loc, b in zip(locs, bufs)], on_run)
+        assert sorted(reported) == list(range(len(locs)))
+        for b, page in zip(bufs, pages):
+            got = torch.frombuffer(bytearray(b[:PAGE]), dtype=LAYOUT.torch_dtype).view(LAYOUT.shape)
+            assert torch.equal(got, page)
+
+        # One run fails at once; another is still reading when it does.
+        real = os.preadv
+        ended: list[float] = []
+
+        def preadv(fd, bufs_, off):
+            if off == tier._offset(locs[0])[2]:
+                raise OSError(5, "EIO")
+            _time.sleep(0.05)
+            n = real(fd, bufs_, off)
+            ended.append(_time.monotonic())
+            return n
+
+        monkeypatch.setattr(disk_reads.os, "preadv", preadv)
+        with pytest.raises(OSError):
+            tier.read_many([(loc, memoryview(b)) for loc, b in zip(locs, bufs)])
+        raised = _time.monotonic()
+        assert ended and max(ended) <= raised
+    finally:
+        tier.close()
+
+
+def test_a_put_copies_into_reserved_device_slots_beside_its_disk_write_and_frees_them_if_it_fails(make_store):
+    """A write-through put whose device tier has room takes its device slots before the
+    disk write and fills them on a helper thread meanwhile (tierkv/ingest.py). The pages
+    read back exactly; when the disk write fails, the put leaves no slot taken and no
+    block behind, and the next put (the disk degraded) still stores in memory."""
+    from unittest import mock
+
+    from tierkv.errors import DiskWriteError
+    from tierkv.tiers.disk import DiskTier
+
+    store = make_store(device_bytes=64 * PAGE, host_bytes=0, disk_bytes=64 * SLOT)
+    tokens = toks(41, 24)
+    pages = pages_for(tokens)
+    reserved: list[list[int]] = []
+    real_reserve = type(store.device).reserve
+
+    def spy(tier, n):
+        got = real_reserve(tier, n)
+        reserved.append(got)
+        return got
+
+    with mock.patch.object(type(store.device), "reserve", spy):
+        assert store.put(tokens, pages, SCOPE).durable
+    assert reserved == [list(range(24))]
+    assert list(store.lookup(tokens, SCOPE).tiers) == ["device"] * 24
+    with store.acquire(tokens, SCOPE) as lease:
+        assert list(lease.slots) == list(range(24)) and torch.equal(lease.pages(), pages)
+    store.check_integrity()
+
+    more = toks(42, 8)
+    with mock.patch.object(DiskTier, "_write_pages", side_effect=OSError(28, "ENOSPC")):
+        with pytest.raises(DiskWriteError):
+            store.put(more, pages_for(more), SCOPE)
+    store.check_integrity()  # the device slots the failed put reserved are free again
+    assert store.device.slots.num_used == 24 and store.lookup(more, SCOPE).tokens_matched == 0
+    r = store.put(more, pages_for(more), SCOPE)  # degraded disk: kept in memory
+    assert r.stored == 8 and not r.durable
+    with store.acquire(more, SCOPE) as lease:
+        assert torch.equal(lease.pages(), pages_for(more))

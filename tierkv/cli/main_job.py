@@ -78,7 +78,7 @@ def page_codec_option(f: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--page-codec", type=click.Choice(CODECS), default=None,
         help="How a new home stores pages in its host and disk tiers: none (exact, the default) or int8 "
-             "(about half of bfloat16's bytes, lossy: docs/performance.md). A home keeps the codec it was "
+             "(about half of bfloat16's bytes, lossy: docs/performance-history.md). A home keeps the codec it was "
              "created with; naming another is an error. Not with --socket (the daemon's --page-codec).")(f)
 
 

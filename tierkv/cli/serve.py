@@ -46,7 +46,7 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
               help="Victim order of every tier: arc (adaptive, default) or lru (see docs/architecture.md).")
 @click.option("--page-codec", type=click.Choice(CODECS), default=None,
               help="How new homes store pages in the host and disk tiers: none (exact, default) or int8 (about half "
-                   "of bfloat16's bytes, lossy: docs/performance.md). A home keeps the codec it was created with.")
+                   "of bfloat16's bytes, lossy: docs/performance-history.md). A home keeps the codec it was created with.")
 @click.option("--staging-bytes", default=None, help="Shared staging region for pages clients put.")
 @click.option("--lease-timeout", "lease_timeout_s", type=float, default=None,
               help="Seconds a lease may go without renew before the daemon releases it (default 600).")

@@ -28,6 +28,7 @@ from ..errors import InvalidTokensError, PageFormatError
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout, kv_buffer, pack_pages, split_layers
 from ..lease_windows import LeaseWindows
+from ..tiers.shm import populate
 from .config import layout_from_model
 
 from ..blocks import Priority
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 DEFAULT_CHUNK_TOKENS = 2048
 # Blocks leased per restore window, and windows leased ahead of the copy: a window large
 # enough that its reads are a few large requests, small enough that the copy left after the
-# last read is short (scripts/bench_ttft.py; docs/performance.md).
+# last read is short (scripts/bench_ttft.py; docs/performance-history.md).
 RESTORE_WINDOW_BLOCKS = 32
 RESTORE_WINDOWS_AHEAD = 3
 Progress = Callable[[int, int], None]
@@ -154,6 +155,10 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
         # copies without the GIL), so the faults and the copy of a prefix already in memory
         # take both cores.
         kv = kv_buffer(layout, want, torch.device(model.device), huge_pages=False)
+        # The buffer is fresh memory: its pages are faulted in by the helper while the first
+        # windows are read, in a kernel call per chunk, at about half the cost of the copies
+        # faulting them in one touch at a time (scripts/ab.py --bench restore).
+        faulted = helper.submit(populate, kv)
         for lease in windows:
             try:  # the lease is released only after the copy: its pages stay put until then
                 if lease.layout != layout:

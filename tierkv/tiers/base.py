@@ -36,14 +36,21 @@ class SlotAllocator:
     is mapped at the whole budget and used up to its limit). Slots above a lowered limit stay
     used until freed; ``on_release_above(slot)`` is then called, so the tier can give the
     slot's memory back.
+
+    ``on_new_high(slot)`` is called when a slot above every slot handed out before is
+    handed out (lowest first, so that is how far the tier's use has grown): the tier
+    faults its memory in a little ahead of that mark (tierkv/tiers/memory.py).
     """
 
-    def __init__(self, capacity: int, on_release_above: Callable[[int], None] | None = None) -> None:
+    def __init__(self, capacity: int, on_release_above: Callable[[int], None] | None = None,
+                 on_new_high: Callable[[int], None] | None = None) -> None:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self.capacity = capacity
         self.limit = capacity
         self.on_release_above = on_release_above
+        self.on_new_high = on_new_high
+        self.high = 0  # one past the highest slot ever handed out
         # A min-heap: alloc pops the lowest free slot, free pushes one back, each O(log n).
         # (A list kept sorted was re-sorted by free() whenever a freed slot was higher than
         # the lowest free one: O(n) per free, and a daemon's commit freeing 256 of 500,000
@@ -80,6 +87,8 @@ class SlotAllocator:
             return None
         slot = heapq.heappop(self._free)
         self._used.add(slot)
+        if slot >= self.high:
+            self._new_high(slot)
         return slot
 
     def alloc(self) -> int | None:
@@ -90,7 +99,14 @@ class SlotAllocator:
             return None
         slot = heapq.heappop(self._free)
         self._used.add(slot)
+        if slot >= self.high:
+            self._new_high(slot)
         return slot
+
+    def _new_high(self, slot: int) -> None:
+        self.high = slot + 1
+        if self.on_new_high is not None:
+            self.on_new_high(slot)
 
     def reuse(self, slot: int) -> int | None:
         """``free(slot)`` then ``alloc()``, as one step (an eviction that makes room for a
@@ -108,6 +124,8 @@ class SlotAllocator:
         self._used.add(slot)
         self._free.remove(slot)
         heapq.heapify(self._free)
+        if slot >= self.high:
+            self._new_high(slot)
 
     def free(self, slot: int) -> None:
         if slot not in self._used:
@@ -128,3 +146,4 @@ class SlotAllocator:
         assert not (free & self._used), "slot both free and used"
         assert free | self._used == set(range(self.capacity)), "slot lost from both sets"
         assert 0 <= self.limit <= self.capacity, "limit outside the slots"
+        assert all(s < self.high for s in self._used), "a used slot above the high mark"

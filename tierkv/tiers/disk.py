@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, Union
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ from .segments import SegmentHeader, create_segment, encode_record
 
 log = logging.getLogger(__name__)
 DEGRADED_RETRY_S = 30.0
+# Slot records for a write: the bodies, or a function that gives them once the pages are written.
+SlotBodies = Union[Sequence[bytes], Callable[[], Sequence[bytes]]]
 RUN_BYTES = 8 << 20  # largest single transfer: a few times dd's bs=4M, bounded staging memory
 
 
@@ -88,6 +90,7 @@ class DiskTier(SegmentFiles, DiskReads):
         self.quarantined_segments = 0  # damaged or foreign segments moved aside at open
         self._fd_lock = threading.Lock()
         self._read_fds: dict[int, int] = {}
+        self._reader_pool: ThreadPoolExecutor | None = None  # DiskReads.read_many's threads
         self._local = threading.local()
         self.degraded_reason: str | None = None
         self._degraded_until = 0.0
@@ -250,11 +253,13 @@ class DiskTier(SegmentFiles, DiskReads):
             log.error("disk tier degraded: %s", e)
             raise DiskWriteError(f"disk tier write failed: {e}") from e
 
-    def write_pages(self, items: list[tuple[int, torch.Tensor]], records: Sequence[bytes] | None = None) -> None:
+    def write_pages(self, items: list[tuple[int, torch.Tensor]], records: SlotBodies | None = None) -> None:
         """Write pages (CPU tensors of one page each, in the layout's form or the codec's stored
         form; encoded here when not stored) and, in ``records`` (one body per item,
-        from ``BlockRecord.slot_body``), their slot records; make both durable (fdatasync per
-        segment). Only after this returns may the index point at them."""
+        from ``BlockRecord.slot_body``; or a function giving them, called once the pages are
+        written, so the caller can finish the records meanwhile), their slot records; make
+        both durable (fdatasync per segment). Only after this returns may the index point at
+        them."""
         self._guard_io(self._write_pages, items, records)
 
     def _runs(self, locs: list[int]) -> list[list[int]]:
@@ -271,7 +276,7 @@ class DiskTier(SegmentFiles, DiskReads):
                 runs.append([k])
         return runs
 
-    def _write_pages(self, items: list[tuple[int, torch.Tensor]], records: Sequence[bytes] | None = None) -> None:
+    def _write_pages(self, items: list[tuple[int, torch.Tensor]], records: SlotBodies | None = None) -> None:
         touched: dict[int, int] = {}
         buffered: dict[int, int] = {}  # segment -> a plain descriptor for the slot records
         page_bytes, slot = self.page_bytes, self.slot_bytes
@@ -301,7 +306,7 @@ class DiskTier(SegmentFiles, DiskReads):
                 if pending is not None:
                     pending.result()
             if records is not None:
-                self._write_records(locs, runs, records, buffered)
+                self._write_records(locs, runs, records() if callable(records) else records, buffered)
             if self.fsync:
                 # One fdatasync per segment covers its pages and records (one inode).
                 for seg_id, fd in touched.items():
@@ -385,6 +390,9 @@ class DiskTier(SegmentFiles, DiskReads):
         self._rooms.check_integrity()
 
     def close(self) -> None:
+        if self._reader_pool is not None:
+            self._reader_pool.shutdown(wait=True)
+            self._reader_pool = None
         with self._fd_lock:
             for fd in self._read_fds.values():
                 os.close(fd)

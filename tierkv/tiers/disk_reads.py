@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,7 +19,8 @@ from ..layout import PageLayout
 from .diskio import BounceBuffer, pread_full
 from .disk_files import Segment, split_location
 
-log = logging.getLogger("tierkv.tiers.disk")  # the disk tier's one logger, as before the split
+log = logging.getLogger("tierkv.tiers.disk")  # the disk tier's one logger
+READ_DEPTH = 2  # runs of one read_many in flight at once (scripts/bench_store.py)
 
 
 class DiskReads:
@@ -38,6 +40,7 @@ class DiskReads:
     _local: threading.local
     _fd_lock: threading.Lock
     _read_fds: dict[int, int]
+    _reader_pool: ThreadPoolExecutor | None
     _kvikio: Any
     _offset: Callable[[int], tuple[Segment, int, int]]
     _runs: Callable[[list[int]], list[list[int]]]
@@ -75,6 +78,13 @@ class DiskReads:
         except OSError:
             return False
         return size < seg.header.data_offset + (index + 1) * self.slot_bytes
+
+    def _readers(self) -> ThreadPoolExecutor:
+        """The tier's reader threads (READ_DEPTH), made on first use."""
+        with self._fd_lock:
+            if self._reader_pool is None:
+                self._reader_pool = ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="tierkv-read")
+            return self._reader_pool
 
     def _bounce(self, nbytes: int = 0) -> BounceBuffer:
         """This thread's aligned staging buffer, grown to at least ``nbytes``."""
@@ -115,11 +125,15 @@ class DiskReads:
     def read_many(self, items: list[tuple[int, memoryview]],
                   on_run: Callable[[list[int]], None] | None = None) -> None:
         """Read whole slots into buffers of ``slot_bytes`` each (aligned, for O_DIRECT):
-        consecutive slots in one ``preadv`` with one buffer per slot. ``on_run`` is called
-        with the positions (in ``items``) of each run as soon as it has been read, so the
-        caller can verify it while the next run is read."""
+        consecutive slots in one ``preadv`` with one buffer per slot, up to READ_DEPTH runs
+        in flight. ``on_run`` is called (on the thread that read it) with the positions (in
+        ``items``) of each run as soon as it has been read, so the caller can verify it
+        while other runs are read. Raises the first OSError after every read in flight has
+        ended (so no buffer is written once this returns or raises)."""
         locs = [loc for loc, _ in items]
-        for run in self._runs(locs):
+        runs = self._runs(locs)
+
+        def read_run(run: list[int]) -> None:
             _, seg_id, off = self._offset(locs[run[0]])
             bufs = [items[k][1] for k in run]
             want = sum(len(b) for b in bufs)
@@ -130,6 +144,26 @@ class DiskReads:
             self._uncache(fd, off, want)
             if on_run is not None:
                 on_run(run)
+
+        if len(runs) < 2:
+            for run in runs:
+                read_run(run)
+            return
+        # Two runs in flight: a virtio or NVMe device keeps busy across one request's
+        # completion and the next one's submission, and the kernel's faulting-in of fresh
+        # destination pages for one run overlaps the other's transfer (preadv drops the GIL).
+        futures = [self._readers().submit(read_run, run) for run in runs]
+        error: BaseException | None = None
+        for f in futures:
+            if error is not None:
+                f.cancel()
+            try:
+                if not f.cancelled():
+                    f.result()
+            except BaseException as e:  # noqa: BLE001 - the first is raised once all have ended
+                error = error or e
+        if error is not None:
+            raise error
 
     def staging(self, n: int) -> tuple[torch.Tensor, list[memoryview]]:
         """This thread's aligned staging buffer for ``n`` whole slots: as ``[n, slot_bytes]``

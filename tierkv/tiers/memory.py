@@ -24,6 +24,21 @@ from ..layout import PageLayout
 from .base import SlotAllocator, TierName
 from .shm import SharedRegion
 
+# How far beyond its highest slot in use a shared-memory tier has its pages faulted in, on
+# the region's helper thread (without StoreConfig.populate_memory, which faults in the whole
+# tier). A first touch of fresh shared memory costs ~1.2 ms per MiB on a 2-vCPU VM, against
+# ~0.4 ms for MADV_POPULATE_WRITE on a range: a put or read into fresh slots ran at half the
+# disk's speed with the faults in its path (issue #31; docs/performance.md). Faulting ahead
+# of use moves them to the other core and never more than this much before it is needed, so
+# an engine that opens its store and serves at once shares no core with a populator of its
+# whole pool.
+POPULATE_AHEAD_BYTES = 64 << 20
+
+
+def _consecutive(ids: list[int]) -> bool:
+    """Whether ``ids`` (not empty) are ``ids[0], ids[0] + 1, ...``."""
+    return ids[-1] - ids[0] == len(ids) - 1 and (len(ids) < 3 or ids == list(range(ids[0], ids[-1] + 1)))
+
 
 def cpu_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy one CPU page into another through numpy. torch's intra-op thread pool makes
@@ -69,7 +84,9 @@ class MemoryTier:
             slots = capacity_bytes // self.stride_bytes
             self.region = self._map_region(shm_dir, slots, pin)
             self._pool = self._view_pool(self.region, layout, slots)
-        self.slots = SlotAllocator(slots, on_release_above=self._discard)
+        self._ahead_end = 0  # without populate: bytes asked to be faulted in ahead of use
+        ahead = self._grew if self.region is not None and not populate else None
+        self.slots = SlotAllocator(slots, on_release_above=self._discard, on_new_high=ahead)
         if limit_bytes is not None:
             self.set_limit(limit_bytes)
         self._bytes_view: np.ndarray | None = None  # the CPU pool as bytes, made on first write_many
@@ -113,12 +130,49 @@ class MemoryTier:
         self.slots.set_limit(limit)
         if self.region is None:
             return  # a CUDA pool is allocated whole: a limit bounds its use, not its memory
-        self.region.set_populate_end(limit * self.stride_bytes if self.populate else 0)
+        self.region.set_populate_end(limit * self.stride_bytes if self.populate
+                                     else min(self._ahead_end, limit * self.stride_bytes))
         start = limit
         for slot in [*self.slots.used_above_limit(), self.slots.capacity]:  # free runs between used slots
             if slot > start:
                 self.region.discard(start * self.stride_bytes, (slot - start) * self.stride_bytes)
             start = slot + 1
+
+    def _grew(self, slot: int) -> None:
+        """The tier's use reached ``slot`` (held: the store lock): have the region fault
+        pages in up to POPULATE_AHEAD_BYTES beyond it, asked again once half of that is used
+        (so a growing tier asks every 32 MiB)."""
+        self._populate_to((slot + 1) * self.stride_bytes)
+
+    def reserve(self, n: int) -> list[int]:
+        """``n`` free slots of a CPU pool, now used (the caller places or frees each), when
+        that many are free without evicting anything; else none (an empty list). Never on
+        CUDA, nor in a pool that holds another form than the layout's."""
+        if self.region is None or self.encoded or self.slots.num_free < n:
+            return []
+        taken: list[int] = []
+        for _ in range(n):
+            slot = self.slots.alloc()
+            if slot is None:  # the tier's limit
+                for s in taken:
+                    self.slots.free(s)
+                return []
+            taken.append(slot)
+        return taken
+
+    def expect(self, n: int) -> None:
+        """``n`` slots will be taken soon (a put, before its disk write): fault in the slots
+        they will most likely be (the next above the tier's use; lowest free first) ahead,
+        while the caller waits for the disk. A hint only; it changes no slot."""
+        if self.region is not None and not self.populate and n > 0:
+            self._populate_to(min(self.slots.high + n, self.slots.capacity) * self.stride_bytes)
+
+    def _populate_to(self, used_end: int) -> None:
+        assert self.region is not None
+        if used_end + POPULATE_AHEAD_BYTES // 2 <= self._ahead_end:
+            return
+        self._ahead_end = used_end + POPULATE_AHEAD_BYTES
+        self.region.set_populate_end(min(self._ahead_end, self.slots.limit * self.stride_bytes))
 
     def _discard(self, slot: int) -> None:
         """A slot above the limit was freed: give its memory back."""
@@ -193,9 +247,13 @@ class MemoryTier:
         the CPU pool, in one numpy assignment."""
         assert self._bytes_view is not None
         src = data.reshape(-1, *self._bytes_view.shape[1:])  # contiguous: a view
-        # A put's rows are consecutive: a slice, not a gather.
-        consecutive = rows[-1] - rows[0] == len(rows) - 1 and (len(rows) < 3 or rows == list(range(rows[0], rows[-1] + 1)))
-        self._bytes_view[np.asarray(slots)] = src[rows[0] : rows[-1] + 1] if consecutive else src[np.asarray(rows)]
+        # A put's rows are consecutive, and so are the slots of a tier that is filling up:
+        # slices, not gathers (a slice assignment is one memcpy).
+        values = src[rows[0] : rows[-1] + 1] if _consecutive(rows) else src[np.asarray(rows)]
+        if _consecutive(slots):
+            self._bytes_view[slots[0] : slots[-1] + 1] = values
+        else:
+            self._bytes_view[np.asarray(slots)] = values
 
     def describe(self) -> dict[str, object]:
         return {

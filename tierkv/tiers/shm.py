@@ -50,6 +50,23 @@ def _madvise():  # type: ignore[no-untyped-def]
     return madvise
 
 
+def populate(t: torch.Tensor) -> bool:
+    """Fault in the pages of CPU tensor ``t``'s memory for writing, in one kernel call per
+    chunk (MADV_POPULATE_WRITE; the GIL is dropped around each): about half the CPU time of
+    faulting them in by touching them, and done on whichever thread calls this. The bytes
+    are not changed. False where the kernel or libc cannot (pages then fault in on use)."""
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu" or t.numel() == 0:
+        return False
+    page = mmap.PAGESIZE
+    lo = t.data_ptr() // page * page
+    hi = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
+    for off in range(lo, hi, _POPULATE_CHUNK):
+        if madvise(off, min(_POPULATE_CHUNK, hi - off), _MADV_POPULATE_WRITE) != 0:
+            return False
+    return True
+
+
 def default_shm_dir() -> Path:
     p = Path("/dev/shm")
     return p if p.is_dir() and os.access(p, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
@@ -67,10 +84,15 @@ class SharedRegion:
         self.pinned = False
         self._populate_stop = threading.Event()
         self._populator: threading.Thread | None = None
-        # The populator faults pages in up to _populate_end, a chunk at a time under
-        # _populate_lock, so that set_populate_end can lower the bound between chunks.
-        self._populate_lock = threading.Lock()
-        self._populate_end = nbytes
+        # The populator faults pages in from _populated_to up to _populate_end, a chunk at a
+        # time. Two locks, so that raising the end (a tier's use growing, on the put path)
+        # never waits for a chunk: _populate_state guards the three fields and is held only
+        # to read or set them; _populate_chunk is held through each chunk's madvise, and
+        # only lowering the end and discard wait for it (nothing may be faulted in beyond
+        # a lowered end, nor into a range being given back).
+        self._populate_state = threading.Lock()
+        self._populate_chunk = threading.Lock()
+        self._populate_end = 0  # nothing asked yet (create sets it)
         self._populated_to = 0
         self._populating = False
         # torch.frombuffer keeps the mmap exported; we drop the tensor before closing.
@@ -96,55 +118,60 @@ class SharedRegion:
         return region
 
     def _populate_in_background(self) -> None:
-        """Fault the region's pages in on a helper thread, a chunk at a time, lowest first.
+        """Fault the region's pages in on a helper thread, a chunk at a time, lowest first
+        (held: ``_populate_state``, by the caller).
 
-        First-touch faults on the data path cost ~5x more than faulting a range in one kernel
-        call, so a pool is populated ahead of use; but not at open, where MAP_POPULATE made
-        every store open pay ~0.7 s per GiB of tiers (an engine's first request paid it when
-        the vLLM connector opened its store). MADV_POPULATE_WRITE (Linux 5.14) maps pages
-        writable without touching their bytes, so it is safe beside concurrent writers, and
-        ctypes drops the GIL around it. Older kernels fault on first touch instead.
-
-        Runs from ``_populated_to`` up to ``_populate_end`` as it is at each chunk (held:
-        ``_populate_lock``, by the caller)."""
+        First-touch faults on the data path cost ~3x more than faulting a range in one kernel
+        call, so a pool is populated ahead of use; but not whole at open, where MAP_POPULATE
+        made every store open pay ~0.7 s per GiB of tiers (an engine's first request paid it
+        when the vLLM connector opened its store). MADV_POPULATE_WRITE (Linux 5.14) maps
+        pages writable without touching their bytes, so it is safe beside concurrent
+        writers, and ctypes drops the GIL around it. Older kernels fault on first touch."""
         if self.bytes is None or self.nbytes == 0 or self._populated_to >= self._populate_end:
             return
         if self._populating:
             return  # the running thread reads the new end before its next chunk
-        addr, stop, lock = self.bytes.data_ptr(), self._populate_stop, self._populate_lock
+        addr, stop = self.bytes.data_ptr(), self._populate_stop
         self._populating = True
 
         def run() -> None:
             madvise = _madvise()
             while madvise is not None and not stop.is_set():
-                with lock:
-                    off, end = self._populated_to, self._populate_end
-                    if off >= end:
-                        break
-                    n = min(_POPULATE_CHUNK, end - off)
+                with self._populate_chunk:
+                    with self._populate_state:
+                        off, end = self._populated_to, self._populate_end
+                        if off >= end:
+                            break
+                        n = min(_POPULATE_CHUNK, end - off)
                     with _POPULATING:
                         refused = madvise(addr + off, n, _MADV_POPULATE_WRITE) != 0
-                    if refused:
-                        log.debug("MADV_POPULATE_WRITE refused (errno %d); pages fault in on use", ctypes.get_errno())
-                        self._populated_to = self._populate_end = self.nbytes  # never retried
-                        break
-                    self._populated_to = off + n
-            with lock:  # under the lock: set_populate_end then either sees it running or starts one
+                    with self._populate_state:
+                        if refused:
+                            log.debug("MADV_POPULATE_WRITE refused (errno %d); pages fault in on use",
+                                      ctypes.get_errno())
+                            self._populated_to = self._populate_end = self.nbytes  # never retried
+                            break
+                        self._populated_to = max(self._populated_to, min(off + n, self._populate_end))
+            # Under the state lock: set_populate_end then either sees it running or starts one.
+            with self._populate_state:
                 self._populating = False
 
-        if self._populator is not None:
-            self._populator.join()  # finished or finishing (it cleared _populating)
         self._populator = threading.Thread(target=run, name="tierkv-shm-populate", daemon=True)
         self._populator.start()
 
     def set_populate_end(self, end: int) -> None:
-        """Fault pages in up to byte ``end`` (in the background); a lower end stops the
-        populator there (returns after any chunk in flight, so nothing beyond ``end`` is
-        faulted in by it afterwards)."""
-        with self._populate_lock:
-            self._populate_end = max(0, min(end, self.nbytes))
-            self._populated_to = min(self._populated_to, self._populate_end)
+        """Fault pages in up to byte ``end`` (in the background). Raising the end returns at
+        once; a lower end stops the populator there (returns after any chunk in flight, so
+        nothing beyond ``end`` is faulted in by it afterwards)."""
+        end = max(0, min(end, self.nbytes))
+        with self._populate_state:
+            lowered = end < self._populate_end
+            self._populate_end = end
+            self._populated_to = min(self._populated_to, end)
             self._populate_in_background()
+        if lowered:
+            with self._populate_chunk:
+                pass  # the chunk in flight (read before the end moved) has finished
 
     def discard(self, start: int, nbytes: int) -> bool:
         """Give the memory of bytes ``[start, start + nbytes)`` back to the system (they read
@@ -157,7 +184,7 @@ class SharedRegion:
         lo, hi = -(-start // page) * page, (start + nbytes) // page * page  # whole pages only
         if madvise is None or hi <= lo:
             return False
-        with self._populate_lock:
+        with self._populate_chunk:
             ok = madvise(self.bytes.data_ptr() + lo, hi - lo, _MADV_REMOVE) == 0
         if not ok:
             log.debug("MADV_REMOVE refused (errno %d); the memory stays allocated", ctypes.get_errno())
