@@ -28,7 +28,6 @@ from ..errors import InvalidTokensError, PageFormatError
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout, kv_buffer, pack_pages, split_layers
 from ..lease_windows import LeaseWindows
-from ..tiers.shm import populate
 from .config import layout_from_model
 
 from ..blocks import Priority
@@ -155,10 +154,6 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
         # copies without the GIL), so the faults and the copy of a prefix already in memory
         # take both cores.
         kv = kv_buffer(layout, want, torch.device(model.device), huge_pages=False)
-        # The buffer is fresh memory: its pages are faulted in by the helper while the first
-        # windows are read, in a kernel call per chunk, at about half the cost of the copies
-        # faulting them in one touch at a time (scripts/ab.py --bench restore).
-        faulted = helper.submit(populate, kv)
         for lease in windows:
             try:  # the lease is released only after the copy: its pages stay put until then
                 if lease.layout != layout:

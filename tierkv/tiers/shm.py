@@ -50,23 +50,6 @@ def _madvise():  # type: ignore[no-untyped-def]
     return madvise
 
 
-def populate(t: torch.Tensor) -> bool:
-    """Fault in the pages of CPU tensor ``t``'s memory for writing, in one kernel call per
-    chunk (MADV_POPULATE_WRITE; the GIL is dropped around each): about half the CPU time of
-    faulting them in by touching them, and done on whichever thread calls this. The bytes
-    are not changed. False where the kernel or libc cannot (pages then fault in on use)."""
-    madvise = _madvise()
-    if madvise is None or t.device.type != "cpu" or t.numel() == 0:
-        return False
-    page = mmap.PAGESIZE
-    lo = t.data_ptr() // page * page
-    hi = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
-    for off in range(lo, hi, _POPULATE_CHUNK):
-        if madvise(off, min(_POPULATE_CHUNK, hi - off), _MADV_POPULATE_WRITE) != 0:
-            return False
-    return True
-
-
 def default_shm_dir() -> Path:
     p = Path("/dev/shm")
     return p if p.is_dir() and os.access(p, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
