@@ -104,8 +104,8 @@ class SharedRegion:
         """Fault the region's pages in on a helper thread, a chunk at a time, lowest first
         (held: ``_populate_state``, by the caller).
 
-        First-touch faults on the data path cost ~3x more than faulting a range in one kernel
-        call, so a pool is populated ahead of use; but not whole at open, where MAP_POPULATE
+        First-touch faults on the data path cost about twice as much as faulting a range in
+        one kernel call, so a pool is populated ahead of use; but not whole at open, where MAP_POPULATE
         made every store open pay ~0.7 s per GiB of tiers (an engine's first request paid it
         when the vLLM connector opened its store). MADV_POPULATE_WRITE (Linux 5.14) maps
         pages writable without touching their bytes, so it is safe beside concurrent
