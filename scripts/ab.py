@@ -128,7 +128,7 @@ def probe(name: str, work: Path, gib: float) -> float:
                 got = restore_cache(store, tokens, scope, n_blocks, Model()).tokens
             else:
                 with store.acquire(tokens, scope) as lease:
-                    got = len(lease.kv()[0][0][0, 0]) and lease.num_blocks * layout.block_size
+                    got = int(lease.kv()[0][0].shape[2])  # layer 0's K: [1, H, tokens, D]
             elapsed = time.perf_counter() - t0
         assert got == len(tokens), got
         return n_blocks * layout.page_bytes / elapsed / 1e9
