@@ -61,12 +61,13 @@ class Ingest:
         self._lock = placement.lock
         self._io_lock = threading.Lock()  # serialises a put's disk writes (one fsync stream)
         self._writing: set[bytes] = set()  # keys a put has claimed and not yet entered or abandoned
-        # Hashes a large put's pages while they are written (xxhash drops the GIL).
-        self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-put-checksum")
+        # While a large put's pages are written: hashes them (xxhash drops the GIL) and
+        # copies them into the device slots the put reserved.
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="tierkv-put-helper")
 
     def close(self) -> None:
-        """Wait for the checksum thread (after the last put has returned)."""
-        self._checksummer.shutdown(wait=True)
+        """Wait for the helper thread (after the last put has returned)."""
+        self._helper.shutdown(wait=True)
 
     def check_integrity(self) -> None:
         """(held: the lock) A key is claimed by a put only while it is not in the table:
@@ -171,17 +172,13 @@ class Ingest:
             sums: Future[list[int]] | None = None
             if stored_rows is not None:
                 if disk_plan and stored_rows.nbytes >= OVERLAP_CHECKSUM_BYTES:
-                    sums = self._checksummer.submit(row_checksums, list(row_of), stored_rows, list(row_of.values()))
+                    sums = self._helper.submit(row_checksums, list(row_of), stored_rows, list(row_of.values()))
                 else:
                     for b, s in zip(new, row_checksums(list(row_of), stored_rows, list(row_of.values()))):
                         b.checksum = s
             if reserved:
-                copying = self._checksummer.submit(self.placement.device.write_many, reserved, pages,
-                                                   list(row_of.values()), stored_rows if stored is pages else None)
-            elif disk_plan:
-                # The device slots these pages will take are faulted in by the tier's helper
-                # thread while the disk is written (fresh memory: tierkv/tiers/memory.py).
-                self.placement.device.expect(len(new))
+                copying = self._helper.submit(self.placement.device.write_many, reserved, pages,
+                                              list(row_of.values()), stored_rows if stored is pages else None)
             if disk_plan:
                 items = [(loc, stored[row_of[b.key]].detach().cpu()) for loc, b in disk_plan]
                 records: list[BlockRecord] = []

@@ -110,12 +110,9 @@ class Store(StoreAPI):
         except BaseException:
             # Close what was opened: the LMDB environment (opening it twice in one process
             # breaks its locking) and the shared-memory files (nothing else unlinks them).
-            for part in ("device", "host", "disk", "index"):
+            for part in ("promotion", "ingest", "device", "host", "disk", "index"):
                 if hasattr(self, part):
                     getattr(self, part).close()
-            for worker in ("promotion", "ingest"):
-                if hasattr(self, worker):
-                    getattr(self, worker).close()
             self._home_lock.release()
             raise
         log.info(

@@ -141,8 +141,14 @@ class MemoryTier:
     def _grew(self, slot: int) -> None:
         """The tier's use reached ``slot`` (held: the store lock): have the region fault
         pages in up to POPULATE_AHEAD_BYTES beyond it, asked again once half of that is used
-        (so a growing tier asks every 32 MiB)."""
-        self._populate_to((slot + 1) * self.stride_bytes)
+        (so a growing tier asks every 32 MiB; a put of up to 32 MiB finds its slots faulted
+        in while the put before it ran)."""
+        assert self.region is not None
+        used_end = (slot + 1) * self.stride_bytes
+        if used_end + POPULATE_AHEAD_BYTES // 2 <= self._ahead_end:
+            return
+        self._ahead_end = used_end + POPULATE_AHEAD_BYTES
+        self.region.set_populate_end(min(self._ahead_end, self.slots.limit * self.stride_bytes))
 
     def reserve(self, n: int) -> list[int]:
         """``n`` free slots of a CPU pool, now used (the caller places or frees each), when
@@ -159,20 +165,6 @@ class MemoryTier:
                 return []
             taken.append(slot)
         return taken
-
-    def expect(self, n: int) -> None:
-        """``n`` slots will be taken soon (a put, before its disk write): fault in the slots
-        they will most likely be (the next above the tier's use; lowest free first) ahead,
-        while the caller waits for the disk. A hint only; it changes no slot."""
-        if self.region is not None and not self.populate and n > 0:
-            self._populate_to(min(self.slots.high + n, self.slots.capacity) * self.stride_bytes)
-
-    def _populate_to(self, used_end: int) -> None:
-        assert self.region is not None
-        if used_end + POPULATE_AHEAD_BYTES // 2 <= self._ahead_end:
-            return
-        self._ahead_end = used_end + POPULATE_AHEAD_BYTES
-        self.region.set_populate_end(min(self._ahead_end, self.slots.limit * self.stride_bytes))
 
     def _discard(self, slot: int) -> None:
         """A slot above the limit was freed: give its memory back."""
