@@ -69,9 +69,13 @@ class StoreAPI(Protocol):
 
     def acquire(self, tokens: "Sequence[int] | np.ndarray | torch.Tensor", scope: "Scope",
                 block_extra: "Sequence[Sequence[str | bytes]] | None" = None, max_blocks: int | None = None,
-                start_block: int = 0) -> "Lease":
+                start_block: int = 0, promote: bool = True) -> "Lease":
         """Lease blocks ``start_block ..`` (at most ``max_blocks``) of the longest stored
-        prefix, promoted into the device tier.
+        prefix, promoted into the device tier. ``promote=False`` says the caller only copies
+        the pages out and releases soon: a store may then serve a cold window from a buffer
+        of the lease's own rather than the device tier (the embedded store does, once per
+        block: tierkv/read_through.py; a daemon's clients read its device tier, so a daemon
+        always promotes).
 
         The caller must end the lease (``with`` or ``release`` in ``finally``); until then
         its pages are never evicted, moved or overwritten. The lease may cover fewer blocks

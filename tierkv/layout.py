@@ -182,31 +182,60 @@ def kv_buffer(layout: PageLayout, n_blocks: int, device: torch.device | str = "c
     return torch.from_numpy(np.empty(shape, dtype=np_int)).view(layout.torch_dtype)
 
 
-def unpack_into(kv: torch.Tensor, pages: torch.Tensor, first_block: int, layout: PageLayout,
-                layers: tuple[int, int] | None = None) -> None:
-    """Copy pages ``[k, L, 2, B, H, D]`` (any strides, e.g. a run of a pool) into blocks
-    ``first_block .. first_block + k`` of a :func:`kv_buffer`; only layers
-    ``[layers[0], layers[1])`` when given.
+def kv_layers(layout: PageLayout, n_blocks: int, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(K, V)``, each an uninitialised ``[1, H, n*B, D]`` tensor of its own, for
+    :func:`unpack_into`: what transformers' cache holds, and what a file loader returns.
 
-    On the CPU the permuted copy goes through numpy: torch's strided ``copy_`` of this
-    permutation ran at a quarter of memcpy speed on 2 cores (0.44 s against 0.11 s for
-    190 MB), numpy's ``copyto`` at memcpy speed (and without the GIL)."""
+    Why not one :func:`kv_buffer`: a buffer of hundreds of MB is a fresh ``mmap`` from the
+    allocator every time, and every one of its pages is a page fault on first write (on the
+    2-vCPU VM of docs/performance.md, first writes run at about 1 GB/s, slower than its disk
+    reads). Tensors of a layer's size come from the allocator's heap, which a long-running
+    process reuses: the restore then writes into memory already faulted in, as
+    ``torch.load`` and safetensors do."""
+    L, H, B, D = layout.num_layers, layout.num_kv_heads, layout.block_size, layout.head_dim
+    device = torch.device(device)
+    shape = (1, H, n_blocks * B, D)
+    return [(torch.empty(shape, dtype=layout.torch_dtype, device=device),
+             torch.empty(shape, dtype=layout.torch_dtype, device=device)) for _ in range(L)]
+
+
+def unpack_into(kv: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], pages: torch.Tensor,
+                first_block: int, layout: PageLayout, layers: tuple[int, int] | None = None) -> None:
+    """Copy pages ``[k, L, 2, B, H, D]`` (any strides, e.g. a run of a pool) into blocks
+    ``first_block .. first_block + k`` of a :func:`kv_buffer` or of :func:`kv_layers`; only
+    layers ``[layers[0], layers[1])`` when given (see :func:`_copy` for how)."""
     layout.check_pages(pages)
     k = pages.shape[0]
     L, H, B, D = layout.num_layers, layout.num_kv_heads, layout.block_size, layout.head_dim
-    n_total = kv.shape[4] // B
+    per_layer = not isinstance(kv, torch.Tensor)
+    n_total = (kv[0][0].shape[2] if per_layer else kv.shape[4]) // B  # type: ignore[index]
     if first_block < 0 or first_block + k > n_total:
         raise PageFormatError(f"blocks [{first_block}, {first_block + k}) outside a buffer of {n_total} blocks")
     lo, hi = layers if layers is not None else (0, L)
     if not 0 <= lo <= hi <= L:
         raise PageFormatError(f"layers [{lo}, {hi}) outside the layout's {L}")
-    dst = kv.view(L, 2, H, n_total, B, D)[lo:hi, :, :, first_block : first_block + k]
     src = pages.permute(1, 2, 4, 0, 3, 5)[lo:hi]  # [k, L, 2, B, H, D] -> [L, 2, H, k, B, D]
-    if kv.device.type == "cpu" and pages.device.type == "cpu":
-        as_int = _INT_OF_WIDTH[pages.dtype.itemsize]
+    if not per_layer:
+        assert isinstance(kv, torch.Tensor)
+        _copy(kv.view(L, 2, H, n_total, B, D)[lo:hi, :, :, first_block : first_block + k], src)
+        return
+    for layer in range(lo, hi):
+        for c in (0, 1):
+            dst = kv[layer][c]
+            if tuple(dst.shape) != (1, H, n_total * B, D):
+                raise PageFormatError(f"layer {layer}'s KV has shape {tuple(dst.shape)}, expected {(1, H, n_total * B, D)}")
+            _copy(dst.view(H, n_total, B, D)[:, first_block : first_block + k], src[layer - lo, c])
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` for a permuted view; on the CPU through numpy: torch's strided
+    ``copy_`` of this permutation ran at a quarter of memcpy speed on 2 cores (0.44 s against
+    0.11 s for 190 MB), numpy's ``copyto`` at memcpy speed (and without the GIL)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        as_int = _INT_OF_WIDTH[src.dtype.itemsize]
         np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy())
     else:
-        dst.copy_(src.to(kv.device))
+        dst.copy_(src.to(dst.device))
 
 
 def split_layers(kv: torch.Tensor, n_tokens: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -40,8 +40,9 @@ class LeaseWindows:
     an ``acquire`` is raised by the iteration, after the windows before it."""
 
     def __init__(self, store: Any, tokens: "Sequence[int] | np.ndarray", scope: "Scope", blocks: int, *,
-                 window_blocks: int = 32, ahead: int = 3) -> None:
+                 window_blocks: int = 32, ahead: int = 3, promote: bool = True) -> None:
         self.store, self.tokens, self.scope, self.blocks = store, tokens, scope, blocks
+        self.promote = promote  # passed to each acquire (False: the consumer copies, then releases)
         self.window_blocks = max(1, window_blocks)
         self.ahead = max(1, ahead)
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -68,7 +69,7 @@ class LeaseWindows:
                     break
                 end = min(start + self.window_blocks, self.blocks)
                 lease = self.store.acquire(self.tokens[: end * bs], self.scope, max_blocks=end - start,
-                                           start_block=start)
+                                           start_block=start, promote=self.promote)
                 self._queue.put(lease)
                 if lease.num_blocks < end - start:
                     break  # the chain ends inside this window

@@ -24,6 +24,7 @@ from .errors import LeaseError
 from .identity import Scope
 from .placement import Placement
 from .promotion import PlannedRead, Promotion
+from .read_through import ReadThrough
 from .results import Lease
 from .tiers import TierName
 from .tiers.base import TIER_KEY
@@ -39,9 +40,9 @@ class Leasing:
     """The store's leases: acquire (in one pass when every block is resident, else with
     promotion), acquire only if it can finish now, release."""
 
-    def __init__(self, store: "Store", placement: Placement, promotion: Promotion) -> None:
+    def __init__(self, store: "Store", placement: Placement, promotion: Promotion, read_through: ReadThrough) -> None:
         self.store = store
-        self.placement, self.promotion = placement, promotion
+        self.placement, self.promotion, self.read_through = placement, promotion, read_through
         self.layout, self._lock = placement.layout, placement.lock
         self.table = placement.table
 
@@ -68,59 +69,66 @@ class Leasing:
                      pool=self.placement.device.pool, blocks=chain, start_block=start_block)
 
     def acquire(self, arr: np.ndarray, scope: Scope, block_extra: Sequence[Sequence[str | bytes]] | None,
-                max_blocks: int | None, start_block: int) -> Lease:
+                max_blocks: int | None, start_block: int, promote: bool = True) -> Lease:
         """:meth:`tierkv.store.Store.acquire` of validated token ids ``arr``."""
         placement, promotion, table = self.placement, self.promotion, self.table
         with self._lock:
             chain = self.window(arr, scope, block_extra, max_blocks, start_block)
             table.touch_chain(chain)
-            plan: list[PlannedRead] = []
-            waits: list[tuple[int, threading.Event]] = []
-            # The blocks already in the device tier are leased at once (nothing is evicted
-            # for them); from the first that is not, block by block: blocks further along
-            # the chain are not leased yet, so making room may evict them; the lease stops
-            # where the device tier is full.
-            resident = table.lease_resident(chain, DEVICE)
-            leased = len(resident)
-            try:
-                for i in range(leased, len(chain)):
-                    b = chain[i]
-                    if b.dead or not b.loc:
-                        # Making room for an earlier block evicted this one from every tier.
-                        chain = chain[:i]
-                        break
-                    table.lease(b)
-                    leased = i + 1
-                    if DEVICE_KEY in b.loc:
-                        continue
-                    in_flight = promotion.read_of(b.key)
-                    if in_flight is not None:
-                        waits.append((i, in_flight))
-                        continue
-                    slot = placement.alloc_mem(DEVICE)
-                    if slot is None:
-                        placement.release_blocks([b], ended=False)
-                        chain = chain[:i]
-                        break
-                    plan.append(promotion.plan_read(i, b, slot))
-            except BaseException:
-                # Making room failed (the index could not record an eviction): undo this
-                # acquire's leases and plans so that nothing stays pinned or waited on.
+            through = not promote and self.read_through.wants(chain)
+            if through:  # read into the lease's own buffer (tierkv/read_through.py)
+                for b in chain:
+                    table.lease(b)  # before any read: nothing evicts or frees these disk slots
+            else:
+                plan: list[PlannedRead] = []
+                waits: list[tuple[int, threading.Event]] = []
+                # The blocks already in the device tier are leased at once (nothing is evicted
+                # for them); from the first that is not, block by block: blocks further along
+                # the chain are not leased yet, so making room may evict them; the lease stops
+                # where the device tier is full.
+                resident = table.lease_resident(chain, DEVICE)
+                leased = len(resident)
                 try:
-                    promotion.settle(plan)  # nothing was read: every slot freed, every waiter woken
-                finally:
-                    placement.release_blocks(chain[:leased], ended=False)
-                raise
-            asked = self.asked(arr, max_blocks, start_block)
-            if len(resident) == len(chain):  # all in the device tier: nothing to read or wait for
-                placement.stats_counters.record_acquire_resident(len(chain), asked)
-                return self.lease_of(chain, start_block, resident)
-            # Where each block was found; counted once the reads have settled, for the blocks
-            # the lease holds then (a page that fails its read or checksum is not a hit).
-            tops = [b.top for b in chain]
-            if not plan and not waits:  # every leased block is in the device tier (the chain was cut short)
-                placement.stats_counters.record_acquire(tops, asked)
-                return self.lease_of(chain, start_block)
+                    for i in range(leased, len(chain)):
+                        b = chain[i]
+                        if b.dead or not b.loc:
+                            # Making room for an earlier block evicted this one from every tier.
+                            chain = chain[:i]
+                            break
+                        table.lease(b)
+                        leased = i + 1
+                        if DEVICE_KEY in b.loc:
+                            continue
+                        in_flight = promotion.read_of(b.key)
+                        if in_flight is not None:
+                            waits.append((i, in_flight))
+                            continue
+                        slot = placement.alloc_mem(DEVICE)
+                        if slot is None:
+                            placement.release_blocks([b], ended=False)
+                            chain = chain[:i]
+                            break
+                        plan.append(promotion.plan_read(i, b, slot))
+                except BaseException:
+                    # Making room failed (the index could not record an eviction): undo this
+                    # acquire's leases and plans so that nothing stays pinned or waited on.
+                    try:
+                        promotion.settle(plan)  # nothing was read: every slot freed, every waiter woken
+                    finally:
+                        placement.release_blocks(chain[:leased], ended=False)
+                    raise
+                asked = self.asked(arr, max_blocks, start_block)
+                if len(resident) == len(chain):  # all in the device tier: nothing to read or wait for
+                    placement.stats_counters.record_acquire_resident(len(chain), asked)
+                    return self.lease_of(chain, start_block, resident)
+                # Where each block was found; counted once the reads have settled, for the blocks
+                # the lease holds then (a page that fails its read or checksum is not a hit).
+                tops = [b.top for b in chain]
+                if not plan and not waits:  # every leased block is in the device tier (the chain was cut short)
+                    placement.stats_counters.record_acquire(tops, asked)
+                    return self.lease_of(chain, start_block)
+        if through:
+            return self.read_through.acquire(chain, start_block, self.asked(arr, max_blocks, start_block))
         try:
             failed = promotion.promote(plan)
             failed = promotion.await_reads(waits, chain, failed)
@@ -176,4 +184,8 @@ class Leasing:
         if lease.released:
             raise LeaseError("lease released twice")
         lease.released = True
-        self.placement.release_blocks(lease.blocks)
+        try:
+            self.placement.release_blocks(lease.blocks)
+        finally:
+            if lease.read_through is not None:
+                self.read_through.released(lease)

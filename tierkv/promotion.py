@@ -28,6 +28,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable
+
+import torch
 
 from .blocks import Block
 from .checksum import page_checksum
@@ -115,7 +118,7 @@ class Promotion:
                 else:
                     self._read_one(r)
             if direct:
-                self._read_direct(direct)
+                self._read_direct(direct, lambda r: self.device.page(r.slot))
             if staged:
                 self._read_staged(staged)
         finally:
@@ -155,17 +158,36 @@ class Promotion:
         else:
             r.outcome, r.detail, r.error = ReadOutcome.IO_ERROR, str(e), e
 
-    def _read_direct(self, reads: list[tuple[PlannedRead, memoryview]]) -> None:
-        """Disk pages straight into their device slots (shared memory), consecutive slots in
-        one request, each then verified in place: a bad page is never visible, since its slot
-        is placed only after the check."""
+    def read_into_buffer(self, plan: list[PlannedRead], targets: list[memoryview], pages: torch.Tensor) -> int | None:
+        """Read-through (tierkv/read_through.py): the planned disk pages into ``targets``
+        (whole slots of a buffer; ``pages[r.slot]`` is the page part of ``targets[r.slot]``),
+        each verified there. Nothing is placed: each failure is noted as a promotion's is
+        (a bad page quarantined, an I/O error a miss). Returns the chain position of the
+        first block not read, or None."""
+        self._read_direct(list(zip(plan, targets)), lambda r: pages[r.slot])
+        first_failed: int | None = None
+        with self._lock:
+            for r in plan:
+                if r.outcome is ReadOutcome.OK:
+                    self.disk.note_read_ok()
+                    continue
+                self._note_failure(r)
+                first_failed = r.pos if first_failed is None else min(first_failed, r.pos)
+        return first_failed
+
+    def _read_direct(self, reads: list[tuple[PlannedRead, memoryview]],
+                     page_of: Callable[[PlannedRead], torch.Tensor]) -> None:
+        """Disk pages straight into their targets (device slots in shared memory, or a
+        read-through buffer), consecutive slots in one request, each then verified in place
+        (``page_of``: the page a read landed in): a bad page is never visible, since its slot
+        is placed (or its lease handed out) only after the check."""
         unread: set[int] = set()
         sums: dict[int, Future[int]] = {}
 
         def verify_run(positions: list[int]) -> None:
             for p in positions:  # checksummed by a helper thread while the next run is read
                 r = reads[p][0]
-                sums[p] = self._checksummer.submit(page_checksum, r.block.key, self.device.page(r.slot))
+                sums[p] = self._checksummer.submit(page_checksum, r.block.key, page_of(r))
 
         try:
             self.disk.read_many([(r.block.loc[DISK], target) for r, target in reads], verify_run)
@@ -183,7 +205,7 @@ class Promotion:
         for p, (r, _) in enumerate(reads):
             if p in unread:
                 continue
-            got = sums[p].result() if p in sums else page_checksum(r.block.key, self.device.page(r.slot))
+            got = sums[p].result() if p in sums else page_checksum(r.block.key, page_of(r))
             if got == r.block.checksum:
                 r.outcome = ReadOutcome.OK
             else:
@@ -269,12 +291,18 @@ class Promotion:
             self.stats_counters.promoted_bytes += self.layout.page_bytes
             return True
         self.device.slots.free(r.slot)
+        self._note_failure(r)
+        return False
+
+    def _note_failure(self, r: PlannedRead) -> None:
+        """(held: the lock) What a read that did not succeed proves: a bad page is
+        quarantined; an I/O error is a miss and the disk tier is read-degraded."""
+        b = r.block
         if r.outcome is ReadOutcome.BAD and not b.dead:
             self.placement.quarantine(b, f"read failed: {r.detail}")
         elif r.outcome is ReadOutcome.IO_ERROR:
             self.disk.note_read_error(r.error or OSError(r.detail))
             log.warning("read of block %s failed (%s): a miss; the block stays stored", b.key.hex()[:16], r.detail)
-        return False
 
     def await_reads(self, waits: list[tuple[int, threading.Event]], chain: list[Block],
                      failed: int | None) -> int | None:

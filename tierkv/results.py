@@ -6,7 +6,7 @@ the cluster node) returns these, so a caller never branches on which one it hold
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -121,6 +121,7 @@ class CounterStats:
     acquire_hit_rate_by_tier: Mapping[str, float] = field(default_factory=dict)
     evictions: Mapping[str, int] = field(default_factory=dict)
     promoted_bytes: int = 0
+    read_through_bytes: int = 0  # read from disk into a lease's own buffer, not promoted
     demoted_bytes: int = 0
     quarantined: int = 0
     quarantine_failed: int = 0
@@ -278,16 +279,21 @@ class StoreStats(Mapping[str, Any]):
 @dataclass(eq=False)
 class Lease:
     """Blocks held in the device tier for the caller: never evicted, moved or overwritten
-    until released. Use as a context manager, or call ``release()`` in ``finally``."""
+    until released. Use as a context manager, or call ``release()`` in ``finally``.
+
+    A lease of ``acquire(..., promote=False)`` may instead hold its pages in a buffer of its
+    own (``pool`` is then that buffer, ``slots`` its rows; :mod:`tierkv.read_through`):
+    the blocks are leased all the same, and the buffer goes back to the store on release."""
 
     store: "StoreAPI"  # the store (or client) that issued it: release() goes back there
     layout: PageLayout
     keys: tuple[bytes, ...]
     slots: tuple[int, ...]  # device-tier slot of each block, in prefix order
-    pool: torch.Tensor  # the device pool the slots index
+    pool: torch.Tensor = field(repr=False)  # the device pool the slots index
     blocks: list["Block"] = field(default_factory=list, repr=False)
     released: bool = False
     start_block: int = 0  # the chain position of the first leased block
+    read_through: Any = field(default=None, repr=False)  # the buffer of a read-through lease (returned on release)
 
     @property
     def num_blocks(self) -> int:
@@ -335,9 +341,10 @@ class Lease:
         self.kv_into(kv, 0)
         return split_layers(kv)
 
-    def kv_into(self, kv: torch.Tensor, first_block: int, layers: tuple[int, int] | None = None) -> None:
+    def kv_into(self, kv: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], first_block: int,
+                layers: tuple[int, int] | None = None) -> None:
         """Copy the leased pages into blocks ``first_block ..`` of a
-        :func:`~tierkv.layout.kv_buffer` (only layers ``[layers[0], layers[1])`` when given:
+        :func:`~tierkv.layout.kv_buffer` or :func:`~tierkv.layout.kv_layers` (only layers ``[layers[0], layers[1])`` when given:
         two threads can copy a window in halves). Each run of consecutive slots (the usual
         case: one promotion allocates a run) is read as a view of the pool: one copy per byte."""
         self._check()

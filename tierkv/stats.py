@@ -28,6 +28,7 @@ class Counters:
     acquire_hits: dict[str, int] = field(default_factory=_per_tier)  # blocks leased, by the tier found in
     evictions: dict[str, int] = field(default_factory=_per_tier)
     promoted_bytes: int = 0
+    read_through_bytes: int = 0  # pages read from disk into a lease's own buffer (tierkv/read_through.py)
     demoted_bytes: int = 0
     quarantined: int = 0
     quarantine_failed: int = 0  # bad pages the index could not record (they stay, never served)
@@ -83,6 +84,7 @@ class Counters:
             **acquire_rates(self.acquire_hits, self.acquire_blocks),
             "evictions": dict(self.evictions),
             "promoted_bytes": self.promoted_bytes,
+            "read_through_bytes": self.read_through_bytes,
             "demoted_bytes": self.demoted_bytes,
             "quarantined": self.quarantined,
             "quarantine_failed": self.quarantine_failed,

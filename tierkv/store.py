@@ -39,6 +39,7 @@ from .placement import Placement
 from .process import current_pid
 from .leasing import Leasing
 from .promotion import Promotion
+from .read_through import ReadThrough
 from .results import (
     ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
 )
@@ -101,7 +102,8 @@ class Store(StoreAPI):
             self._lock = self.placement.lock
             self.ingest = Ingest(self.placement)
             self.promotion = Promotion(self.placement)
-            self.leasing = Leasing(self, self.placement, self.promotion)
+            self.read_through = ReadThrough(self, self.placement, self.promotion)
+            self.leasing = Leasing(self, self.placement, self.promotion, self.read_through)
             self.operations = StoreOperations(self.placement)
             self._load_index()
             if config.disk_limit_bytes is not None:  # the memory tiers took theirs above
@@ -110,7 +112,7 @@ class Store(StoreAPI):
         except BaseException:
             # Close what was opened: the LMDB environment (opening it twice in one process
             # breaks its locking) and the shared-memory files (nothing else unlinks them).
-            for part in ("promotion", "ingest", "device", "host", "disk", "index"):
+            for part in ("promotion", "read_through", "ingest", "device", "host", "disk", "index"):
                 if hasattr(self, part):
                     getattr(self, part).close()
             self._home_lock.release()
@@ -196,12 +198,14 @@ class Store(StoreAPI):
     # ---- acquire / release -------------------------------------------------------------
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
-                start_block: int = 0) -> Lease:
+                start_block: int = 0, promote: bool = True) -> Lease:
         """Lease the longest cached prefix, promoted into the device tier.
 
         ``start_block``/``max_blocks`` lease only blocks ``start_block ..`` of that prefix
         (the whole prefix is still matched and verified), so a prefix larger than the device
-        tier can be read a window at a time.
+        tier can be read a window at a time. ``promote=False``: the caller copies the pages
+        out and releases soon, so a window read from disk for the first time is read into a
+        buffer of the lease instead (tierkv/read_through.py).
 
         The lease covers fewer blocks than ``lookup`` finds when the device tier cannot hold
         them all (other leases), a page fails verification (it is quarantined) or cannot be
@@ -210,7 +214,7 @@ class Store(StoreAPI):
         Leased blocks are never evicted, moved or overwritten until :meth:`release`.
         """
         self._check_usable()
-        return self.leasing.acquire(as_token_array(tokens), scope, block_extra, max_blocks, start_block)
+        return self.leasing.acquire(as_token_array(tokens), scope, block_extra, max_blocks, start_block, promote)
 
     def acquire_resident(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                          block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
@@ -319,6 +323,7 @@ class Store(StoreAPI):
             self.placement.check_integrity()
             self.ingest.check_integrity()
             self.promotion.check_integrity()
+            self.read_through.check_integrity()
 
     # ---- closing -------------------------------------------------------------------------
     def close(self) -> None:
@@ -331,6 +336,7 @@ class Store(StoreAPI):
         try:
             self._executor.shutdown(wait=True)
             self.promotion.close()
+            self.read_through.close()
             self.ingest.close()
             with self._lock:
                 self._closed = True

@@ -106,6 +106,40 @@ def test_read_eio_is_a_miss_never_a_deletion(tmp_path, direct_reads):
             store.close()
 
 
+def test_read_through_eio_is_a_miss_never_a_deletion(tmp_path):
+    """The same for a read into a lease's own buffer (acquire(promote=False), as a restore
+    reads a cold prefix: tierkv/read_through.py): a miss, nothing quarantined, every block
+    served byte-identical once the device answers."""
+    home = tmp_path / "home"
+    chains = [toks(1100 + i, 4) for i in range(4)]
+    opts = dict(device_bytes=4 * PAGE, host_bytes=0, disk_bytes=64 * SLOT, segment_pages=8)
+    with loop_ext4(tmp_path / "seg.img", home / "segments") as fs:
+        store = _open(home, tmp_path, **opts)
+        for c in chains:
+            assert put_chain(store, c).durable
+        store.close()
+        store = _open(home, tmp_path, **opts)  # every block on disk only
+        try:
+            fs.fail()
+            for c in chains:
+                with store.acquire(c, SCOPE, promote=False) as lease:
+                    assert lease.num_blocks == 0
+            st = store.stats()
+            assert st["quarantined"] == 0 and st["read_through_bytes"] == 0
+            assert st["tiers"]["disk"]["read_degraded"] == "EIO"
+            assert all(store.lookup(c, SCOPE).num_blocks == 4 for c in chains)  # still stored
+            _settled(store)
+            fs.heal()
+            for c in chains:
+                with store.acquire(c, SCOPE, promote=False) as lease:
+                    assert lease.read_through is not None and lease.num_blocks == 4
+                    assert_lease_exact(lease)
+            assert store.stats()["tiers"]["disk"]["read_degraded"] is None
+            _settled(store)
+        finally:
+            store.close()
+
+
 def test_write_eio_fails_the_put_cleanly(tmp_path):
     """EIO on the segment write: DiskWriteError, the tier degraded, the put stored nothing
     durable, existing blocks intact; after the back-off the disk is used again."""

@@ -94,8 +94,8 @@ class HomeStores(StoreAPI):
 
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
-                start_block: int = 0) -> Lease:
-        return self._only().acquire(tokens, scope, block_extra, max_blocks, start_block)
+                start_block: int = 0, promote: bool = True) -> Lease:
+        return self._only().acquire(tokens, scope, block_extra, max_blocks, start_block, promote)
 
     def release(self, lease: Lease) -> None:
         self._only().release(lease)

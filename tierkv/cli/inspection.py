@@ -46,6 +46,7 @@ def stats(home: Path, socket_path: Path | None, as_json: bool) -> None:
         ("acquires", s.get("acquires", 0)), ("acquire hit rate", f"{100 * s.get('acquire_hit_rate', 0.0):.1f}%"),
         ("lookups/s", s.get("lookups_per_s", 0.0)), ("mean lookup ms", s.get("mean_lookup_ms", 0.0)),
         ("promoted", fmt_bytes(s.get("promoted_bytes", 0))), ("demoted", fmt_bytes(s.get("demoted_bytes", 0))),
+        ("read through", fmt_bytes(s.get("read_through_bytes", 0))),
         ("quarantined", s.get("quarantined", 0)), ("token mismatches", s.get("token_mismatch", 0)),
         ("disk read path", s.get("disk_read_path", "-")), ("home", s.get("home", str(home))),
     ])

@@ -134,13 +134,13 @@ class ClusterNode(StoreAPI):
 
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
-                start_block: int = 0) -> Lease:
+                start_block: int = 0, promote: bool = True) -> Lease:
         """:meth:`Store.acquire` after a :meth:`pull` of what the remote tier holds (up to
         the end of the window ``start_block .. start_block + max_blocks``)."""
         if start_block < 0:
             raise ValueError("start_block must be >= 0")
         self.pull(tokens, scope, block_extra, None if max_blocks is None else start_block + max_blocks)
-        return self.store.acquire(tokens, scope, block_extra, max_blocks, start_block)
+        return self.store.acquire(tokens, scope, block_extra, max_blocks, start_block, promote)
 
     def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:

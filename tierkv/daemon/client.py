@@ -164,7 +164,8 @@ class Client(StoreAPI, ClientTransport):
 
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
-                start_block: int = 0) -> RemoteLease:
+                start_block: int = 0, promote: bool = True) -> RemoteLease:
+        # ``promote`` is a hint the daemon has no use for: its clients read its device tier.
         self._need_layout()
         if start_block < 0:
             raise ValueError("start_block must be >= 0")

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import InvalidTokensError, PageFormatError
 from ..identity import Scope, as_token_array
-from ..layout import PageLayout, kv_buffer, pack_pages, split_layers
+from ..layout import PageLayout, kv_layers, pack_pages
 from ..lease_windows import LeaseWindows
 from .config import layout_from_model
 
@@ -36,10 +36,13 @@ if TYPE_CHECKING:
     from ..api import StoreAPI
 
 DEFAULT_CHUNK_TOKENS = 2048
-# Blocks leased per restore window, and windows leased ahead of the copy: a window large
-# enough that its reads are a few large requests, small enough that the copy left after the
-# last read is short (scripts/bench_ttft.py; docs/performance-history.md).
+# Blocks leased per restore window (at most RESTORE_WINDOW_BYTES of pages), and windows
+# leased ahead of the copy: a window large enough that its reads are a few large requests,
+# small enough that the copy left after the last read is short and that the read-through
+# buffers of a cold restore (tierkv/read_through.py: one per window in flight, faulted in
+# when first made) stay small (scripts/bench_ttft.py; docs/performance.md).
 RESTORE_WINDOW_BLOCKS = 32
+RESTORE_WINDOW_BYTES = 16 << 20
 RESTORE_WINDOWS_AHEAD = 3
 Progress = Callable[[int, int], None]
 
@@ -131,9 +134,11 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
     Windows of :data:`RESTORE_WINDOW_BLOCKS` are leased by a helper thread, up to
     :data:`RESTORE_WINDOWS_AHEAD` ahead (:class:`tierkv.lease_windows.LeaseWindows`): the
     disk reads run back to back while this thread copies the windows already read into the
-    cache's buffer, so only the last window's copy follows the last read. Every copied page
-    was verified by its lease; the restore ends at the first block that cannot be leased
-    (evicted, corrupt, the device tier full)."""
+    cache's buffer, so only the last window's copy follows the last read. The windows are
+    leased with ``promote=False``: a prefix read from disk for the first time is read into
+    the leases' own buffers, not the device tier (tierkv/read_through.py; the next restore
+    promotes it). Every copied page was verified by its lease; the restore ends at the
+    first block that cannot be leased (evicted, corrupt, the device tier full)."""
     if blocks == 0:
         return Restored(empty_cache(), 0)
     layout = store.layout
@@ -147,13 +152,13 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
     got = 0
     half = layout.num_layers // 2
     with ThreadPoolExecutor(1, thread_name_prefix="tierkv-restore-copy") as helper, \
-            LeaseWindows(store, arr, scope, want, window_blocks=RESTORE_WINDOW_BLOCKS,
-                         ahead=RESTORE_WINDOWS_AHEAD) as windows:
-        # Plain pages, faulted in by the copies (see kv_buffer: a huge-page fault can stall
-        # the reads behind it); two threads copy each window, half the layers each (numpy
-        # copies without the GIL), so the faults and the copy of a prefix already in memory
-        # take both cores.
-        kv = kv_buffer(layout, want, torch.device(model.device), huge_pages=False)
+            LeaseWindows(store, arr, scope, want, ahead=RESTORE_WINDOWS_AHEAD, promote=False,
+                         window_blocks=max(1, min(RESTORE_WINDOW_BLOCKS, RESTORE_WINDOW_BYTES // layout.page_bytes))) as windows:
+        # One tensor per layer's K and V (kv_layers: heap memory a process reuses, where one
+        # large buffer is faulted in afresh every time); two threads copy each window, half
+        # the layers each (numpy copies without the GIL), so the copy of a prefix already in
+        # memory takes both cores.
+        kv = kv_layers(layout, want, torch.device(model.device))
         for lease in windows:
             try:  # the lease is released only after the copy: its pages stay put until then
                 if lease.layout != layout:
@@ -168,9 +173,9 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
                 lease.release()
     if got == 0:
         return Restored(empty_cache(), 0)
-    layer_kv = split_layers(kv, got * bs)
+    layer_kv = kv
     if got < want:  # a short restore: compact, so the cache owns contiguous tensors
-        layer_kv = [(k.contiguous(), v.contiguous()) for k, v in layer_kv]
+        layer_kv = [(k[:, :, : got * bs].contiguous(), v[:, :, : got * bs].contiguous()) for k, v in kv]
     return Restored(cache_from_kv(layer_kv, model.device, model.dtype), got * bs)
 
 

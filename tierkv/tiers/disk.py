@@ -262,10 +262,10 @@ class DiskTier(SegmentFiles, DiskReads):
         them."""
         self._guard_io(self._write_pages, items, records)
 
-    def _runs(self, locs: list[int]) -> list[list[int]]:
+    def _runs(self, locs: list[int], run_bytes: int = RUN_BYTES) -> list[list[int]]:
         """Positions of ``locs`` grouped into runs of consecutive slots of one segment (at
-        most RUN_BYTES each), so that a transfer is one large request, as dd's bs=4M is."""
-        per_run = max(1, RUN_BYTES // self.slot_bytes)
+        most ``run_bytes`` each), so that a transfer is one large request, as dd's bs=4M is."""
+        per_run = max(1, run_bytes // self.slot_bytes)
         order = sorted(range(len(locs)), key=lambda k: locs[k])
         runs: list[list[int]] = []
         for k in order:

@@ -21,6 +21,10 @@ from .disk_files import Segment, split_location
 
 log = logging.getLogger("tierkv.tiers.disk")  # the disk tier's one logger
 READ_DEPTH = 2  # runs of one read_many in flight at once (scripts/bench_store.py)
+# The largest read request (as the writes'). A smaller batch, such as a restore window, is
+# cut in READ_DEPTH runs, so that it is READ_DEPTH requests in flight, not one
+# (docs/performance.md, the restore).
+READ_RUN_BYTES = 8 << 20
 
 
 class DiskReads:
@@ -43,7 +47,7 @@ class DiskReads:
     _reader_pool: ThreadPoolExecutor | None
     _kvikio: Any
     _offset: Callable[[int], tuple[Segment, int, int]]
-    _runs: Callable[[list[int]], list[list[int]]]
+    _runs: Callable[[list[int], int], list[list[int]]]
 
     def note_read_error(self, err: BaseException) -> None:
         """A read failed with an I/O error (not a bad page). The tier is *read-degraded*
@@ -131,7 +135,9 @@ class DiskReads:
         while other runs are read. Raises the first OSError after every read in flight has
         ended (so no buffer is written once this returns or raises)."""
         locs = [loc for loc, _ in items]
-        runs = self._runs(locs)
+        # Runs of at most READ_RUN_BYTES; a smaller batch in READ_DEPTH runs of equal size.
+        even = -(-len(locs) // READ_DEPTH) * self.slot_bytes
+        runs = self._runs(locs, min(READ_RUN_BYTES, even))
 
         def read_run(run: list[int]) -> None:
             _, seg_id, off = self._offset(locs[run[0]])

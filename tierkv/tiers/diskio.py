@@ -89,11 +89,12 @@ def drop_page_cache(paths: list[Path]) -> None:
 
 
 class BounceBuffer:
-    """A reusable page-aligned anonymous mapping for O_DIRECT transfers."""
+    """A reusable page-aligned anonymous mapping for O_DIRECT transfers, faulted in at once
+    unless ``populate=False`` (then by its first transfer, on the thread doing it)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, populate: bool = True) -> None:
         self.nbytes = nbytes
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self.mm = mmap.mmap(-1, max(nbytes, 1), flags)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
 
