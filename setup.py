@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent
 # calls inside a compiled class bypass a hook set on the class.
 COMPILED = [
     "tierkv.blocks", "tierkv.checksum", "tierkv.holds", "tierkv.ingest", "tierkv.leasing",
-    "tierkv.policy", "tierkv.tiers.base",
+    "tierkv.policy", "tierkv.policy_mix", "tierkv.tiers.base",
 ]
 SOURCES = {m: m.replace(".", "/") + ".py" for m in COMPILED}  # module -> path from the root
 MANIFEST = "_native.json"  # = tierkv.native.MANIFEST (tierkv itself cannot be imported here)

@@ -39,6 +39,7 @@ from tierkv.identity import Scope
 from tierkv.policy import POLICIES
 from tierkv.traces import (REFERENCES, TRACE_BLOCK, Request, SimResult, block_tokens, read_trace, simulate_policy,
                            simulate_tiers)
+from tierkv.workloads import trace_set
 
 LAYOUT = tierkv.PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=TRACE_BLOCK, dtype="float16")
 SCOPE = Scope("ab" * 32, "replay")
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace", type=Path, nargs="?", help="a Mooncake-format .jsonl (or use --generated)")
     ap.add_argument("--generated", choices=("loop", "chat", "zipf", "zipf-scan"),
                     help="replay a generated trace instead (see generated())")
+    ap.add_argument("--workload", metavar="SET:NAME",
+                    help="replay a trace of tierkv.workloads instead (e.g. check:sessions; see its DEVELOP and CHECK)")
     ap.add_argument("--capacity", type=int, action="append", help="tier size in blocks (repeat)")
     ap.add_argument("--policy", action="append", choices=POLICIES, help="store policies to replay (default: all)")
     ap.add_argument("--reference", action="append", choices=sorted(REFERENCES), help="default: all")
@@ -181,7 +184,14 @@ def main(argv: list[str] | None = None) -> int:
                          "(policy models, write-through): promote vs read-through, admit on first vs second use")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if args.generated:
+    if args.workload:
+        which, _, name = args.workload.partition(":")
+        sets = trace_set(which)
+        if name not in sets:
+            ap.error(f"--workload: {which} has {sorted(sets)}")
+        trace = sets[name][: args.limit]
+        args.trace = Path(f"workload:{args.workload}")
+    elif args.generated:
         trace = generated(args.generated)[: args.limit]
         args.trace = Path(f"generated:{args.generated}")
     elif args.trace is None:

@@ -14,7 +14,9 @@ keeps the same invariants. The table calls, with the store lock held:
   evict; nothing is mutated while it iterates);
 - ``segment(key)``: which part of the policy holds the key (for eviction reasons in stats).
 
-Two policies:
+Two policies here, two more in :mod:`tierkv.policy_mix` (``lru2``: LRU-2 with a bounded
+history of evicted blocks; ``mix``: a regret-weighted choice between ``arc`` and ``lru2``,
+issue #33):
 
 ``lru``: the original rule. One recency list; a touched chain moves leaf first, root last,
 so a prefix is always more recent than its extensions and the head is normally a leaf.
@@ -76,7 +78,7 @@ HINT_TAIL = 2  # bit: the block is the last one of its put (the deepest of the r
 # replays of these same classes. Any rather than bytes: compiled (setup.py), an annotation
 # is a type check at every call.
 Key = Any
-POLICIES = ("lru", "arc")
+POLICIES = ("lru", "arc", "lru2", "mix")  # the last two: tierkv/policy_mix.py
 DEFAULT_POLICY = "arc"
 _SEEN = -1  # an ARC list's value for a key seen again since it entered (no insertion class)
 _NOT_LISTED = -2  # pop()'s default: the key is not in that list (an int: no boxing, compiled)
@@ -132,6 +134,11 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
         return LRUPolicy()
     if name == "arc":
         return ARCPolicy(capacity)
+    if name in ("lru2", "mix"):
+        # Imported here: policy_mix builds on this module's classes.
+        from .policy_mix import LRU2Policy, MixPolicy
+
+        return LRU2Policy(capacity) if name == "lru2" else MixPolicy(capacity)
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")
 
 
