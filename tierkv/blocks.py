@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Final
 
 from .holds import Holds
-from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy, make_policy
+from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy
+from .policy_mix import make_policy
 from .priority import NORMAL, PINNED, Priority
 from .tiers.base import TIER_KEY, TierName
 

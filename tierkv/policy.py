@@ -128,20 +128,6 @@ class EvictionPolicy:
         raise NotImplementedError
 
 
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """A fresh policy for one tier of ``capacity`` slots (the ghost bound scales with it)."""
-    if name == "lru":
-        return LRUPolicy()
-    if name == "arc":
-        return ARCPolicy(capacity)
-    if name in ("lru2", "mix"):
-        # Imported here: policy_mix builds on this module's classes.
-        from .policy_mix import LRU2Policy, MixPolicy
-
-        return LRU2Policy(capacity) if name == "lru2" else MixPolicy(capacity)
-    raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")
-
-
 class LRUPolicy(EvictionPolicy):
     name = "lru"
 

@@ -1,7 +1,7 @@
 """Eviction orders that learn which rule suits the trace (issue #33): ``lru2`` (LRU-2 with a
 bounded history of evicted blocks) and ``mix`` (a regret-weighted choice between ``arc``
-and ``lru2``). Same contract as :mod:`tierkv.policy` (whose ``make_policy`` builds
-them): a policy only orders keys, the block table decides what may go.
+and ``lru2``). Same contract as :mod:`tierkv.policy` (``make_policy`` below builds
+every policy): a policy only orders keys, the block table decides what may go.
 
 ``lru2``: a block seen in one use is ranked by that use, below every block seen in two
 or more, which are ranked by their second-to-last use (the oldest goes first). A use is a
@@ -39,7 +39,7 @@ import math
 from collections import OrderedDict
 from typing import Iterator
 
-from .policy import HINT_FRESH, ARCPolicy, EvictionPolicy, Key
+from .policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, Key, LRUPolicy
 
 _NONE = -1  # an int default for dict.pop/get (no boxing when compiled)
 
@@ -243,3 +243,17 @@ class MixPolicy(EvictionPolicy):
         assert len(self._blame) <= self.history_limit, "regret history over its bound"
         assert not (set(self._blame) & keys), "a resident block in the regret history"
         assert 0 <= self.leader < len(self.experts) and all(w >= self.floor for w in self.weights)
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """A fresh policy of any of POLICIES for one tier of ``capacity`` slots (the ghost bound
+    scales with it). Here, not in tierkv/policy.py: this module builds on that one's classes."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "arc":
+        return ARCPolicy(capacity)
+    if name == "lru2":
+        return LRU2Policy(capacity)
+    if name == "mix":
+        return MixPolicy(capacity)
+    raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")

@@ -31,7 +31,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, make_policy
+from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
+from .policy_mix import make_policy
 
 TRACE_BLOCK = 512  # tokens per hash id in Mooncake's traces
 _INF = 1 << 62

@@ -431,6 +431,47 @@ def test_a_hit_is_never_saved_again():
     side.check_integrity()
 
 
+def test_a_prompt_tierkv_holds_whole_is_not_looked_up_when_vllm_holds_it_too():
+    # Issue #31: a same-engine hit must not pay tierkv's hashing and lookup. Known from a
+    # lookup that found every full block, or from the saves of the prompt's every block.
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(B, sha256)
+    blocks = [50, 51, 52, 53]
+    side = make_scheduler(hit_tokens=4 * B, blocks_of={r: blocks for r in "abcdefg"})
+    looked_up = []
+    lookup = side.handle.lookup
+    side.handle.lookup = lambda tokens, scope: looked_up.append(len(tokens)) or lookup(tokens, scope)
+    prompt = list(range(4 * B))
+
+    def ask(rid, local, **kw):
+        req = request(rid, prompt, block_hasher=hasher, **kw)
+        got = side.matched(req, local)
+        side.allocated(req, blocks, got)
+        meta = side.build(scheduler_output(new=[(rid, local + got, 4 * B - local - got)]))
+        side.finished(req)
+        return got, meta
+
+    assert ask("a", 0)[0] == 3 * B and len(looked_up) == 1  # found whole: remembered
+    got, meta = ask("b", 3 * B)  # vLLM holds every block tierkv could give
+    assert got == 0 and len(looked_up) == 1 and meta.loads == [] and meta.saves == []
+    assert side.counters.snapshot()["lookups_skipped"] == 1
+    assert ask("c", 0)[0] == 3 * B and len(looked_up) == 2  # vLLM lost it: looked up, loaded
+    assert ask("d", 3 * B, cache_salt="other")[0] == 0 and len(looked_up) == 3  # another scope
+    # A prompt tierkv did not hold: remembered once its saves cover every full block.
+    side.handle.hit_tokens = 0
+    prompt = list(range(100, 100 + 4 * B))
+    got, meta = ask("e", 0)
+    assert got == 0 and len(looked_up) == 4 and [(s.first_block, s.block_ids) for s in meta.saves] == [(0, tuple(blocks))]
+    assert ask("f", 3 * B)[0] == 0 and len(looked_up) == 4
+    # Without vLLM's block hashes (prefix caching off) nothing is skipped.
+    req = request("g", prompt)
+    assert side.matched(req, 3 * B) == 0 and len(looked_up) == 5
+    side.check_integrity()
+
+
 def test_a_prefix_queued_for_saving_is_not_saved_again_before_it_is_written():
     # Saves are written in the background: the next request with the same prompt may look
     # up before they land, and must not plan them again.

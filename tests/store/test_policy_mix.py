@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from tierkv.policy import make_policy
+from tierkv.policy_mix import make_policy
 from tierkv.policy_mix import LRU2Policy, MixPolicy
 from tierkv.traces import Request, simulate_belady, simulate_lru, simulate_lru2, simulate_policy
 

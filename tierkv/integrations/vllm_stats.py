@@ -18,6 +18,7 @@ class Counters:
     """Cumulative counts (updated under ``lock``; ``snapshot()`` reads them consistently)."""
 
     lookups: int = 0  # scheduler: requests looked up in tierkv
+    lookups_skipped: int = 0  # scheduler: requests vLLM's cache covered, tierkv known to hold the prompt
     hit_requests: int = 0  # scheduler: lookups that found tokens beyond vLLM's own cache
     hit_tokens: int = 0  # scheduler: tokens promised to vLLM from tierkv
     loads: int = 0  # worker: load operations (one per request)
