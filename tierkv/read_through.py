@@ -9,7 +9,8 @@ were a third of a cold restore's CPU time (perf: ``shmem_fault`` under the popul
 ``madvise`` and O_DIRECT's ``get_user_pages``), against a plain file whose reader pays for
 one destination buffer only. So ``acquire(..., promote=False)`` reads a window whose blocks
 are all on disk only, read through for the first time since the store opened, into one
-of a few reusable aligned buffers (faulted once), verifies every page there, and hands out
+of a few reusable aligned buffers (faulted in by their first reads), verifies every page
+there, and hands out
 a :class:`~tierkv.results.Lease` whose pool is that buffer. A block read through a second
 time is promoted as usual: a prefix used again is worth its place in memory (the same
 "seen once" rule as the eviction policy's recent list).
@@ -26,8 +27,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
-
-import torch
 
 from .blocks import Block
 from .placement import Placement
@@ -54,7 +53,7 @@ class ReadThrough:
 
     def __init__(self, store: "Store", placement: Placement, promotion: Promotion) -> None:
         self.store, self.placement, self.promotion = store, placement, promotion
-        self.layout, self.disk, self.table = placement.layout, placement.disk, placement.table
+        self.layout, self.disk = placement.layout, placement.disk
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # held: the store lock
         self._buffers: list[BounceBuffer] = []  # free buffers, largest last
         self._buffers_lock = threading.Lock()
@@ -96,6 +95,8 @@ class ReadThrough:
             raise
         ok = n if failed is None else failed
         with self.placement.lock:
+            # A block invalidated meanwhile ends the lease too, as it ends a promotion.
+            ok = next((i for i in range(ok) if chain[i].dead), ok)
             if ok < n:
                 self.placement.release_blocks(chain[ok:], ended=False)
             self.placement.stats_counters.record_acquire([TierName.DISK.value] * ok, asked)

@@ -15,8 +15,8 @@ from tierkv.tiers import SlotAllocator, TierName
 DISK = TierName.DISK
 
 from .child import chain_tokens, scope_of
-from .kit import (BS, LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, assert_prefix_order, keys_of, pages_for,
-                  put_chain, segment_files, tier_counts, tier_keys, toks)
+from .kit import (BS, LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, assert_prefix_order, keys_of, open_store,
+                  page_for, pages_for, put_chain, segment_files, tier_counts, tier_keys, toks)
 
 
 def test_overfill_device_demotes_to_host_and_disk(make_store):
@@ -538,3 +538,30 @@ def test_a_put_copies_into_reserved_device_slots_beside_its_disk_write_and_frees
     assert r.stored == 8 and not r.durable
     with store.acquire(more, SCOPE) as lease:
         assert torch.equal(lease.pages(), pages_for(more))
+
+
+def test_a_small_read_batch_is_two_requests_in_flight(tmp_path, monkeypatch):
+    """A batch smaller than two full runs (a restore window) is cut in READ_DEPTH runs of
+    equal size, so that it is READ_DEPTH requests in flight, not one."""
+    import tierkv.tiers.disk_reads as disk_reads
+    from tierkv.tiers.diskio import BounceBuffer
+
+    store = open_store(tmp_path / "h", shm_dir=tmp_path / "shm", device_bytes=8 * PAGE, host_bytes=0,
+                       disk_bytes=64 * SLOT, segment_pages=16)
+    try:
+        chain = toks(77, 5)
+        put_chain(store, chain)
+        with store.placement.lock:
+            locs = [store.placement.table.get(k).loc[TierName.DISK] for k in keys_of(chain)]
+        sizes: list[int] = []
+        real = os.preadv
+        monkeypatch.setattr(disk_reads.os, "preadv", lambda fd, bufs, off: sizes.append(len(bufs)) or real(fd, bufs, off))
+        buf = BounceBuffer(5 * SLOT)
+        mm = memoryview(buf.mm)
+        store.disk.read_many([(loc, mm[i * SLOT : (i + 1) * SLOT]) for i, loc in enumerate(locs)])
+        assert sorted(sizes) == [2, 3]  # 5 consecutive slots: 3 + 2, not one request of 5
+        for i, key in enumerate(keys_of(chain)):
+            got = buf.tensor[i * SLOT : i * SLOT + PAGE].view(LAYOUT.torch_dtype).view(LAYOUT.shape)
+            assert torch.equal(got, page_for(key))
+    finally:
+        store.close()

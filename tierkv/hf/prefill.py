@@ -40,7 +40,7 @@ DEFAULT_CHUNK_TOKENS = 2048
 # leased ahead of the copy: a window large enough that its reads are a few large requests,
 # small enough that the copy left after the last read is short and that the read-through
 # buffers of a cold restore (tierkv/read_through.py: one per window in flight, faulted in
-# when first made) stay small (scripts/bench_ttft.py; docs/performance.md).
+# by their first reads) stay small (scripts/bench_ttft.py; docs/performance.md).
 RESTORE_WINDOW_BLOCKS = 32
 RESTORE_WINDOW_BYTES = 16 << 20
 RESTORE_WINDOWS_AHEAD = 3
