@@ -113,3 +113,22 @@ def slot_offset(store: Store, key: bytes) -> tuple[Path, int]:
     seg_id, index = split_location(loc)
     path = store.config.home / "segments" / f"seg-{seg_id:06d}.safetensors"
     return path, read_header(path).data_offset + index * LAYOUT.slot_bytes
+
+
+def random_tree_trace(rng: random.Random, n: int) -> list:
+    """``n`` requests of six conversations whose histories grow and are sometimes re-read in
+    part: a small prefix-tree trace for tierkv.traces' simulators (block ids, not tokens)."""
+    from tierkv.traces import Request
+
+    convs: dict[int, list[int]] = {}
+    trace, nxt = [], 1000
+    for _ in range(n):
+        c = rng.randrange(6)
+        h = convs.get(c, [c])
+        if rng.random() < 0.5 and len(h) < 12:
+            h = h + list(range(nxt, nxt + rng.randint(1, 3)))
+            nxt += 5
+        convs[c] = h
+        ids = h[: rng.randint(1, len(h))] if rng.random() < 0.3 else h
+        trace.append(Request(tuple(ids), len(ids) * 512))
+    return trace

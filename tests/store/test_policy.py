@@ -16,7 +16,7 @@ from tierkv.policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, LRUPo
 from tierkv.policy_mix import MixPolicy
 from tierkv.traces import (Request, block_tokens, read_trace, simulate_belady, simulate_lru, simulate_lru2,
                            simulate_policy, simulate_tiers)
-from .kit import LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, tier_keys, toks
+from .kit import LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, random_tree_trace, tier_keys, toks
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
@@ -226,17 +226,7 @@ def test_lru2_reference_known_answer():
 def test_belady_bounds_every_policy_on_random_trees():
     rng = random.Random(3)
     for _ in range(30):
-        convs: dict[int, list[int]] = {}
-        trace, nxt = [], 1000
-        for _ in range(50):
-            c = rng.randrange(6)
-            h = convs.get(c, [c])
-            if rng.random() < 0.5 and len(h) < 12:
-                h = h + list(range(nxt, nxt + rng.randint(1, 3)))
-                nxt += 5
-            convs[c] = h
-            ids = h[: rng.randint(1, len(h))] if rng.random() < 0.3 else h
-            trace.append(Request(tuple(ids), len(ids) * 512))
+        trace = random_tree_trace(rng, 50)
         for cap in (3, 6, 10):
             best = sum(simulate_belady(trace, cap).hits)
             for f in (simulate_lru, simulate_lru2, lambda t, c: simulate_policy(t, c, "arc")):

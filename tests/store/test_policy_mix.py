@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import random
 
-from tierkv.policy_mix import make_policy
-from tierkv.policy_mix import LRU2Policy, MixPolicy
+from tierkv.policy_mix import LRU2Policy, MixPolicy, make_policy
 from tierkv.traces import Request, simulate_belady, simulate_lru, simulate_lru2, simulate_policy
+
+from .kit import random_tree_trace
 
 
 def _random_trees(seed: int, n: int = 60) -> list[Request]:
-    rng = random.Random(seed)
-    convs: dict[int, list[int]] = {}
-    trace, nxt = [], 1000
-    for _ in range(n):
-        c = rng.randrange(6)
-        h = convs.get(c, [c])
-        if rng.random() < 0.5 and len(h) < 12:
-            h = h + list(range(nxt, nxt + rng.randint(1, 3)))
-            nxt += 5
-        convs[c] = h
-        ids = h[: rng.randint(1, len(h))] if rng.random() < 0.3 else h
-        trace.append(Request(tuple(ids), len(ids) * 512))
-    return trace
+    return random_tree_trace(random.Random(seed), n)
 
 
 def test_lru2_orders_once_seen_first_then_by_second_to_last_use():
