@@ -12,13 +12,23 @@ be read against. Medians over ``--pairs``.
     .venv/bin/python scripts/ab.py --base eedbb0d --bench store-write --pairs 5
     .venv/bin/python scripts/ab.py --check                 # CI: exit 1 below --min-ratio
 
-Probes (throughput, GB/s of pages; the store opened before the clock starts in each):
+Probes (higher is better; the store opened before the clock starts in each). The guard's
+three, run by default (GB/s of pages):
   store-write   durable puts of --gib GiB of 1 MiB pages, 64 blocks a put, into a new home
   store-read    one acquire of all of them from a reopened home, page cache dropped (cold)
   restore       a 4,096-token prefix of a 30-layer model's KV (189 MB, fp32) from a cold
                 disk into transformers' per-layer layout: ``tierkv.hf.restore_cache`` where
                 the revision has it, else one acquire and ``Lease.kv()``
-The replay's own lockstep A/B (metadata path, in one process) is scripts/replay_ab.py.
+and, asked for by name (``--bench``), this tree's benchmark scripts run against each
+revision's ``tierkv`` (the daemon they start is the revision's too):
+  daemon-1      scripts/bench_daemon.py: acquire/release iterations/s of 1 client process
+  daemon-32     the same with 32 client processes against one daemon
+  replay        scripts/replay_trace.py: requests/s of the store replaying the generated
+                zipf-scan trace at 500 blocks, policy arc (the metadata path)
+  vllm-hit      scripts/bench_vllm.py --small: 1 / TTFT of a same-engine hit through the
+                embedded connector; needs ``--python`` naming the vLLM venv's interpreter
+                (scripts/ci_vllm.sh builds it), about two minutes a run
+The replay's lockstep A/B in one process, with a compiled base, is scripts/replay_ab.py.
 
 Both revisions run as plain Python (TIERKV_PURE_PYTHON=1) unless ``--compiled``: the base
 from an archive has no compiled modules, and the disk and restore paths spend their time in
@@ -44,7 +54,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BASELINE_FILE = REPO / "docs" / "performance-baseline"
-PROBES = ("store-write", "store-read", "restore")
+PROBES = ("store-write", "store-read", "restore")  # the guard's (the default)
+SCRIPT_PROBES = ("daemon-1", "daemon-32", "replay", "vllm-hit")
 
 
 # ---- probes: run in a child process whose sys.path holds the revision's tierkv --------------
@@ -132,7 +143,36 @@ def probe(name: str, work: Path, gib: float) -> float:
             elapsed = time.perf_counter() - t0
         assert got == len(tokens), got
         return n_blocks * layout.page_bytes / elapsed / 1e9
-    raise SystemExit(f"unknown probe {name!r} (known: {', '.join(PROBES)})")
+    if name in SCRIPT_PROBES:
+        return script_probe(name)
+    raise SystemExit(f"unknown probe {name!r} (known: {', '.join(PROBES + SCRIPT_PROBES)})")
+
+
+def script_probe(name: str) -> float:
+    """A figure of one of this tree's benchmark scripts, run by this interpreter with the
+    revision's ``tierkv`` first on PYTHONPATH (inherited from the probe's environment)."""
+    scripts = Path(__file__).resolve().parent
+    if name.startswith("daemon-"):
+        cmd = [str(scripts / "bench_daemon.py"), "--clients", name.split("-")[1], "--seconds", "3", "--runs", "1",
+               "--no-shm", "--json"]
+        key = "daemon_n_iterations_per_s"
+    elif name == "replay":
+        cmd = [str(scripts / "replay_trace.py"), "--generated", "zipf-scan", "--capacity", "500", "--policy", "arc",
+               "--reference", "lru", "--json"]
+        key = "replay"
+    else:
+        cmd = [str(scripts / "bench_vllm.py"), "--small", "--skip", "offloading,simple_cpu_offload",
+               "--throughput-configs", "vllm_apc", "--json"]
+        key = "vllm-hit"
+    done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:1])} failed:\n{done.stderr[-3000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if key == "replay":
+        return next(float(r["requests_per_s"]) for r in out["rows"] if r["kind"] == "store")
+    if key == "vllm-hit":
+        return 1.0 / float(out["ttft_s"]["tierkv_embedded_same_engine_hit"])
+    return float(out[key])
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -152,12 +192,12 @@ def archive(rev: str, into: Path) -> Path:
     return into
 
 
-def run_probe(src: Path, name: str, gib: float, directory: Path | None, compiled: bool) -> float:
+def run_probe(src: Path, name: str, gib: float, directory: Path | None, compiled: bool, python: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(src))
     if not compiled:
         env["TIERKV_PURE_PYTHON"] = "1"
     with tempfile.TemporaryDirectory(prefix="tierkv-ab-", dir=directory) as work:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", name, "--gib", str(gib), "--work", work]
+        cmd = [python, str(Path(__file__).resolve()), "--probe", name, "--gib", str(gib), "--work", work]
         done = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"probe {name} failed under {src}:\n{done.stderr[-3000:]}")
@@ -167,13 +207,16 @@ def run_probe(src: Path, name: str, gib: float, directory: Path | None, compiled
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default=None, help="git revision (default: the one named in docs/performance-baseline)")
-    ap.add_argument("--bench", action="append", choices=PROBES, help="probe to run (repeat; default: all)")
+    ap.add_argument("--bench", action="append", choices=PROBES + SCRIPT_PROBES,
+                    help=f"probe to run (repeat; default: {', '.join(PROBES)})")
     ap.add_argument("--pairs", type=int, default=5, help="alternated rounds per probe (medians over them)")
     ap.add_argument("--gib", type=float, default=0.5, help="GiB of pages for the store probes")
     ap.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--compiled", action="store_true", help="leave compiled modules on (default: plain Python)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a median ratio is below --min-ratio")
     ap.add_argument("--min-ratio", type=float, default=0.80)
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter of the probes (vllm-hit: the vLLM venv's; default: this one)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -190,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.pairs):
                 order = list(srcs)[i % 3:] + list(srcs)[: i % 3]  # rotate who goes first
                 for who in order:
-                    got[who].append(run_probe(srcs[who], name, args.gib, args.dir, args.compiled))
+                    got[who].append(run_probe(srcs[who], name, args.gib, args.dir, args.compiled, args.python))
             ratios = [t / b for t, b in zip(got["tree"], got["base"])]
             nulls = [n / b for n, b in zip(got["null"], got["base"])]
             row = {"probe": name, "base": base, "pairs": args.pairs, "ratio_median": statistics.median(ratios),
@@ -200,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 print(f"{name:<12} tree/base {row['ratio_median']:.3f} [{', '.join(f'{r:.2f}' for r in ratios)}]"
                       f"   null {row['null_median']:.3f} [{', '.join(f'{r:.2f}' for r in nulls)}]"
-                      f"   GB/s tree {row['tree_gbps_median']:.2f} base {row['base_gbps_median']:.2f}", flush=True)
+                      f"   {'GB/s' if name in PROBES else 'per s'} tree {row['tree_gbps_median']:.2f} "
+                      f"base {row['base_gbps_median']:.2f}", flush=True)
     if args.json:
         print(json.dumps({"base": base, "load_avg": os.getloadavg()[0], "rows": rows}, indent=2))
     failed = [r["probe"] for r in rows if r["ratio_median"] < args.min_ratio]

@@ -134,6 +134,7 @@ def test_release_returns_the_buffer_once(make_store):
     lease = store.acquire(chain, SCOPE, promote=False)
     buf = lease.read_through
     assert buf is not None and store.read_through._lent == 1
+    assert "tensor" not in repr(lease)  # a lease's repr names its blocks, not its pages' bytes
     lease.release()
     assert lease.read_through is None and lease.pool.shape[0] == 0  # nothing reaches the buffer now
     assert store.read_through._lent == 0 and store.read_through._buffers == [buf]
