@@ -42,7 +42,7 @@ DEFAULT_CHUNK_TOKENS = 2048
 # buffers of a cold restore (tierkv/read_through.py: one per window in flight, faulted in
 # by their first reads) stay small (scripts/bench_ttft.py; docs/performance.md).
 RESTORE_WINDOW_BLOCKS = 32
-RESTORE_WINDOW_BYTES = 16 << 20
+RESTORE_WINDOW_BYTES = 24 << 20
 RESTORE_WINDOWS_AHEAD = 3
 Progress = Callable[[int, int], None]
 
