@@ -167,7 +167,8 @@ def script_probe(name: str) -> float:
     done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:1])} failed:\n{done.stderr[-3000:]}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    raw = done.stdout.strip()  # the JSON object is last; replay_trace.py indents it over many lines
+    out = json.loads(raw if raw.startswith("{") else raw[raw.rfind("\n{") + 1 :])
     if key == "replay":
         return next(float(r["requests_per_s"]) for r in out["rows"] if r["kind"] == "store")
     if key == "vllm-hit":
