@@ -239,13 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             nulls = [n / b for n, b in zip(got["null"], got["base"])]
             row = {"probe": name, "base": base, "pairs": args.pairs, "ratio_median": statistics.median(ratios),
                    "null_median": statistics.median(nulls), "ratios": ratios, "nulls": nulls,
-                   "tree_gbps_median": statistics.median(got["tree"]), "base_gbps_median": statistics.median(got["base"])}
+                   "unit": "GB/s" if name in PROBES else "per s",
+                   "tree_median": statistics.median(got["tree"]), "base_median": statistics.median(got["base"])}
             rows.append(row)
             if not args.json:
                 print(f"{name:<12} tree/base {row['ratio_median']:.3f} [{', '.join(f'{r:.2f}' for r in ratios)}]"
                       f"   null {row['null_median']:.3f} [{', '.join(f'{r:.2f}' for r in nulls)}]"
-                      f"   {'GB/s' if name in PROBES else 'per s'} tree {row['tree_gbps_median']:.2f} "
-                      f"base {row['base_gbps_median']:.2f}", flush=True)
+                      f"   {row['unit']} tree {row['tree_median']:.2f} base {row['base_median']:.2f}", flush=True)
     if args.json:
         print(json.dumps({"base": base, "load_avg": os.getloadavg()[0], "rows": rows}, indent=2))
     failed = [r["probe"] for r in rows if r["ratio_median"] < args.min_ratio]
