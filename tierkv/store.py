@@ -199,20 +199,10 @@ class Store(StoreAPI):
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
                 start_block: int = 0, promote: bool = True) -> Lease:
-        """Lease the longest cached prefix, promoted into the device tier.
-
-        ``start_block``/``max_blocks`` lease only blocks ``start_block ..`` of that prefix
-        (the whole prefix is still matched and verified), so a prefix larger than the device
-        tier can be read a window at a time. ``promote=False``: the caller copies the pages
-        out and releases soon, so a window read from disk for the first time is read into a
-        buffer of the lease instead (tierkv/read_through.py).
-
-        The lease covers fewer blocks than ``lookup`` finds when the device tier cannot hold
-        them all (other leases), a page fails verification (it is quarantined) or cannot be
-        read (an I/O error: the block stays stored, the disk tier is marked read-degraded),
-        or another thread's read of a block does not finish within ``PROMOTION_WAIT_S``.
-        Leased blocks are never evicted, moved or overwritten until :meth:`release`.
-        """
+        """:meth:`tierkv.api.StoreAPI.acquire` (tierkv/leasing.py; ``promote=False``:
+        tierkv/read_through.py). The lease also stops short at a block another thread's read
+        of which does not finish within ``PROMOTION_WAIT_S``; a read I/O error leaves the
+        block stored and the disk tier read-degraded."""
         self._check_usable()
         return self.leasing.acquire(as_token_array(tokens), scope, block_extra, max_blocks, start_block, promote)
 

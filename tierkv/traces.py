@@ -16,9 +16,7 @@ enter in chain order, each evicting as needed.
   use is furthest goes (a parent is used whenever its child is, so the furthest next use
   always has a leaf; ties go to the deeper block);
 - :func:`simulate_policy`: any :mod:`tierkv.policy` policy, for fast experiments and as the
-  model the store's replay must agree with exactly.
-
-Every simulator returns a :class:`SimResult` of per-request hit counts.
+  model the store's replay must agree with exactly. Each returns a :class:`SimResult`.
 """
 from __future__ import annotations
 
