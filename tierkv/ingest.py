@@ -176,11 +176,14 @@ class Ingest:
                 else:
                     for b, s in zip(new, row_checksums(list(row_of), stored_rows, list(row_of.values()))):
                         b.checksum = s
-            if reserved:
+            # Slots in shared memory whose bytes are whole disk slots: the pages are written
+            # to disk from them, each run copied in just before it is written, instead of
+            # being copied once into the slots (a helper thread) and once more into staging.
+            targets = self._direct_sources(reserved) if stored is pages else None
+            if reserved and targets is None:
                 copying = self._helper.submit(self.placement.device.write_many, reserved, pages,
                                               list(row_of.values()), stored_rows if stored is pages else None)
             if disk_plan:
-                items = [(loc, stored[row_of[b.key]].detach().cpu()) for loc, b in disk_plan]
                 records: list[BlockRecord] = []
 
                 def slot_bodies() -> list[bytes]:
@@ -194,7 +197,17 @@ class Ingest:
                 # Order matters: pages and their slot records written and fsynced, then the
                 # index commit, then we ack. A slot record carries the checksum, so it waits.
                 with self._io_lock:
-                    self.disk.write_pages(items, slot_bodies)
+                    if targets is not None:
+                        rows = list(row_of.values())  # in the order of ``new``, as ``reserved`` and ``disk_plan``
+
+                        def fill(positions: list[int]) -> None:
+                            self.placement.device.write_many([reserved[p] for p in positions], pages,
+                                                             [rows[p] for p in positions], stored_rows)
+
+                        self.disk.write_slots([(loc, t) for (loc, _), t in zip(disk_plan, targets)], fill, slot_bodies)
+                    else:
+                        self.disk.write_pages([(loc, stored[row_of[b.key]].detach().cpu()) for loc, b in disk_plan],
+                                              slot_bodies)
                     self.index.put_blocks(records)
         except BaseException:
             if copying is not None:
@@ -218,6 +231,14 @@ class Ingest:
             all_durable = not n or (self.disk.capacity_slots > 0 and all(
                 (blk := get(k)) is not None and TIER_KEY[DISK] in blk.loc for k in keys[start_block:]))
         return PutResult(stored=len(new), skipped=n - len(new), durable=all_durable)
+
+    def _direct_sources(self, reserved: list[int]) -> list[memoryview] | None:
+        """The reserved device slots' bytes, when each is one whole disk slot the disk tier
+        may write from (shared memory, 4 KiB-aligned, a page of a 4 KiB multiple), else None."""
+        if not reserved or self.disk.slot_bytes != self.layout.page_bytes:
+            return None
+        targets = [self.placement.device.direct_target(slot) for slot in reserved]
+        return None if any(t is None for t in targets) else targets  # type: ignore[return-value]
 
     def _abort_put(self, new: list[Block], disk_plan: list[tuple[int, Block]], reserved: Sequence[int] = ()) -> None:
         """Undo a failed put (held: the lock): its disk slots, its reserved device slots (no

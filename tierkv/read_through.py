@@ -19,11 +19,16 @@ Ownership: the blocks of the window are leased under the store lock before any r
 nothing evicts or frees their disk slots meanwhile (as for a promotion); a block that fails
 its read ends the lease there (quarantined when its page is proven bad, a miss otherwise,
 :class:`~tierkv.promotion.Promotion` classifies and settles it). The buffer belongs to the
-lease until its release, then returns to :class:`ReadThrough`, which keeps at most
-``KEEP_BUFFERS``.
+lease until its release, then returns to the process's :class:`BufferPool`, which keeps at
+most ``KEEP_BUFFERS`` for every store of the process: a store opened after another one
+closed reads into memory already faulted in, as a plain file's reader reuses its heap
+(fresh memory costs ~1 ms per MiB to fault in on the VM of docs/performance.md, half of a
+4,096-token restore's CPU when each open made its own buffers). :func:`release_buffers`
+gives them back to the system.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -48,6 +53,61 @@ KEEP_BUFFERS = 4
 SEEN_LIMIT = 1 << 16
 
 
+class BufferPool:
+    """Free read-through buffers, shared by the stores of this process (at most ``keep``,
+    the largest kept). A buffer taken belongs to its taker until given back."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._free: list[BounceBuffer] = []  # smallest first
+
+    def take(self, nbytes: int) -> BounceBuffer:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= nbytes:
+                    return self._free.pop(i)
+        # Aligned for O_DIRECT; faulted in by the reads themselves, on the disk tier's reader
+        # threads (READ_DEPTH of them), not here, serially, ahead of the first read.
+        return BounceBuffer(nbytes, populate=False)
+
+    def give(self, buf: BounceBuffer) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.nbytes)
+            while len(self._free) > self.keep:
+                self._free.pop(0).close()  # the smallest goes
+
+    def holds(self, buf: BounceBuffer) -> bool:
+        with self._lock:
+            return any(b is buf for b in self._free)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def clear(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for buf in free:
+            buf.close()
+
+    def _after_fork(self) -> None:
+        # A child must not wait on a lock a thread of its parent held at the fork; its copies
+        # of the buffers are its own (private mappings), so it may keep them.
+        self._lock = threading.Lock()
+
+
+POOL = BufferPool(KEEP_BUFFERS)
+os.register_at_fork(after_in_child=POOL._after_fork)
+
+
+def release_buffers() -> None:
+    """Unmap the free read-through buffers of this process (those of leases still held go
+    back to the pool at their release)."""
+    POOL.clear()
+
+
 class ReadThrough:
     """Reads of cold windows into lease-owned buffers (see the module docstring)."""
 
@@ -55,9 +115,8 @@ class ReadThrough:
         self.store, self.placement, self.promotion = store, placement, promotion
         self.layout, self.disk = placement.layout, placement.disk
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # held: the store lock
-        self._buffers: list[BounceBuffer] = []  # free buffers, largest last
-        self._buffers_lock = threading.Lock()
-        self._lent = 0  # buffers held by leases (for check_integrity)
+        self._lent_lock = threading.Lock()
+        self._lent = 0  # this store's buffers held by leases (for check_integrity)
         # Pages land in the buffer as stored, so only an exact codec on a CPU store qualifies
         # (a CUDA store reads into its device slots, with kvikio where it can).
         self.enabled = placement.disk.codec.exact and placement.device.device.type == "cpu"
@@ -121,35 +180,24 @@ class ReadThrough:
             self._give(buf)
 
     def _take(self, nbytes: int) -> BounceBuffer:
-        with self._buffers_lock:
+        with self._lent_lock:
             self._lent += 1
-            for i, buf in enumerate(self._buffers):
-                if buf.nbytes >= nbytes:
-                    return self._buffers.pop(i)
-        # Aligned for O_DIRECT; faulted in by the reads themselves, on the disk tier's reader
-        # threads (READ_DEPTH of them), not here, serially, ahead of the first read.
-        return BounceBuffer(nbytes, populate=False)
+        return POOL.take(nbytes)
 
     def _give(self, buf: BounceBuffer) -> None:
-        with self._buffers_lock:
+        with self._lent_lock:
             self._lent -= 1
-            self._buffers.append(buf)
-            self._buffers.sort(key=lambda b: b.nbytes)
-            while len(self._buffers) > KEEP_BUFFERS:
-                self._buffers.pop(0).close()  # the smallest goes
+        POOL.give(buf)
 
     def check_integrity(self) -> None:
-        """(held: the lock) Bounded memory: at most KEEP_BUFFERS free buffers and SEEN_LIMIT
-        remembered blocks; never more buffers returned than lent."""
-        with self._buffers_lock:
-            assert len(self._buffers) <= KEEP_BUFFERS, f"{len(self._buffers)} free read-through buffers"
+        """(held: the lock) Bounded memory: at most KEEP_BUFFERS free buffers in the process
+        and SEEN_LIMIT remembered blocks; never more buffers returned than lent."""
+        assert len(POOL) <= KEEP_BUFFERS, f"{len(POOL)} free read-through buffers"
+        with self._lent_lock:
             assert self._lent >= 0, f"read-through buffers returned more often than lent ({self._lent})"
         assert len(self._seen) <= SEEN_LIMIT, f"{len(self._seen)} blocks remembered as read through"
 
     def close(self) -> None:
-        """Unmap the free buffers (those of leases still held go when the leases do)."""
-        with self._buffers_lock:
-            for buf in self._buffers:
-                buf.close()
-            self._buffers.clear()
-
+        """Forget what was read through. The free buffers stay in the process's pool for
+        the next store (:func:`release_buffers` unmaps them)."""
+        self._seen.clear()

@@ -121,7 +121,7 @@ def test_leases_of_a_killed_client_are_reclaimed(daemon):
 def test_enospc_while_serving_is_an_error_reply_and_the_daemon_goes_on(daemon):
     with tierkv.connect(daemon.config.socket) as c:
         c.put(prompt(32, seed=30), pages_for(2, 30), SCOPE)
-        with mock.patch("tierkv.tiers.disk.os.pwrite", side_effect=OSError(errno.ENOSPC, "No space left on device")):
+        with mock.patch("tierkv.tiers.disk.os.pwritev", side_effect=OSError(errno.ENOSPC, "No space left on device")):
             try:
                 r = c.put(prompt(32, seed=31), pages_for(2, 31), SCOPE)
                 assert not r.durable  # the store kept it in memory only and said so

@@ -28,8 +28,8 @@ DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def open_store(home: Path, **options: Any) -> Store:
-    return tierkv.open(home, LAYOUT, **{**DEFAULTS, **options})
+def open_store(home: Path, layout: PageLayout | None = None, **options: Any) -> Store:
+    return tierkv.open(home, layout or LAYOUT, **{**DEFAULTS, **options})
 
 
 def toks(seed: int, n_blocks: int, extra: int = 0) -> list[int]:
@@ -38,24 +38,31 @@ def toks(seed: int, n_blocks: int, extra: int = 0) -> list[int]:
     return [rng.randrange(0, 50_000) for _ in range(n_blocks * BS + extra)]
 
 
-def page_for(key: bytes) -> torch.Tensor:
+# A layout whose page is exactly 4 KiB (block size 4, as LAYOUT's): a put writes its pages to
+# disk straight from its device slots (tierkv/ingest.py), where LAYOUT's 1 KiB pages are
+# copied into staging buffers first.
+LAYOUT_4K = PageLayout(num_layers=2, num_kv_heads=4, head_dim=16, block_size=4)
+assert LAYOUT_4K.page_bytes == LAYOUT_4K.slot_bytes == 4096
+
+
+def page_for(key: bytes, layout: PageLayout = LAYOUT) -> torch.Tensor:
     """The page every test stores under ``key``: a pure function of the key, so a checker
     in another process (or after a crash) knows the expected bytes."""
     g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
-    return torch.randn(LAYOUT.shape, generator=g)
+    return torch.randn(layout.shape, generator=g)
 
 
 def pages_for(tokens: Sequence[int], scope: Scope = SCOPE, start: int = 0, n: int | None = None,
-              block_extra: Any = None) -> torch.Tensor:
+              block_extra: Any = None, layout: PageLayout = LAYOUT) -> torch.Tensor:
     keys = block_keys(tokens, scope, BS, block_extra)
     n = len(keys) - start if n is None else n
     if n <= 0:
-        return torch.empty((0, *LAYOUT.shape), dtype=LAYOUT.torch_dtype)
-    return torch.stack([page_for(k) for k in keys[start : start + n]])
+        return torch.empty((0, *layout.shape), dtype=layout.torch_dtype)
+    return torch.stack([page_for(k, layout) for k in keys[start : start + n]])
 
 
 def put_chain(store: Store, tokens: Sequence[int], scope: Scope = SCOPE, **kw: Any) -> tierkv.PutResult:
-    return store.put(tokens, pages_for(tokens, scope), scope, **kw)
+    return store.put(tokens, pages_for(tokens, scope, layout=store.layout), scope, **kw)
 
 
 def keys_of(tokens: Sequence[int], scope: Scope = SCOPE) -> list[bytes]:
@@ -80,7 +87,7 @@ def tier_counts(store: Store) -> dict[str, int]:
 def assert_lease_exact(lease: tierkv.Lease) -> None:
     """Every leased page is exactly the page stored under its key (never wrong bytes)."""
     for i, key in enumerate(lease.keys):
-        assert torch.equal(lease.page(i), page_for(key)), f"wrong bytes for block {i}"
+        assert torch.equal(lease.page(i), page_for(key, lease.layout)), f"wrong bytes for block {i}"
 
 
 def assert_prefix_order(store: Store) -> None:
@@ -112,7 +119,7 @@ def slot_offset(store: Store, key: bytes) -> tuple[Path, int]:
         loc = store.placement.table.get(key).loc[TierName.DISK]
     seg_id, index = split_location(loc)
     path = store.config.home / "segments" / f"seg-{seg_id:06d}.safetensors"
-    return path, read_header(path).data_offset + index * LAYOUT.slot_bytes
+    return path, read_header(path).data_offset + index * store.layout.slot_bytes
 
 
 def random_tree_trace(rng: random.Random, n: int) -> list:

@@ -31,7 +31,7 @@ def _recover(store) -> None:
 
 
 @pytest.mark.parametrize("target,err,reason", [
-    ("pwrite", errno.ENOSPC, "ENOSPC"),
+    ("pwritev", errno.ENOSPC, "ENOSPC"),
     ("fdatasync", errno.EIO, "EIO"),
 ])
 def test_disk_write_fault_fails_put_cleanly(make_store, home, target, err, reason):
@@ -106,7 +106,7 @@ def test_write_back_failure_keeps_serving(make_store):
     store = make_store(write_through=False)
     chains = [toks(405 + i, 4) for i in range(2)]
     put_chain(store, chains[0])
-    with mock.patch.object(disk_mod.os, "pwrite", _fail(errno.ENOSPC)):
+    with mock.patch.object(disk_mod.os, "pwritev", _fail(errno.ENOSPC)):
         put_chain(store, chains[1])
         put_chain(store, toks(407, 4))  # host eviction: write-back fails, block dropped, no raise
     assert store.stats()["tiers"]["disk"]["degraded"] == "ENOSPC"

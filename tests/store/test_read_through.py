@@ -12,12 +12,20 @@ import torch
 
 from tierkv.errors import LeaseError
 from tierkv.layout import kv_buffer, kv_layers, split_layers, unpack_into, unpack_pages
-from tierkv.read_through import KEEP_BUFFERS
+from tierkv.read_through import KEEP_BUFFERS, POOL, release_buffers
 
 from .kit import (LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, pages_for, put_chain, slot_offset, tier_keys,
                   toks)
 
 DISK_ONLY = dict(device_bytes=8 * PAGE, host_bytes=0, disk_bytes=64 * SLOT, segment_pages=16)
+
+
+@pytest.fixture(autouse=True)
+def empty_pool():
+    """The pool of free buffers is the process's: each test starts and ends with it empty."""
+    release_buffers()
+    yield
+    release_buffers()
 
 
 def _cold(make_store, chain, **opts):
@@ -80,7 +88,7 @@ def test_windows_read_through_one_after_another(make_store):
         for lease in leases:
             lease.release()
     store.check_integrity()
-    assert len(store.read_through._buffers) == KEEP_BUFFERS  # four windows' buffers, kept for reuse
+    assert len(POOL) == KEEP_BUFFERS  # four windows' buffers, kept for reuse
 
 
 def test_bad_page_ends_the_lease_and_is_quarantined(make_store):
@@ -137,12 +145,32 @@ def test_release_returns_the_buffer_once(make_store):
     assert "tensor" not in repr(lease)  # a lease's repr names its blocks, not its pages' bytes
     lease.release()
     assert lease.read_through is None and lease.pool.shape[0] == 0  # nothing reaches the buffer now
-    assert store.read_through._lent == 0 and store.read_through._buffers == [buf]
+    assert store.read_through._lent == 0 and POOL.holds(buf)
     lease.release()  # a second release through the lease is a no-op ...
     with pytest.raises(LeaseError):
         store.release(lease)  # ... and through the store an error; the buffer is not given twice
-    assert store.read_through._lent == 0 and store.read_through._buffers == [buf]
+    assert store.read_through._lent == 0 and POOL.holds(buf) and len(POOL) == 1
     store.check_integrity()
+
+
+def test_a_store_opened_later_reuses_the_buffers_of_one_closed(make_store):
+    """The free buffers outlive the store that made them: the next store's reads land in
+    memory already faulted in (as a plain file's reader reuses its heap)."""
+    chain = toks(8, 2)
+    store = _cold(make_store, chain)
+    with store.acquire(chain, SCOPE, promote=False) as lease:
+        first = lease.read_through
+        assert_lease_exact(lease)
+    store.close()
+    assert first is not None and POOL.holds(first) and first.tensor.numel() > 0  # not unmapped by the close
+    store = make_store(**DISK_ONLY)  # the same home, opened again: the chain is cold again
+    with store.acquire(chain, SCOPE, promote=False) as lease:
+        assert lease.read_through is first  # the same buffer, taken from the pool
+        assert not POOL.holds(first)  # ... and lent: nobody else can take it meanwhile
+        assert_lease_exact(lease)
+    assert POOL.holds(first)
+    release_buffers()
+    assert len(POOL) == 0 and first.tensor.numel() == 0  # unmapped
 
 
 def test_a_codec_store_promotes(make_store):

@@ -20,14 +20,24 @@ from helpers.mounts import fault_skip_reason, loop_ext4, tmpfs
 from tierkv.errors import DiskWriteError, IndexNoSpaceError, IndexWriteError
 from tierkv.index import Index
 
-from .kit import (PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, open_store, put_chain, slot_offset, tier_counts,
-                  toks)
+from .kit import (LAYOUT, LAYOUT_4K, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, open_store, put_chain,
+                  slot_offset, tier_counts, toks)
 
 pytestmark = pytest.mark.skipif(fault_skip_reason() is not None, reason=str(fault_skip_reason()))
 
 
 def _open(home: Path, tmp_path: Path, **kw):
     return open_store(home, shm_dir=tmp_path / "shm", **kw)
+
+
+# Both write paths of a durable put (tierkv/ingest.py): 1 KiB pages copied into staging
+# buffers, and 4 KiB pages written from the device slots the put copied them into.
+WRITE_PATHS = pytest.mark.parametrize("layout", [LAYOUT, LAYOUT_4K], ids=["staged", "from-device-slots"])
+
+
+def _writes_from_slots(store) -> bool:
+    """Whether a put with room in the device tier writes from its device slots."""
+    return store.layout.page_bytes == store.disk.slot_bytes and store.device.direct_target(0) is not None
 
 
 def _exact(store, chain: list[int]) -> int:
@@ -140,14 +150,17 @@ def test_read_through_eio_is_a_miss_never_a_deletion(tmp_path):
             store.close()
 
 
-def test_write_eio_fails_the_put_cleanly(tmp_path):
+@WRITE_PATHS
+def test_write_eio_fails_the_put_cleanly(tmp_path, layout):
     """EIO on the segment write: DiskWriteError, the tier degraded, the put stored nothing
     durable, existing blocks intact; after the back-off the disk is used again."""
     home = tmp_path / "home"
     old = toks(1100, 3)
+    opts = dict(layout=layout, device_bytes=16 * layout.page_bytes, disk_bytes=64 * SLOT, segment_pages=16)
     with loop_ext4(tmp_path / "seg.img", home / "segments") as fs:
-        store = _open(home, tmp_path, disk_bytes=64 * SLOT, segment_pages=16)
+        store = _open(home, tmp_path, **opts)
         try:
+            assert _writes_from_slots(store) == (layout is LAYOUT_4K)
             put_chain(store, old)  # the segment exists with free slots: no file is created while failed
             fresh = toks(1101, 2)
             fs.fail()
@@ -163,7 +176,7 @@ def test_write_eio_fails_the_put_cleanly(tmp_path):
             assert put_chain(store, fresh).durable
         finally:
             store.close()
-        store = _open(home, tmp_path, disk_bytes=64 * SLOT, segment_pages=16)
+        store = _open(home, tmp_path, **opts)
         try:
             assert _exact(store, old) == 3 and _exact(store, fresh) == 2
         finally:
@@ -303,11 +316,15 @@ def test_segments_file_system_full(tmp_path):
             store.close()
 
 
-def test_short_pwrite_fails_the_put(tmp_path):
+@WRITE_PATHS
+def test_short_pwrite_fails_the_put(tmp_path, layout):
     """A real short write: RLIMIT_FSIZE inside the segment makes the kernel write only part of
-    a run (generic_write_check_limits). DiskWriteError, nothing of the put indexed."""
+    a run (generic_write_check_limits). DiskWriteError, nothing of the put indexed, the
+    device slots the put took free again."""
     home = tmp_path / "home"
-    store = _open(home, tmp_path, disk_bytes=64 * SLOT, segment_pages=16, host_bytes=0)
+    store = _open(home, tmp_path, layout=layout, device_bytes=16 * layout.page_bytes, disk_bytes=64 * SLOT,
+                  segment_pages=16, host_bytes=0)
+    assert _writes_from_slots(store) == (layout is LAYOUT_4K)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     try:
@@ -323,6 +340,7 @@ def test_short_pwrite_fails_the_put(tmp_path):
             resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         assert "short write" in str(info.value.__cause__)
         assert store.index.get_block(keys_of(chain)[0]) is None
+        assert store.device.slots.num_used == 1  # the first chain's block only
         store.check_integrity()
         store.disk._degraded_until = 0.0
         assert put_chain(store, chain).durable

@@ -540,6 +540,52 @@ def test_a_put_copies_into_reserved_device_slots_beside_its_disk_write_and_frees
         assert torch.equal(lease.pages(), pages_for(more))
 
 
+def test_a_put_of_4k_pages_goes_to_disk_from_its_device_slots(tmp_path):
+    """Pages of a 4 KiB multiple: the put copies them into its reserved device slots and the
+    disk tier writes those slots (DiskTier.write_slots), with no staging copy; the bytes on
+    disk are exact (checked after a reopen, read through and promoted)."""
+    from unittest import mock
+
+    from tierkv.tiers.disk import DiskTier
+
+    from .kit import LAYOUT_4K
+
+    opts = dict(layout=LAYOUT_4K, shm_dir=tmp_path / "shm", device_bytes=64 * LAYOUT_4K.page_bytes, host_bytes=0,
+                disk_bytes=64 * SLOT, segment_pages=16)
+    store = open_store(tmp_path / "h", **opts)
+    chain = toks(43, 24)
+    with mock.patch.object(DiskTier, "_staging", side_effect=AssertionError("staged")), \
+            mock.patch.object(DiskTier, "write_slots", autospec=True, side_effect=DiskTier.write_slots) as spy:
+        assert put_chain(store, chain).durable
+    assert spy.call_count == 1 and len(spy.call_args.args[1]) == 24
+    assert list(store.lookup(chain, SCOPE).tiers) == ["device"] * 24
+    with store.acquire(chain, SCOPE) as lease:
+        assert_lease_exact(lease)
+    store.check_integrity()
+    store.close()
+    for promote in (False, True):  # read through into a buffer, then into the device tier
+        store = open_store(tmp_path / "h", **opts)
+        try:
+            with store.acquire(chain, SCOPE, promote=promote) as lease:
+                assert lease.num_blocks == 24 and (lease.read_through is None) == promote
+                assert_lease_exact(lease)
+            assert store.stats()["quarantined"] == 0
+        finally:
+            store.close()
+
+
+def test_write_slots_refuses_buffers_that_are_not_whole_slots(tmp_path):
+    from tierkv.tiers.disk import DiskTier
+
+    tier = DiskTier(tmp_path / "d", LAYOUT, capacity_bytes=8 * SLOT, segment_pages=8, fsync=False)
+    try:
+        loc = tier.alloc(SCOPE.model_version)
+        with pytest.raises(ValueError, match="whole slots"):
+            tier.write_slots([(loc, memoryview(bytearray(PAGE)))], lambda positions: None)
+    finally:
+        tier.close()
+
+
 def test_a_small_read_batch_is_two_requests_in_flight(tmp_path, monkeypatch):
     """A batch smaller than two full runs (a restore window) is cut in READ_DEPTH runs of
     equal size, so that it is READ_DEPTH requests in flight, not one."""

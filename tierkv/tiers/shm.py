@@ -156,6 +156,16 @@ class SharedRegion:
             with self._populate_chunk:
                 pass  # the chunk in flight (read before the end moved) has finished
 
+    def wait_populated(self, timeout: float | None = None) -> bool:
+        """Wait until the background populator has faulted in everything asked of it
+        (``set_populate_end``); False when ``timeout`` seconds passed first. For benchmarks
+        of a warm pool (scripts/bench_store.py) and tests."""
+        populator = self._populator
+        if populator is not None:
+            populator.join(timeout)
+        with self._populate_state:
+            return self._populated_to >= self._populate_end
+
     def discard(self, start: int, nbytes: int) -> bool:
         """Give the memory of bytes ``[start, start + nbytes)`` back to the system (they read
         as zeros afterwards; MADV_REMOVE punches a hole in the shared-memory file). Only for
