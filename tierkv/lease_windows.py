@@ -15,7 +15,6 @@ after a missing block can be served.
 """
 from __future__ import annotations
 
-import queue
 import threading
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -23,8 +22,6 @@ if TYPE_CHECKING:
     import numpy as np
 
     from .identity import Scope
-
-_DONE = object()
 
 
 class _Failed:
@@ -37,53 +34,86 @@ class LeaseWindows:
     leases of blocks ``0 .. blocks-1`` of ``tokens`` (an int32 array is sliced without a
     copy for each window) in order, ``window_blocks`` at a time
     (the last may be shorter; iteration stops after a window shorter than asked). An error of
-    an ``acquire`` is raised by the iteration, after the windows before it."""
+    an ``acquire`` is raised by the iteration, after the windows before it.
+
+    ``readers`` helper threads lease windows at once (each the next one not yet claimed),
+    so the disk is never idle between two windows: with one, it was while a window's last
+    checksums finished and the next acquire looked its blocks up (~2 ms of each 23 MiB
+    window's ~15 on the VM of docs/performance.md)."""
 
     def __init__(self, store: Any, tokens: "Sequence[int] | np.ndarray", scope: "Scope", blocks: int, *,
-                 window_blocks: int = 32, ahead: int = 3, promote: bool = True) -> None:
+                 window_blocks: int = 32, ahead: int = 3, promote: bool = True, readers: int = 1) -> None:
         self.store, self.tokens, self.scope, self.blocks = store, tokens, scope, blocks
         self.promote = promote  # passed to each acquire (False: the consumer copies, then releases)
         self.window_blocks = max(1, window_blocks)
         self.ahead = max(1, ahead)
-        self._queue: queue.Queue[Any] = queue.Queue()
-        # One permit per window read but not yet handed out (the one being read included).
+        # One permit per window read but not yet handed out (those being read included).
         self._permits = threading.Semaphore(self.ahead)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="tierkv-lease-windows", daemon=True)
-        self._drained = False  # _DONE taken off the queue: the reader has ended
+        # Guarded by _cond: the next window to claim, the windows read (index -> lease or
+        # _Failed) not yet handed out, the first window that ended the chain, live readers.
+        self._cond = threading.Condition()
+        self._claimed = 0
+        self._results: dict[int, Any] = {}
+        self._end: int | None = None
+        self._threads = [threading.Thread(target=self._read, name=f"tierkv-lease-windows-{i}", daemon=True)
+                         for i in range(max(1, readers))]
+        self._live = len(self._threads)
 
     def __enter__(self) -> "LeaseWindows":
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _read(self) -> None:
-        bs = self.store.layout.block_size
-        start = 0
+        bs, n = self.store.layout.block_size, self.window_blocks
         try:
-            while start < self.blocks:
+            while True:
                 self._permits.acquire()
-                if self._stop.is_set():
-                    break
-                end = min(start + self.window_blocks, self.blocks)
-                lease = self.store.acquire(self.tokens[: end * bs], self.scope, max_blocks=end - start,
-                                           start_block=start, promote=self.promote)
-                self._queue.put(lease)
-                if lease.num_blocks < end - start:
-                    break  # the chain ends inside this window
-                start = end
-        except BaseException as e:  # handed to the consumer, raised there
-            self._queue.put(_Failed(e))
+                with self._cond:
+                    if self._stop.is_set() or self._end is not None or self._claimed * n >= self.blocks:
+                        return
+                    index = self._claimed
+                    self._claimed += 1
+                start = index * n
+                end = min(start + n, self.blocks)
+                try:
+                    item: Any = self.store.acquire(self.tokens[: end * bs], self.scope, max_blocks=end - start,
+                                                   start_block=start, promote=self.promote)
+                    ends = item.num_blocks < end - start  # the chain ends inside this window
+                except BaseException as e:  # handed to the consumer, raised there
+                    item, ends = _Failed(e), True
+                with self._cond:
+                    self._results[index] = item
+                    if ends:
+                        self._end = index if self._end is None else min(self._end, index)
+                    self._cond.notify_all()
+                if ends:
+                    return
         finally:
-            self._queue.put(_DONE)
+            with self._cond:
+                self._live -= 1
+                self._cond.notify_all()
 
     def __iter__(self) -> Iterator[Any]:
+        index = 0
         while True:
-            item = self._queue.get()
-            if item is _DONE:
-                self._drained = True
+            with self._cond:
+                while True:
+                    if self._end is not None and index > self._end:
+                        item = None  # after the window that ended the chain: close() releases it
+                        break
+                    if index in self._results:
+                        item = self._results.pop(index)
+                        break
+                    if self._live == 0:
+                        item = None
+                        break
+                    self._cond.wait()
+            if item is None:
                 return
             if isinstance(item, _Failed):
                 raise item.error
@@ -92,23 +122,26 @@ class LeaseWindows:
                 item.release()
                 return
             yield item
+            index += 1
 
     def check_integrity(self) -> None:
-        """Windows read but not handed out never exceed ``ahead`` (the queue may also hold
-        the reader's error and its end marker)."""
-        queued = [item for item in list(self._queue.queue) if item is not _DONE and not isinstance(item, _Failed)]
+        """Windows read but not handed out never exceed ``ahead``."""
+        with self._cond:
+            queued = [item for item in self._results.values() if not isinstance(item, _Failed)]
         assert len(queued) <= self.ahead, f"{len(queued)} windows read ahead, at most {self.ahead} allowed"
 
     def close(self) -> None:
         """Stop reading and release every window read but not handed out."""
         self._stop.set()
-        if self._thread.ident is None:
+        started = [t for t in self._threads if t.ident is not None]
+        if not started:
             return  # never started: nothing was read
-        self._permits.release()  # a reader waiting for a permit wakes, sees the stop, ends
-        while not self._drained:
-            item = self._queue.get()  # the reader always ends with _DONE
-            if item is _DONE:
-                self._drained = True
-            elif not isinstance(item, _Failed):
+        for _ in started:
+            self._permits.release()  # a reader waiting for a permit wakes, sees the stop, ends
+        for t in started:
+            t.join()
+        with self._cond:
+            left, self._results = list(self._results.values()), {}
+        for item in left:
+            if not isinstance(item, _Failed):
                 item.release()
-        self._thread.join()

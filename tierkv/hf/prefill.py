@@ -44,6 +44,9 @@ DEFAULT_CHUNK_TOKENS = 2048
 RESTORE_WINDOW_BLOCKS = 32
 RESTORE_WINDOW_BYTES = 24 << 20
 RESTORE_WINDOWS_AHEAD = 3
+# Windows leased at once (tierkv/lease_windows.py): two, so the disk has the next window's reads
+# while the last checksums and lookups of the one before run.
+RESTORE_READERS = 2
 Progress = Callable[[int, int], None]
 
 
@@ -152,7 +155,7 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
     got = 0
     half = layout.num_layers // 2
     with ThreadPoolExecutor(1, thread_name_prefix="tierkv-restore-copy") as helper, \
-            LeaseWindows(store, arr, scope, want, ahead=RESTORE_WINDOWS_AHEAD, promote=False,
+            LeaseWindows(store, arr, scope, want, ahead=RESTORE_WINDOWS_AHEAD, promote=False, readers=RESTORE_READERS,
                          window_blocks=max(1, min(RESTORE_WINDOW_BLOCKS, RESTORE_WINDOW_BYTES // layout.page_bytes))) as windows:
         # One tensor per layer's K and V (kv_layers: heap memory a process reuses, where one
         # large buffer is faulted in afresh every time); two threads copy each window, half
