@@ -4,6 +4,7 @@ Kept free of Triton so the PyTorch references and the cost model import without 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -68,6 +69,31 @@ def default_tiles(device: torch.device, head_dim: int = 128, dtype: torch.dtype 
                           target_programs=2 * sms, min_split_tokens=256, dot_fp32=False)
     return TileConfig(block_n=16, block_m=16, min_rows=1, target_programs=1,
                       min_split_tokens=16, dot_fp32=True)
+
+
+# A GPU's tl.dot takes operands of at least 16 along each dimension (Triton asserts it at
+# compile time); the interpreter takes any.
+GPU_MIN_DOT = 16
+
+
+def for_device(tiles: TileConfig, device: torch.device) -> TileConfig:
+    """``tiles`` as a launch on ``device`` can use them: on a GPU every dot dimension at least
+    GPU_MIN_DOT (a TileConfig made for the interpreter, as the tests' small ones, then
+    still runs there; tokens per split stay multiples of ``block_n``)."""
+    if device.type != "cuda":
+        return tiles
+    low = GPU_MIN_DOT
+    if min(tiles.block_n, tiles.block_m, tiles.min_rows) >= low:
+        return tiles
+    return dataclasses.replace(tiles, block_n=max(tiles.block_n, low), block_m=max(tiles.block_m, low),
+                               min_rows=max(tiles.min_rows, low), min_split_tokens=max(tiles.min_split_tokens, low))
+
+
+def head_block(head_dim: int, device: torch.device) -> int:
+    """The head dimension's tile: its next power of two, at least GPU_MIN_DOT on a GPU (the
+    padding is masked: those lanes load zeros)."""
+    block = 1 << max(0, head_dim - 1).bit_length()
+    return max(block, GPU_MIN_DOT) if device.type == "cuda" else block
 
 
 def choose_splits(max_len: int, programs_per_split: int, tiles: TileConfig,

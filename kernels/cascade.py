@@ -43,6 +43,8 @@ from .base import (
     checked_ranges,
     choose_splits,
     default_tiles,
+    for_device,
+    head_block,
 )
 from .merge import merge_partials
 from .paged_decode import attend_pages, launch_partials
@@ -163,7 +165,7 @@ def plan_cascade(
     check_index("suffix_lens", suffix_lens, (n,), device)
     start = suffix_start if suffix_start is not None else torch.zeros_like(suffix_lens)
     check_index("suffix_start", start, (n,), device)
-    tiles = tiles or default_tiles(device, pool.shape[5], pool.dtype)
+    tiles = for_device(tiles or default_tiles(device, pool.shape[5], pool.dtype), device)
     group = num_q_heads // num_kv_heads
     level_plans = tuple(
         _plan_level(level, n, group, block_size, tiles, num_kv_heads, device, num_splits) for level in levels
@@ -236,7 +238,7 @@ def _launch_level(q: torch.Tensor, pool: torch.Tensor, layer: int, level: LevelP
         *level.block_table.stride(), *part_out.stride(), *part_lse.stride(),
         GROUP=q.shape[1] // num_kv_heads, PAGE=pool.shape[3], HEAD_DIM=head_dim,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_FP32=tiles.dot_fp32 or q.dtype == torch.float32,
+        BLOCK_D=head_block(head_dim, q.device), DOT_FP32=tiles.dot_fp32 or q.dtype == torch.float32,
         num_warps=tiles.num_warps,
     )
 

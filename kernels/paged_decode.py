@@ -31,6 +31,8 @@ from .base import (
     checked_ranges,
     choose_splits,
     default_tiles,
+    for_device,
+    head_block,
 )
 from .merge import merge_partials
 
@@ -140,7 +142,7 @@ def launch_partials(
         *tables.stride(), *out.stride(), *lse.stride(),
         GROUP=group, PAGE=pool.shape[3], HEAD_DIM=head_dim,
         BLOCK_G=max(tiles.min_rows, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_FP32=tiles.dot_fp32 or q.dtype == torch.float32,
+        BLOCK_D=head_block(head_dim, q.device), DOT_FP32=tiles.dot_fp32 or q.dtype == torch.float32,
         num_warps=tiles.num_warps,
     )
 
@@ -178,7 +180,7 @@ def paged_decode_attention(
     check_index("kv_start", starts, (n,), q.device)
     if max_kv_len is None:
         max_kv_len = checked_ranges(starts, seq_lens, block_tables.shape[1] * pool.shape[3]).longest
-    tiles = tiles or default_tiles(q.device, q.shape[2], q.dtype)
+    tiles = for_device(tiles or default_tiles(q.device, q.shape[2], q.dtype), q.device)
     splits, per_split = choose_splits(max_kv_len, n * pool.shape[4], tiles, num_splits)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
     out = torch.empty_like(q)

@@ -10,8 +10,10 @@ kernel launch (see docs/kernels.md for the derivation and the resulting threshol
   (written once, read once by the merge), plus the queries once per pass, and launches
   ``levels + 2`` kernels.
 
-The constants are a model of an H100/H200-class GPU, not measurements: they must be
-confirmed (and :class:`CostModel` adjusted) with ``scripts/bench_cascade.py`` on the GPU.
+The constants model an H200: ``bandwidth`` and ``launch_s`` from its datasheet class,
+``cascade_bandwidth`` fitted to ``scripts/bench_cascade.py`` on one (docs/kernels.md: the
+cascade kernels reach about half the bytes/s of the plain one, so the model without it
+chose cascade on shapes where plain was measured faster).
 """
 from __future__ import annotations
 
@@ -32,14 +34,18 @@ class CostModel:
 
     bandwidth: float = 4.0e12  # bytes/s a streaming kernel reaches (about 85% of the 4.8 TB/s peak)
     launch_s: float = 3.0e-6  # launch plus ramp-up/tail of one extra small kernel in a stream
+    # What the cascade's passes stream at, measured: 2026-12-04 on an H200, from CUDA-graph
+    # times of 10 shapes (docs/performance.md), the fit that makes the rule pick the faster
+    # method on each; the plain kernel meets ``bandwidth`` (above it, from L2 reuse).
+    cascade_bandwidth: float = 2.0e12
     margin: float = 1.1  # cascade must beat plain by this factor, so model error does not flip the choice
     num_sms: int = 132
     block_m: int = 64  # rows per prefix program, as in default_tiles() on a GPU
     min_split_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or self.launch_s < 0 or self.margin < 1 or self.num_sms < 1 or self.block_m < 1:
-            raise ValueError("CostModel needs bandwidth > 0, launch_s >= 0, margin >= 1, num_sms >= 1, block_m >= 1")
+        if self.bandwidth <= 0 or self.cascade_bandwidth <= 0 or self.launch_s < 0 or self.margin < 1 or self.num_sms < 1 or self.block_m < 1:
+            raise ValueError("CostModel needs bandwidths > 0, launch_s >= 0, margin >= 1, num_sms >= 1, block_m >= 1")
 
     def tiles(self) -> TileConfig:
         return TileConfig(block_n=64, block_m=self.block_m, min_rows=16, target_programs=2 * self.num_sms,
@@ -98,7 +104,7 @@ def estimate_decode(
     return DecodeEstimate(
         plain_bytes=plain_bytes, cascade_bytes=cascade_bytes,
         plain_s=plain_bytes / model.bandwidth + plain_launches * model.launch_s,
-        cascade_s=cascade_bytes / model.bandwidth + cascade_launches * model.launch_s,
+        cascade_s=cascade_bytes / model.cascade_bandwidth + cascade_launches * model.launch_s,
     )
 
 

@@ -49,15 +49,37 @@ def build_model(args: argparse.Namespace) -> Any:
     cfg = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=8192, tie_word_embeddings=True,
+        max_position_embeddings=max(8192, args.prefix + args.question_tokens + args.gen_tokens + 64),
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(args.device).eval()
+    dtype = getattr(torch, args.dtype)
+    previous = torch.get_default_dtype()
+    # Built on its device in its dtype: an 8B model made in fp32 on the CPU first would take
+    # 32 GB of host memory and minutes of initialisation.
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(args.device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work, so that a timer read after it counts that work."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="4 layers, hidden 256, 1,024-token prefix")
+    ap.add_argument("--llama8b", action="store_true",
+                    help="a random-init model of Llama-3-8B's shape (32 layers, hidden 4096, 8 KV heads of 128, "
+                         "vocab 128,256) and an 8,192-token prefix: for a GPU (16 GB of bf16 weights)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="weights and KV dtype (float32 by default; bfloat16 with --llama8b)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--populate-memory", action="store_true",
                     help="fault the memory tiers in behind each open (StoreConfig.populate_memory; off by default)")
@@ -73,8 +95,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=8192, prefix=1024) if args.small \
-        else dict(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, prefix=4096)
+    args.dtype = args.dtype or ("bfloat16" if args.llama8b else "float32")
+    if args.llama8b:
+        shape = dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256, prefix=8192)
+    elif args.small:
+        shape = dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=8192, prefix=1024)
+    else:
+        shape = dict(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, prefix=4096)
     for k, v in shape.items():
         setattr(args, k, v)
     args.prefix = args.prefix_tokens or args.prefix
@@ -101,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix="bench-ttft-")
     work = Path(tmp.name)
     home = args.home or work / "home"
-    store_opts = dict(device_bytes=layout.page_bytes * (len(tokens) // 16 + 8), host_bytes=1 << 30,
+    store_opts = dict(device_bytes=layout.page_bytes * (len(tokens) // 16 + 8),
+                      host_bytes=max(1 << 30, layout.slot_bytes * (len(tokens) // 16 + 8)),
                       disk_bytes=max(1 << 30, 2 * layout.slot_bytes * (len(tokens) // 16 + 8)),
                       populate_memory=args.populate_memory)
     log(f"model: {params / 1e6:.0f}M parameters, {args.layers} layers; prefix {args.prefix} + question "
@@ -148,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         # The path cached_prefill takes: windowed leases, reads overlapped with the copy.
         r = restore_cache(store, prefix, scope, len(prefix) // 16, model)
         assert r.tokens == len(prefix) // 16 * 16, r.tokens
+        sync(args.device)
         return r.cache
 
     def cold_store() -> Any:
@@ -171,11 +200,15 @@ def main(argv: list[str] | None = None) -> dict:
         return r.ttft_s
 
     def load_pt() -> Any:
-        return cache_from_kv(torch.load(pt, weights_only=True), model.device, model.dtype)
+        cache = cache_from_kv(torch.load(pt, weights_only=True), model.device, model.dtype)
+        sync(args.device)
+        return cache
 
     def load_st() -> Any:
         d = load_file(str(st))
-        return cache_from_kv([(d[f"k{i}"], d[f"v{i}"]) for i in range(args.layers)], model.device, model.dtype)
+        cache = cache_from_kv([(d[f"k{i}"], d[f"v{i}"]) for i in range(args.layers)], model.device, model.dtype)
+        sync(args.device)
+        return cache
 
     def file_ttft(load: Callable[[], Any], path: Path) -> float:
         drop_page_cache([path])
@@ -260,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "model_params_m": round(params / 1e6, 1), "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
         "kv_heads": args.kv_heads, "prefix_tokens": args.prefix, "question_tokens": args.question_tokens,
-        "runs": args.runs, "device": args.device, "torch_threads": torch.get_num_threads(),
+        "runs": args.runs, "device": args.device, "dtype": args.dtype,
+        "device_name": torch.cuda.get_device_name(0) if str(args.device).startswith("cuda") else "cpu", "torch_threads": torch.get_num_threads(),
         "kv_bytes": layout.page_bytes * (args.prefix // 16), "materialize_s": round(materialize_s, 3),
         "memory_tiers_hit": sorted(set(tiers)), **med,
         "ttft_ratio_disk_vs_recompute": med["ttft_disk_s"] / med["ttft_recompute_s"],

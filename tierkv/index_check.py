@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import IndexDamagedError
+from .errors import IndexDamagedError, TierKVError
 
 MAGIC = 0xBEEFC0DE
 DATA_VERSION = 1
@@ -183,12 +183,24 @@ def _walk_tree(f, root: int, pages: int, psize: int) -> int:  # type: ignore[no-
     return seen
 
 
-# Runs in a fresh interpreter (-I: no user site, no cwd on sys.path, so neither this package
-# nor the repository's `kernels/` is imported). Exit 0 and a JSON line of entry counts, or 3
-# and the LMDB error; a signal (SIGABRT from an LMDB assertion, SIGBUS) is seen by the parent.
-_WALK = r"""
-import json, sys
-import lmdb
+# Run in a fresh interpreter (-I: no user site, no cwd on sys.path, so neither this package
+# nor the repository's `kernels/` is imported), with the directory this process imported
+# lmdb from first on its path (-I also drops PYTHONPATH, where a `pip --target` install puts
+# it). _IMPORT exits 4 when lmdb still cannot be imported: a broken environment, which must
+# not be reported as a damaged index (whose hint is to rebuild it).
+_IMPORT = r"""
+import sys
+sys.path.insert(0, sys.argv.pop())
+try:
+    import lmdb
+except ImportError as e:
+    print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(4)
+"""
+# Exit 0 and a JSON line of entry counts, or 3 and the LMDB error; a signal (SIGABRT from an
+# LMDB assertion, SIGBUS) is seen by the parent.
+_WALK = _IMPORT + r"""
+import json
 env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=64, subdir=True)
 try:
     counts = {}
@@ -210,12 +222,26 @@ finally:
 """
 
 
+def _run_child(code: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``code`` (starting with _IMPORT) in a fresh interpreter; raises TierKVError (not
+    IndexDamagedError) when that interpreter cannot import lmdb."""
+    import lmdb
+
+    site = str(Path(lmdb.__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-I", "-c", code, *args, site], capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode == 4:
+        detail = (out.stderr.strip().splitlines()[-1:] or ["no detail"])[0]
+        raise TierKVError(f"the index check's child interpreter cannot import lmdb ({detail})",
+                          hint=f"lmdb must be importable by {sys.executable} from {site}")
+    return out
+
+
 def walk_in_child(index_dir: Path, timeout: float = WALK_TIMEOUT_S) -> dict[str, int]:
     """Step 2: read every page of the index in a child process. Returns the entries of each
     named database; raises IndexDamagedError when the child dies or LMDB reports damage."""
     try:
-        out = subprocess.run([sys.executable, "-I", "-c", _WALK, str(index_dir)], capture_output=True,
-                             text=True, timeout=timeout)
+        out = _run_child(_WALK, [str(index_dir)], timeout)
     except subprocess.TimeoutExpired as e:
         raise IndexDamagedError(f"{index_dir}: reading the index did not finish in {timeout:.0f} s") from e
     if out.returncode < 0:
@@ -235,9 +261,7 @@ def check_index(index_dir: Path, walk: bool = True) -> IndexFileReport:
     return IndexFileReport(new=False, meta=report.meta, entries=walk_in_child(index_dir))
 
 
-_PEEK = r"""
-import sys
-import lmdb
+_PEEK = _IMPORT + r"""
 env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=8, subdir=True)
 try:
     try:
@@ -261,8 +285,7 @@ def peek_in_child(index_dir: Path, name: str, timeout: float = 60.0) -> str | No
     too: read-only, no lock table), so that a damaged page cannot kill this process."""
     check_meta(index_dir)
     try:
-        out = subprocess.run([sys.executable, "-I", "-c", _PEEK, str(index_dir), name], capture_output=True,
-                             text=True, timeout=timeout)
+        out = _run_child(_PEEK, [str(index_dir), name], timeout)
     except subprocess.TimeoutExpired as e:
         raise IndexDamagedError(f"{index_dir}: reading the index did not finish in {timeout:.0f} s") from e
     if out.returncode != 0:

@@ -235,7 +235,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         as_int = _INT_OF_WIDTH[src.dtype.itemsize]
         np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy())
     else:
-        dst.copy_(src.to(dst.device))
+        # The copy may run on a helper thread (Lease.kv_into's), where the caller's
+        # inference mode is off (it is per thread), into a cache the caller made inside it:
+        # an in-place update of an inference tensor is allowed only in inference mode.
+        with torch.inference_mode(dst.is_inference()):
+            dst.copy_(src.to(dst.device))
 
 
 def split_layers(kv: torch.Tensor, n_tokens: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -191,3 +191,19 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], check=False, env=env,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def test_tiles_for_a_gpu_have_every_dot_dimension_at_least_16():
+    """Triton's tl.dot on a GPU refuses an operand under 16 along any dimension: interpreter
+    sized tiles (as these tests use) and small head dimensions are raised to it there, and
+    left alone for the interpreter."""
+    from tierkv.kernels.base import for_device, head_block
+
+    small = TileConfig(block_n=4, block_m=4, min_rows=1, target_programs=1, min_split_tokens=4, dot_fp32=True)
+    gpu = for_device(small, torch.device("cuda", 0))
+    assert (gpu.block_n, gpu.block_m, gpu.min_rows, gpu.min_split_tokens) == (16, 16, 16, 16)
+    assert gpu.dot_fp32 and gpu.target_programs == 1
+    assert for_device(small, torch.device("cpu")) is small
+    assert for_device(GPU_LIKE_TILES, torch.device("cuda", 0)) is GPU_LIKE_TILES
+    assert [head_block(d, torch.device("cuda", 0)) for d in (8, 16, 80, 128)] == [16, 16, 128, 128]
+    assert [head_block(d, torch.device("cpu")) for d in (1, 8, 80)] == [1, 8, 128]

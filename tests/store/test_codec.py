@@ -326,3 +326,26 @@ def test_invalidate_counts_the_stored_bytes(make_store):
                (INT8.stored_bytes if t == TierName.HOST else LAYOUT.page_bytes) for t in tiers)
     r = store.invalidate(model_version=SCOPE.model_version, dry_run=True)
     assert r.removed_blocks == 2 and r.freed_bytes == want
+
+
+def test_staged_promotion_goes_through_a_bounded_buffer(make_store, home, monkeypatch):
+    """A promotion of stored pages is read through STAGED_BYTES of staging at a time, not a
+    buffer the size of the prefix (1 GiB for an 8k-token prefix of an 8B model), and every
+    page still arrives decoded and verified."""
+    from tierkv import promotion
+
+    store = make_store(page_codec="int8")
+    chain = toks(9, 3)
+    put_chain(store, chain)
+    store.close()
+    reopened = make_store()
+    monkeypatch.setattr(promotion, "STAGED_BYTES", reopened.disk.slot_bytes)  # one page at a time
+    calls: list[int] = []
+    original = promotion.Promotion._read_staged
+    monkeypatch.setattr(promotion.Promotion, "_read_staged",
+                        lambda self, reads: calls.append(len(reads)) or original(self, reads))
+    with reopened.acquire(chain, SCOPE) as lease:
+        assert lease.num_blocks == 3
+        _assert_lease_decoded(lease)
+    assert calls == [1, 1, 1]
+    assert reopened.stats()["quarantined"] == 0

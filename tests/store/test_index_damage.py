@@ -188,3 +188,35 @@ def test_file_may_end_before_the_last_page_number(pristine, tmp_path):
     code, out, tb = in_fork(_probe, home, tmp_path / "shm")
     assert_survived(code, out, tb, "last page number past the end")
     assert out["result"] == "opened"
+
+
+def test_the_index_walk_finds_lmdb_where_this_process_did(pristine, monkeypatch):
+    """The walk's child runs isolated (-I drops PYTHONPATH); it is told where lmdb came from,
+    so an lmdb installed off the default path (pip --target plus PYTHONPATH, as on the GPU
+    check's machine) is found: here a base interpreter outside this venv reads the index."""
+    import sys
+
+    from tierkv.index_check import walk_in_child
+
+    base = Path(sys.base_prefix) / "bin" / "python3"  # here and in CI: a python without lmdb
+    if not base.exists():
+        base = Path(sys.executable)
+    monkeypatch.setattr(sys, "executable", str(base))
+    counts = walk_in_child(pristine / "index")
+    assert counts and all(n >= 0 for n in counts.values())
+
+
+def test_a_child_that_cannot_import_lmdb_is_not_a_damaged_index(pristine, tmp_path, monkeypatch):
+    """A broken environment must not be reported as damage (whose hint is to rebuild)."""
+    import lmdb
+
+    from tierkv.errors import TierKVError
+    from tierkv.index_check import walk_in_child
+
+    fake = tmp_path / "site" / "lmdb"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no lmdb here')\n")
+    monkeypatch.setattr(lmdb, "__file__", str(fake / "__init__.py"))
+    with pytest.raises(TierKVError, match="cannot import lmdb") as e:
+        walk_in_child(pristine / "index")
+    assert not isinstance(e.value, IndexDamagedError)

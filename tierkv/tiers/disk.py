@@ -40,7 +40,7 @@ from .base import TierName
 from .disk_files import SEG_RE, SEG_SHIFT, Segment, SegmentFiles, location, split_location  # SEG_*: re-exported
 from .disk_reads import DiskReads
 from .disk_rooms import SegmentRooms
-from .diskio import BounceBuffer, probe_kvikio, probe_odirect
+from .diskio import BounceBuffer, KvikioFiles, probe_kvikio, probe_odirect
 from .segments import SegmentHeader, create_segment, encode_record
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class DiskTier(SegmentFiles, DiskReads):
         self.odirect = odirect and probe_odirect(self.dir)
         self.direct_reads = direct_reads and self.odirect  # see StoreConfig.direct_reads
         self._kvikio, kv_path = probe_kvikio()
+        self._cufiles = KvikioFiles(self._kvikio)
         self.read_path = kv_path or ("posix-odirect" if self.direct_reads else "posix-buffered")
         log.info("disk tier %s: read path %s", self.dir, self.read_path)
         self._scan()
@@ -195,6 +196,7 @@ class DiskTier(SegmentFiles, DiskReads):
             fd = self._read_fds.pop(seg_id, None)
             if fd is not None:
                 os.close(fd)
+        self._cufiles.drop(seg_id)
         path = self._segs.pop(seg_id).path
         self._rooms.dropped(seg_id)
         try:
@@ -428,3 +430,4 @@ class DiskTier(SegmentFiles, DiskReads):
             for fd in self._read_fds.values():
                 os.close(fd)
             self._read_fds.clear()
+        self._cufiles.close()

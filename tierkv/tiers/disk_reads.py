@@ -16,7 +16,7 @@ import torch
 
 from ..codec import PageCodec
 from ..layout import PageLayout
-from .diskio import BounceBuffer, pread_full
+from .diskio import BounceBuffer, KvikioFiles, cuda_bytes, pread_full
 from .disk_files import Segment, split_location
 
 log = logging.getLogger("tierkv.tiers.disk")  # the disk tier's one logger
@@ -46,6 +46,7 @@ class DiskReads:
     _read_fds: dict[int, int]
     _reader_pool: ThreadPoolExecutor | None
     _kvikio: Any
+    _cufiles: KvikioFiles
     _offset: Callable[[int], tuple[Segment, int, int]]
     _runs: Callable[[list[int], int], list[list[int]]]
 
@@ -197,11 +198,58 @@ class DiskReads:
         # Not with a codec: a stored page is decoded on its way into the device tier.
         return self._kvikio is not None and self.codec.exact
 
-    def read_to_device(self, loc: int, dest: torch.Tensor) -> None:
-        """kvikio path: read straight into a contiguous CUDA page ``dest``."""
-        seg, _, off = self._offset(loc)
-        assert self._kvikio is not None and dest.is_cuda and dest.is_contiguous()
-        with self._kvikio.CuFile(str(seg.path), "r") as f:  # type: ignore[attr-defined]
-            n = f.pread(dest, self.page_bytes, off).get()
-        if n != self.page_bytes:
-            raise OSError(errno.EIO, f"short kvikio read: {n} of {self.page_bytes}")
+    def read_many_to_device(self, items: list[tuple[int, torch.Tensor]],
+                            on_run: Callable[[list[int]], None] | None = None) -> None:
+        """kvikio path: pages straight into contiguous CUDA pages (``items``: location, page).
+        Consecutive slots of one segment whose pages are adjacent in device memory go in one
+        request of up to READ_RUN_BYTES (when a slot is exactly a page); every request is in
+        flight at once (kvikio splits each over its thread pool; GPUDirect Storage, or its
+        compat mode's bounce buffers). ``on_run`` as :meth:`read_many`'s, called on this
+        thread as each request completes, in order. Raises the first OSError (a short read
+        too) after every request in flight has ended."""
+        assert self._kvikio is not None
+        locs = [loc for loc, _ in items]
+        page = self.page_bytes
+        runs = self._runs(locs, READ_RUN_BYTES) if self.slot_bytes == page else [[k] for k in range(len(items))]
+        parts: list[list[int]] = []
+        for run in runs:  # a run (consecutive slots) split where its pages are not adjacent
+            start = len(parts)
+            for k in run:
+                dest = items[k][1]
+                assert dest.is_contiguous() and dest.nbytes == page
+                if len(parts) > start and dest.data_ptr() == items[parts[-1][-1]][1].data_ptr() + page:
+                    parts[-1].append(k)
+                else:
+                    parts.append([k])
+        pending = []
+        error: BaseException | None = None
+        try:
+            for part in parts:
+                seg, seg_id, off = self._offset(locs[part[0]])
+                f = self._cufiles.get(seg_id, seg.path)
+                want = len(part) * page
+                pending.append((part, want, f.pread(cuda_bytes(items[part[0]][1], want), want, off)))  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - raised once the requests already made have ended
+            error = _as_os_error(e)
+        for part, want, future in pending:
+            try:
+                n = future.get()
+                if n != want:
+                    raise OSError(errno.EIO, f"short kvikio read: {n} of {want} bytes")
+            except Exception as e:  # noqa: BLE001 - the first is raised once all have ended
+                error = error or _as_os_error(e)
+                continue
+            if on_run is not None and error is None:
+                on_run(part)
+        if error is not None:
+            raise error
+
+
+def _as_os_error(e: Exception) -> OSError:
+    """kvikio reports a failed read as a RuntimeError: an I/O error to the store (a miss,
+    the tier read-degraded), as a failed ``preadv`` is."""
+    if isinstance(e, OSError):
+        return e
+    err = OSError(errno.EIO, f"kvikio read failed: {e}")
+    err.__cause__ = e
+    return err

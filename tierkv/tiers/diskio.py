@@ -18,6 +18,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -111,3 +112,40 @@ def pread_full(fd: int, buf: memoryview | mmap.mmap, offset: int) -> None:
     n = os.preadv(fd, [buf], offset)
     if n != len(buf):
         raise OSError(errno.EIO, f"short read: {n} of {len(buf)} bytes at offset {offset}")
+
+
+class KvikioFiles:
+    """The disk tier's open kvikio handles, one per segment (opening a ``CuFile`` registers
+    the file with cuFile: too slow to pay per page), closed when the segment is dropped or
+    the tier closes."""
+
+    def __init__(self, kvikio: object | None) -> None:
+        self._kvikio = kvikio
+        self._files: dict[int, object] = {}
+        self._lock = threading.Lock()
+
+    def get(self, seg_id: int, path: Path) -> object:
+        with self._lock:
+            f = self._files.get(seg_id)
+            if f is None:
+                f = self._files[seg_id] = self._kvikio.CuFile(str(path), "r")  # type: ignore[attr-defined]
+            return f
+
+    def drop(self, seg_id: int) -> None:
+        with self._lock:
+            f = self._files.pop(seg_id, None)
+        if f is not None:
+            f.close()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files = list(self._files.values()), {}
+        for f in files:
+            f.close()  # type: ignore[attr-defined]
+
+
+def cuda_bytes(first: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of CUDA memory from ``first``'s first byte on, as one uint8 tensor (kvikio
+    takes buffers through ``__cuda_array_interface__``, which has no bfloat16)."""
+    span = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return span.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (nbytes,), (1,))

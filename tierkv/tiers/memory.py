@@ -194,16 +194,18 @@ class MemoryTier:
             return None
         return memoryview(self.region._mmap)[start : start + n]
 
-    def write(self, slot: int, page: torch.Tensor) -> None:
+    def write(self, slot: int, page: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy ``page`` (in the layout's form or the codec's stored form) into ``slot``,
-        encoding or decoding it to this tier's form."""
+        encoding or decoding it to this tier's form. ``non_blocking``: a copy between
+        page-locked host memory and CUDA may still run when this returns; the caller waits
+        for the device before the slot or the source is used."""
         dst = self._pool[slot]
         if not self.encoded and not self.codec.is_layout_form(page) and dst.is_contiguous() and dst.device == page.device:
             self.codec.decode_into(page, dst)  # straight into the slot: no buffer in between
             return
         page = self.codec.to_stored(page) if self.encoded else self.codec.to_layout(page)
         if dst.is_cuda or page.is_cuda:
-            dst.copy_(page, non_blocking=self.pinned)
+            dst.copy_(page, non_blocking=self.pinned or non_blocking)
         else:
             cpu_copy(dst, page)
 
