@@ -214,3 +214,16 @@ def test_without_kvikio_cold_pages_reach_cuda_slots_through_a_bounded_staging(tm
             assert torch.equal(lease.pages().cpu().view(torch.int16), raw.view(n, *BF16.shape))
         assert store.stats()["quarantined"] == 0
         store.check_integrity()
+
+
+def test_a_cuda_page_written_to_the_pinned_host_tier_is_there_when_write_returns(tmp_path):
+    """A copy from CUDA into the page-locked host pool is synchronous unless the caller asks
+    (and then waits): the host slot is read by CPU code (a demotion to disk, a client's
+    mapping) as soon as it is placed."""
+    pages = _pages(16, 9).cuda()
+    with _open(tmp_path / "h") as store:
+        assert store.host.pinned
+        for slot in range(16):
+            store.host.write(slot, pages[slot])
+            got = store.host.page(slot).view(torch.int16).numpy().copy()  # CPU read, no sync
+            assert np.array_equal(got, pages[slot].view(torch.int16).cpu().numpy()), slot

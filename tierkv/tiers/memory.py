@@ -205,7 +205,11 @@ class MemoryTier:
             return
         page = self.codec.to_stored(page) if self.encoded else self.codec.to_layout(page)
         if dst.is_cuda or page.is_cuda:
-            dst.copy_(page, non_blocking=self.pinned or non_blocking)
+            # Asynchronous only when the caller waits for it: a copy from CUDA into the page-
+            # locked host pool that returns early could let the slot be read (a demotion to
+            # disk, a client's mapping) or its CUDA source be reused (by kvikio, which no
+            # stream orders) before the bytes arrive.
+            dst.copy_(page, non_blocking=non_blocking)
         else:
             cpu_copy(dst, page)
 
