@@ -6,12 +6,14 @@ This is the only place besides the command modules that reads the environment
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from ..config import HOME_ENV, SOCKET_ENV, default_home
 from ..errors import LayoutMismatchError, TierKVError
@@ -51,10 +53,37 @@ def json_option(f: F) -> F:
 
 
 def socket_option(f: F) -> F:
+    """``--socket``, for a command that also takes ``--home``: the command receives the
+    socket :func:`chosen_socket` picks (None: open the home)."""
+
+    @functools.wraps(f)
+    def choosing(*args: Any, **kwargs: Any) -> Any:
+        kwargs["socket_path"] = chosen_socket(click.get_current_context(), kwargs.get("socket_path"))
+        return f(*args, **kwargs)
+
     return click.option(
         "--socket", "socket_path", type=click.Path(dir_okay=False, path_type=Path), envvar=SOCKET_ENV, default=None,
-        help=f"Go through the tierkv daemon listening here instead of opening --home [env {SOCKET_ENV}].",
-    )(f)
+        help=f"Go through the tierkv daemon listening here instead of opening --home [env {SOCKET_ENV}; "
+             "an explicit --home beats the environment].",
+    )(choosing)  # type: ignore[return-value]
+
+
+def chosen_socket(ctx: click.Context, socket_path: Path | None) -> Path | None:
+    """Which target a command acts on, ``--home`` or ``--socket`` (issue #37, item 1): an
+    explicit flag beats the environment, so ``TIERKV_SOCKET`` set in the shell does not
+    redirect ``--home h1`` (a destructive command would act on the daemon's home); both
+    flags given is an error naming both. From the environment alone (``TIERKV_SOCKET``, with
+    or without ``TIERKV_HOME``) the socket wins: the daemon owns its home."""
+    explicit = ParameterSource.COMMANDLINE
+    home_src, socket_src = ctx.get_parameter_source("home"), ctx.get_parameter_source("socket_path")
+    if socket_path is None:
+        return None
+    if home_src is explicit and socket_src is explicit:
+        raise click.UsageError(f"--home {ctx.params.get('home')} and --socket {socket_path} both name a target: "
+                               "pass one (--socket goes through the daemon serving its own home)")
+    if home_src is explicit:
+        return None  # TIERKV_SOCKET from the environment: the explicit --home wins
+    return socket_path
 
 
 def connect_daemon(socket_path: Path, layout: PageLayout | None = None) -> "Client":
