@@ -88,6 +88,7 @@ class MaterializeResult:
     files: int
     skipped: int
     manifest: dict | None
+    pinned: bool  # the prefix's blocks are PINNED (asked for, or kept from the name's manifest)
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,32 +129,42 @@ def materialize(
     name: str | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     max_tokens: int | None = None,
-    pin: bool = False,
+    pin: bool | None = None,
     namespace: str = "default",
     progress: Progress | None = None,
     on_warning: Callable[[str], None] | None = None,
 ) -> MaterializeResult:
     """Prefill the document of ``paths`` into ``store`` and, with ``name``, save its manifest
     (after the blocks are durable, so a manifest never names blocks that were not stored).
-    ``pin`` stores the prefix's blocks as PINNED; ``namespace`` is the tenant salt of their
-    keys. ``progress(done, total)`` gets token counts.
+    ``pin=True`` stores the prefix's blocks as PINNED, ``pin=False`` as NORMAL (lowering
+    those a pinned manifest of ``name`` had pinned), ``None`` keeps what the manifest named
+    ``name`` says (not pinned for a new name): a repeated run changes nothing it was not
+    asked to (issue #37, item 5). ``namespace`` is the tenant salt of their keys.
+    ``progress(done, total)`` gets token counts.
     """
     from .store import Priority
 
     start = time.perf_counter()
     prefix = document_tokens(lm, paths, options, max_tokens=max_tokens, on_warning=on_warning)
     scope = lm.scope(namespace)
+    previous = _manifest_or_none(store, name)
+    was_pinned = bool(previous and previous.get("pinned"))
+    if pin is None:
+        pin = was_pinned
     priority = Priority.PINNED if pin else Priority.NORMAL
     result = cached_prefill(
         lm.model, prefix.tokens, store=store, scope=scope, chunk_tokens=chunk_tokens,
         need_logits=False, priority=priority, progress=progress,
     )
-    if pin and result.cached_tokens:
-        # Blocks stored by an earlier, unpinned run keep their priority unless raised here.
-        store.set_priority(prefix.tokens, scope, Priority.PINNED)
+    if result.cached_tokens and (pin or was_pinned):
+        # Blocks stored by an earlier run keep their priority unless changed here: raised
+        # for pin=True, lowered when pin=False unpins a name that was pinned.
+        store.set_priority(prefix.tokens, scope, priority)
     manifest = None
     if name is not None:
         manifest = build_manifest(lm, prefix, paths, options, max_tokens, pin, namespace)
+        if previous and all(previous.get(k) == manifest[k] for k in ("tokens_sha256", "model_version", "namespace")):
+            manifest["created_at"] = previous.get("created_at", manifest["created_at"])  # the same prefix
         store.save_manifest(name, manifest)
     return MaterializeResult(
         tokens=len(prefix.tokens),
@@ -165,7 +176,17 @@ def materialize(
         files=len(prefix.document.files),
         skipped=len(prefix.document.skipped),
         manifest=manifest,
+        pinned=pin,
     )
+
+
+def _manifest_or_none(store: "StoreAPI", name: str | None) -> dict | None:
+    if name is None:
+        return None
+    try:
+        return store.get_manifest(name)
+    except NotFoundError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,32 @@ def test_bad_input_is_reported_without_traceback(llama_dir, repo, tmp_path):
     assert warm["prompt_tokens"] == cold["prompt_tokens"]
 
 
+def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
+    """Issue #37, item 5: a repeated `materialize --name X` without --pin unpinned X."""
+    import tierkv
+    from tierkv.cli.home_stores import store_home
+    from tierkv.hf import load_model, version_of
+    from tierkv.materialize import document_tokens
+    from tierkv.store import Priority
+
+    home = tmp_path / "home"
+    args = ("materialize", repo, "--model", llama_dir, "--home", home, "--name", "repo", "--no-progress")
+    assert run_json(*args, "--pin")["pinned"] is True
+    listed = run_json("ls", "--home", home)["prefixes"][0]
+    again = run_json(*args)
+    assert again["pinned"] is True and again["computed_tokens"] == 0
+    assert run_json("ls", "--home", home)["prefixes"][0] == listed  # nothing changed, created_at included
+    layout, _ = version_of(llama_dir)
+    lm = load_model(llama_dir, device="cpu")
+    with tierkv.open(store_home(home, layout), layout, device="cpu", host_bytes=0) as store:
+        keys = store.lookup(document_tokens(lm, [repo]).tokens, lm.scope()).keys
+        assert keys and {store.placement.table.get(k).priority for k in keys} == {Priority.PINNED}
+    # `unpin` is how to unpin; a run after it keeps the prefix unpinned.
+    run("unpin", "repo", "--home", home)
+    assert run_json(*args)["pinned"] is False
+    assert run_json("ls", "--home", home)["prefixes"][0]["pinned"] is False
+
+
 def test_quickstart_with_a_user_model(llama_dir, tmp_path):
     out = run_json("quickstart", "--model", llama_dir, "--home", tmp_path / "home", "--max-tokens", "200",
                    "--max-new-tokens", "3")

@@ -99,7 +99,9 @@ def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None)
 @click.option("--name", default=None, help="Record a manifest under this name (for `generate --prefix NAME`).")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=DEFAULT_CHUNK_TOKENS, show_default=True,
               help="Tokens per prefill chunk; each chunk's full blocks are stored when it completes.")
-@click.option("--pin", is_flag=True, help="Store the prefix's blocks as pinned (never evicted).")
+@click.option("--pin", is_flag=True,
+              help="Store the prefix's blocks as pinned (never evicted). Without it a name already pinned stays "
+                   "pinned (`tierkv unpin NAME` unpins).")
 @namespace_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @page_codec_option
@@ -122,7 +124,8 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
     with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
         try:
             result = run(store, lm, list(paths), _doc_options(include, exclude, max_file_bytes, no_gitignore),
-                         name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens, pin=pin, namespace=namespace,
+                         name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens, pin=True if pin else None,
+                         namespace=namespace,
                          progress=progress, on_warning=warn)
         finally:
             close_bar()
@@ -131,7 +134,7 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
         "document_tokens": result.document_tokens, "cached_tokens": result.cached_tokens,
         "computed_tokens": result.computed_tokens, "stored_blocks": result.stored_blocks,
         "files": result.files, "skipped_files": result.skipped, "elapsed_s": round(result.elapsed_s, 3),
-        "tokens_per_s": round(result.tokens_per_s, 1), "pinned": pin,
+        "tokens_per_s": round(result.tokens_per_s, 1), "pinned": result.pinned,
     }
     rows = [("prefix", name or "(unnamed)"), ("files", result.files), ("skipped files", result.skipped),
             ("tokens", result.tokens), ("already stored", result.cached_tokens), ("computed", result.computed_tokens),
