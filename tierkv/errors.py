@@ -41,6 +41,13 @@ class ConfigError(TierKVError, ValueError):
     default_hint = "check the capacities and options passed to tierkv.open()"
 
 
+class DeviceUnavailableError(ConfigError):
+    """The torch device asked for does not exist here: CUDA on a CPU-only torch build or a
+    machine without a GPU, or a GPU index past the last one."""
+
+    default_hint = "pass --device cpu, or run where torch sees a GPU (torch.cuda.is_available())"
+
+
 class UnsupportedModelError(ConfigError):
     """The model's cache is not plain per-layer K/V that tierkv can store and restore exactly
     (recurrent or linear-attention state, KV shared across layers, chunked or sparse

@@ -91,6 +91,20 @@ def test_bad_input_is_reported_without_traceback(llama_dir, repo, tmp_path):
     assert warm["prompt_tokens"] == cold["prompt_tokens"]
 
 
+def test_a_cuda_device_the_machine_lacks_is_one_line(llama_dir, repo, tmp_path):
+    """Issue #37, item 6: `--device cuda` on a CPU-only torch printed a 50-line traceback."""
+    import torch
+
+    bad = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    home = tmp_path / "home"
+    for args in (("generate", "--prompt", "x", "--no-cache"), ("materialize", repo, "--home", home),
+                 ("chat", "--home", home)):
+        r = run(*args, "--model", llama_dir, "--device", bad, ok=False)  # exit 1, one "Error:" line
+        assert f"device '{bad}' is not available" in r.stderr and "hint: pass --device" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert not home.exists()
+
+
 def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
     """Issue #37, item 5: a repeated `materialize --name X` without --pin unpinned X."""
     import tierkv

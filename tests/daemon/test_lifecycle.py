@@ -234,3 +234,20 @@ def test_a_busy_metrics_port_fails_the_start_and_leaves_nothing_behind(workdir):
     assert not list((workdir / "shm").iterdir())
     tierkv.open(cfg.home, LAYOUT, device="cpu", device_bytes=1 << 20, host_bytes=0, disk_bytes=0,
                 shm_dir=workdir / "shm").close()  # the home is free again
+
+
+def _missing_cuda_device() -> str:
+    """A CUDA device this machine lacks: cuda:0 without CUDA, else one past the last GPU."""
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda:0"
+
+
+def test_serve_refuses_a_cuda_device_the_machine_lacks(workdir):
+    """Issue #37, item 6: `serve --device cuda:0` on a CPU-only torch started, and every
+    client then failed with `daemon error AssertionError`."""
+    bad = _missing_cuda_device()
+    with pytest.raises(RuntimeError) as exc:
+        spawn_daemon(workdir, "--device", bad)  # the last --device wins over the helper's cpu
+    message = str(exc.value)
+    assert "rc 1" in message and "Traceback" not in message
+    assert f"Error: device '{bad}' is not available" in message and "hint: pass --device" in message
+    assert not (workdir / "run" / "d.sock").exists() and not (workdir / "home").exists()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import click
 
 from ..codec import CODECS
+from ..devices import resolve_device
 from ..document import DEFAULT_MAX_FILE_BYTES, DocumentOptions
 from ..hf import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_TOKENS, DTYPE_CHOICES, LoadedModel, SamplingConfig, generate
 from ..hf import load_model as _load_model
@@ -57,14 +58,6 @@ def _doc_options(include: tuple[str, ...], exclude: tuple[str, ...], max_file_by
     return DocumentOptions(include=include, exclude=exclude, max_file_bytes=max_file_bytes, gitignore=not no_gitignore)
 
 
-def _device(device: str | None) -> str:
-    if device:
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -89,7 +82,7 @@ def _check_codec(page_codec: str | None, socket_path: Path | None) -> None:
 
 def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None) -> LoadedModel:
     quiet_transformers()
-    return _load_model(model_dir, dtype=dtype, block_size=block_size, device=_device(device), memo_path=default_memo_path())
+    return _load_model(model_dir, dtype=dtype, block_size=block_size, device=resolve_device(device), memo_path=default_memo_path())
 
 
 @click.command()
