@@ -133,6 +133,7 @@ def materialize(
     namespace: str = "default",
     progress: Progress | None = None,
     on_warning: Callable[[str], None] | None = None,
+    prefix: PrefixTokens | None = None,
 ) -> MaterializeResult:
     """Prefill the document of ``paths`` into ``store`` and, with ``name``, save its manifest
     (after the blocks are durable, so a manifest never names blocks that were not stored).
@@ -140,12 +141,15 @@ def materialize(
     those a pinned manifest of ``name`` had pinned), ``None`` keeps what the manifest named
     ``name`` says (not pinned for a new name): a repeated run changes nothing it was not
     asked to (issue #37, item 5). ``namespace`` is the tenant salt of their keys.
-    ``progress(done, total)`` gets token counts.
+    ``progress(done, total)`` gets token counts. ``prefix``: the document of ``paths``
+    already built by :func:`document_tokens` (the CLI builds it before opening the store,
+    so a missing path or a document too long creates no home).
     """
     from .store import Priority
 
     start = time.perf_counter()
-    prefix = document_tokens(lm, paths, options, max_tokens=max_tokens, on_warning=on_warning)
+    if prefix is None:
+        prefix = document_tokens(lm, paths, options, max_tokens=max_tokens, on_warning=on_warning)
     scope = lm.scope(namespace)
     previous = _manifest_or_none(store, name)
     was_pinned = bool(previous and previous.get("pinned"))

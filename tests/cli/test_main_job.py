@@ -73,6 +73,10 @@ def test_bad_input_is_reported_without_traceback(llama_dir, repo, tmp_path):
     (tmp_path / "empty-repo").mkdir()
     assert "no text files" in run("materialize", tmp_path / "empty-repo", "--model", llama_dir, "--home", home,
                                   ok=False).stderr
+    # Issue #37, item 10: a missing path is an error before anything is written.
+    assert "does not exist" in run("materialize", tmp_path / "typo", "--model", llama_dir, "--home", home,
+                                   ok=False).stderr
+    assert not home.exists()
     run("materialize", repo, "--model", llama_dir, "--home", home, "--name", "repo", "--no-progress")
     assert "repo2" in run("generate", "--model", llama_dir, "--home", home, "--prefix", "repo2", "--prompt", "x",
                           ok=False).stderr

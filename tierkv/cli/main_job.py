@@ -109,17 +109,21 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
 
     Resumable: an interrupted run continues from its last stored chunk, and a repeated
     run does no work."""
+    from ..materialize import document_tokens
     from ..materialize import materialize as run
 
     _check_codec(page_codec, socket_path)
     lm = load_model(model_dir, dtype, block_size, device)
+    options = _doc_options(include, exclude, max_file_bytes, no_gitignore)
+    # The document first: a missing path or a document too long is an error before the
+    # store is opened, so it creates no home (issue #37, item 10).
+    prefix = document_tokens(lm, list(paths), options, max_tokens=max_tokens, on_warning=warn)
     progress, close_bar = progress_bar("prefill", enabled=not no_progress)
     with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
         try:
-            result = run(store, lm, list(paths), _doc_options(include, exclude, max_file_bytes, no_gitignore),
-                         name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens, pin=True if pin else None,
-                         namespace=namespace,
-                         progress=progress, on_warning=warn)
+            result = run(store, lm, list(paths), options, name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens,
+                         pin=True if pin else None, namespace=namespace, progress=progress, on_warning=warn,
+                         prefix=prefix)
         finally:
             close_bar()
     summary = {
