@@ -37,3 +37,15 @@ def test_the_command_table_lists_every_command_and_links_its_section():
     anchors = {_anchor(h) for h in re.findall(r"^#{2,4} (.+)$", text, flags=re.M)}
     links = [link for row in rows for link in re.findall(r"\]\(#([^)]+)\)", row)]
     assert len(links) == len(rows) and set(links) <= anchors, sorted(set(links) - anchors)
+
+
+def test_serve_help_names_every_socket_fallback():
+    """Issue #37, item 10: `serve --help` omitted /tmp/tierkv-UID, used without XDG_RUNTIME_DIR."""
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    for fallback in ("$TIERKV_SOCKET", "$XDG_RUNTIME_DIR/tierkv/tierkv.sock", "/tmp/tierkv-UID/tierkv.sock",
+                     "$TIERKV_HOME", "~/.local/share/tierkv"):
+        assert fallback in text, fallback

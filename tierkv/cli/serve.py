@@ -25,9 +25,11 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
 
 @click.command("serve")
 @click.option("--home", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Store home (default: config file, then $TIERKV_HOME, then ~/.local/share/tierkv).")
+              help="Store home (default: config file, then $TIERKV_HOME, then $XDG_DATA_HOME/tierkv, "
+                   "then ~/.local/share/tierkv).")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Unix socket (default: config file, $TIERKV_SOCKET, $XDG_RUNTIME_DIR/tierkv/tierkv.sock).")
+              help="Unix socket (default: config file, then $TIERKV_SOCKET, then $XDG_RUNTIME_DIR/tierkv/tierkv.sock, "
+                   "then /tmp/tierkv-UID/tierkv.sock when XDG_RUNTIME_DIR is unset; the directory is made 0700).")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="TOML config file (keys as in docs/operations.md); SIGHUP re-reads it.")
 @click.option("--layout", default=None,
@@ -88,7 +90,8 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
               help="A namespace that never leaves this node (neither published nor fetched); repeatable.")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(config_file: Path | None, log_level: str, socket_path: Path | None, **flags: Any) -> None:
-    """Run the tierkv daemon: the only process that opens HOME; clients use tierkv.connect(SOCKET)."""
+    """Run the tierkv daemon: the only process that opens HOME. Commands reach it with
+    --socket SOCKET (or $TIERKV_SOCKET), programs with tierkv.connect(SOCKET)."""
     from ..daemon.server import Daemon
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
