@@ -34,7 +34,7 @@ class TierKVGroup(click.Group):
         try:
             return super().invoke(ctx)
         except TierKVError as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise click.ClickException(exc.for_command_line()) from exc
 
 
 def home_option(f: F) -> F:

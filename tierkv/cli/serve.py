@@ -103,7 +103,7 @@ def serve(config_file: Path | None, log_level: str, socket_path: Path | None, **
         reload = (lambda: _build(flags, config_file)) if config_file else None
         Daemon(cfg, reload=reload, freeze_heap=True).run()  # this process is the daemon
     except TierKVError as exc:  # also when run as `python -m tierkv.daemon.server`, outside the group
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(exc.for_command_line()) from exc
 
 
 def register(group: click.Group) -> None:
