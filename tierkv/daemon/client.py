@@ -44,7 +44,7 @@ from ..results import (
 )
 from ..tiers.shm import SharedRegion
 from . import messages as m
-from .client_transport import ClientTransport, Waiter
+from .client_transport import ClientTransport, Waiter, daemon_gone
 from .protocol import VERSION, Op, close_fds
 from .security import check_listener
 from .remote_lease import RemoteLease, cuda_pool, pool_view
@@ -72,7 +72,8 @@ class Client(StoreAPI, ClientTransport):
             self._sock.connect(str(self.socket_path))
         except OSError as e:
             self._sock.close()
-            raise DaemonUnavailableError(f"no tierkv daemon on {self.socket_path}: {e.strerror or e}") from None
+            raise daemon_gone(self.socket_path, e) or DaemonUnavailableError(
+                f"no tierkv daemon on {self.socket_path}: {e.strerror or e}") from None
         try:
             check_listener(self._sock, self.socket_path, daemon_uid)
         except BaseException:
