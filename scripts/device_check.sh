@@ -13,7 +13,7 @@
 # the store, TTFT and cascade benchmarks, each with --json, into $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS="lmdb xxhash zstandard aiofiles click tqdm prometheus-client safetensors pytest pytest-timeout hypothesis kvikio-cu13 libkvikio-cu13"
+WHEELS="lmdb xxhash zstandard click tqdm prometheus-client safetensors pytest pytest-timeout hypothesis kvikio-cu13 libkvikio-cu13"
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
     mkdir -p .whl
