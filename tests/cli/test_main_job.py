@@ -109,6 +109,19 @@ def test_a_cuda_device_the_machine_lacks_is_one_line(llama_dir, repo, tmp_path):
     assert not home.exists()
 
 
+def test_generate_shows_the_prefill_progress_on_stderr(llama_dir, repo, tmp_path):
+    """Issue #37, item 8: `generate --prefix-from DIR` computed for 33 s without a word."""
+    ask = ("generate", "--model", llama_dir, "--prefix-from", repo, "--prompt", "store the block",
+           "--max-new-tokens", "2", "--home", tmp_path / "home", "--json")
+    r = run(*ask)
+    out = json.loads(r.stdout)  # stdout: the one JSON object, untouched by the bar
+    bars = r.stderr.replace("\r", "\n")
+    assert "prefill" in bars and f"{out['prompt_tokens']}/{out['prompt_tokens']}" in bars, r.stderr
+    assert re.search(rf"prefill:\s+0%.* 0(\.00)?/{out['prompt_tokens']}", bars), r.stderr  # shown as the work starts
+    again = run(*ask, "--no-progress")
+    assert again.stderr == "" and json.loads(again.stdout)["cached_tokens"] > 0
+
+
 def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
     """Issue #37, item 5: a repeated `materialize --name X` without --pin unpinned X."""
     import tierkv

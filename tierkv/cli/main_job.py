@@ -159,6 +159,7 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
               help="Do not store the blocks the generated tokens complete (a next turn repeating them misses).")
 @click.option("--namespace", default=None,
               help="Tenant salt of the block keys [default: the prefix's namespace, else 'default'].")
+@click.option("--no-progress", is_flag=True, help="No progress bar for the prompt's prefill (on stderr).")
 @page_codec_option
 @home_option
 @socket_option
@@ -167,8 +168,8 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
                  prefix_paths: tuple[Path, ...], include: tuple[str, ...], exclude: tuple[str, ...],
                  max_file_bytes: int, no_gitignore: bool, max_tokens: int | None, prompt: str,
                  max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool,
-                 no_store_output: bool, namespace: str | None, page_codec: str | None, home: Path,
-                 socket_path: Path | None, as_json: bool) -> None:
+                 no_store_output: bool, namespace: str | None, no_progress: bool, page_codec: str | None,
+                 home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Generate text after a prefix, restoring what the store holds of it."""
     from ..materialize import document_tokens, load_prefix
 
@@ -188,20 +189,26 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
             return prefix + lm.encode_prompt(prompt), namespace or "default"
         return lm.encode_document(prompt), namespace or "default"
 
-    if no_cache:
-        if prefix_name:
-            # The prefix's manifest is read from the store; none of its KV is used (the way
-            # to compare cached and uncached output of the same request).
-            with open_target(home, socket_path) as store:
-                tokens, _ = request(store)
+    # A long uncached prefix computes for a while (issue #37, item 8): the prefill's
+    # progress on stderr, as materialize shows it; closed before the answer is printed.
+    progress, close_bar = progress_bar("prefill", enabled=not no_progress)
+    try:
+        if no_cache:
+            if prefix_name:
+                # The prefix's manifest is read from the store; none of its KV is used (the way
+                # to compare cached and uncached output of the same request).
+                with open_target(home, socket_path) as store:
+                    tokens, _ = request(store)
+            else:
+                tokens, _ = request(None)
+            result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling, progress=progress)
         else:
-            tokens, _ = request(None)
-        result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling)
-    else:
-        with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
-            tokens, ns = request(store)
-            result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
-                              sampling=sampling, store_output=not no_store_output)
+            with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
+                tokens, ns = request(store)
+                result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
+                                  sampling=sampling, store_output=not no_store_output, progress=progress)
+    finally:
+        close_bar()
     text = lm.decode(list(result.tokens))
     out = {
         "text": text, "tokens": list(result.tokens), "prompt_tokens": result.prompt_tokens,

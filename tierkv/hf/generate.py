@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..identity import Scope
 from ..layout import pack_pages
 from .config import context_length
-from .prefill import DEFAULT_CHUNK_TOKENS, cache_layer_kv, cached_prefill
+from .prefill import DEFAULT_CHUNK_TOKENS, Progress, cache_layer_kv, cached_prefill
 
 if TYPE_CHECKING:
     from ..api import StoreAPI
@@ -102,13 +102,15 @@ def generate(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     store_new: bool = True,
     store_output: bool = True,
+    progress: Progress | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``tokens``, restoring the prompt's longest
     stored prefix from ``store`` (when given) and storing its new full blocks (when
     ``store_new``), then, when ``store_new`` and ``store_output``, the full blocks that the
     generated tokens completed (all but the last token have KV). Stops at an
     end-of-sequence token (``eos_token_id``, default the model's generation config) or at
-    the model's context.
+    the model's context. ``progress(done, total)`` gets the prompt's prefill in tokens
+    (:func:`cached_prefill`'s): restored, then after each computed chunk.
 
     Raises ConfigError when the prompt alone exceeds the model's context length.
     """
@@ -121,7 +123,8 @@ def generate(
             hint="use a shorter prefix (materialize --max-tokens) or a shorter prompt",
         )
     start = time.perf_counter()
-    pre = cached_prefill(model, tokens, store=store, scope=scope, chunk_tokens=chunk_tokens, store_new=store_new)
+    pre = cached_prefill(model, tokens, store=store, scope=scope, chunk_tokens=chunk_tokens, store_new=store_new,
+                         progress=progress)
     assert pre.logits is not None  # cached_prefill(need_logits=True) always computes the last token
     generator = None
     if sampling.temperature > 0:
