@@ -65,6 +65,13 @@ class DeviceUnavailableError(ConfigError):
     default_hint = "pass --device cpu, or run where torch sees a GPU (torch.cuda.is_available())"
 
 
+class DeploymentError(ConfigError):
+    """This machine cannot back the configuration (tierkv/doctor.py): a budget larger than
+    its file system or GPU, a socket directory the daemon may not use."""
+
+    default_hint = "run `tierkv doctor` with the same options: one line per check, with its fix"
+
+
 class UnsupportedModelError(ConfigError):
     """The model's cache is not plain per-layer K/V that tierkv can store and restore exactly
     (recurrent or linear-attention state, KV shared across layers, chunked or sparse

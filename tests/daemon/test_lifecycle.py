@@ -251,7 +251,8 @@ def test_serve_refuses_a_cuda_device_the_machine_lacks(workdir):
         spawn_daemon(workdir, "--device", bad)  # the last --device wins over the helper's cpu
     message = str(exc.value)
     assert "rc 1" in message and "Traceback" not in message
-    assert f"Error: device '{bad}' is not available" in message and "hint: pass --device" in message
+    assert "Error: cannot start: cuda: " in message and f"device '{bad}' is not available" in message
+    assert "pass --device cpu" in message
     assert not (workdir / "run" / "d.sock").exists() and not (workdir / "home").exists()
 
 

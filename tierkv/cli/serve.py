@@ -17,10 +17,30 @@ from ..errors import TierKVError
 from ..policy import POLICIES
 from ..daemon.config import DaemonConfig, merge, read_config_file
 
+log = logging.getLogger("tierkv.serve")
 
-def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
+
+def build_config(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
+    """The daemon's configuration: ``flags`` (None = not given) over the file over the
+    environment (also what ``tierkv doctor`` checks)."""
     file_values = read_config_file(config_file) if config_file else {}
     return merge(flags, file_values, os.environ)
+
+
+def check_machine(cfg: DaemonConfig) -> None:
+    """Run the doctor's daemon checks (tierkv/doctor.py): log each warning, refuse to start
+    (DeploymentError) on a failure: a budget this machine cannot back at all."""
+    from ..doctor import FAIL, WARN, daemon_checks
+    from ..errors import DeploymentError
+
+    checks = daemon_checks(cfg)
+    for c in checks:
+        if c.status == WARN:
+            log.warning("%s: %s (fix: %s)", c.name, c.detail, c.fix)
+    failed = [c for c in checks if c.status == FAIL]
+    if failed:
+        raise DeploymentError("cannot start: " + "; ".join(f"{c.name}: {c.detail}" for c in failed),
+                              hint="; ".join(c.fix for c in failed) + " (`tierkv doctor` lists every check)")
 
 
 @click.command("serve")
@@ -99,8 +119,9 @@ def serve(config_file: Path | None, log_level: str, socket_path: Path | None, **
     if not flags.get("local_only_namespaces"):
         flags["local_only_namespaces"] = None  # not given: the config file's list applies
     try:
-        cfg = _build(flags, config_file)
-        reload = (lambda: _build(flags, config_file)) if config_file else None
+        cfg = build_config(flags, config_file)
+        check_machine(cfg)
+        reload = (lambda: build_config(flags, config_file)) if config_file else None
         Daemon(cfg, reload=reload, freeze_heap=True).run()  # this process is the daemon
     except TierKVError as exc:  # also when run as `python -m tierkv.daemon.server`, outside the group
         raise click.ClickException(exc.for_command_line()) from exc
