@@ -189,8 +189,12 @@ def emit(as_json: bool, obj: dict[str, Any], rows: Iterable[tuple[str, Any]] | N
 
 def progress_bar(desc: str, enabled: bool = True) -> tuple[Callable[[int, int], None], Callable[[], None]]:
     """A tqdm bar on stderr (tokens, tokens/s, ETA) as a ``progress(done, total)`` callback,
-    and a function that closes it (also closed by the update that reaches ``total``)."""
+    and a function that closes it (also closed by the update that reaches ``total``).
+
+    While the bar is shown, log records (a "disk tier degraded" warning from the store)
+    are printed through tqdm, on lines of their own above the bar, not inside it."""
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     state: dict[str, Any] = {}
 
@@ -199,6 +203,8 @@ def progress_bar(desc: str, enabled: bool = True) -> tuple[Callable[[int, int], 
             return
         bar = state.get("bar")
         if bar is None:
+            redirect = state["redirect"] = logging_redirect_tqdm(tqdm_class=tqdm)
+            redirect.__enter__()
             bar = state["bar"] = tqdm(
                 total=total, initial=done, desc=desc, unit="tok", unit_scale=True, file=sys.stderr,
                 dynamic_ncols=True, smoothing=0.1,
@@ -211,5 +217,6 @@ def progress_bar(desc: str, enabled: bool = True) -> tuple[Callable[[int, int], 
     def close() -> None:
         if "bar" in state:
             state.pop("bar").close()
+            state.pop("redirect").__exit__(None, None, None)
 
     return update, close
