@@ -96,18 +96,24 @@ def test_serve_refuses_a_budget_the_machine_cannot_back(workdir):
     assert not (workdir / "run" / "d.sock").exists() and not (workdir / "home").exists()
 
 
-def test_doctor_checks_the_budgets_of_a_live_daemon(workdir):
+def test_doctor_checks_the_budgets_of_a_live_daemon(workdir, monkeypatch):
     cfg = make_config(workdir)
     d = DaemonThread(cfg).start()
     try:
         # The flags' budgets are not the daemon's: the daemon's are checked.
         code, out = doctor("--socket", cfg.socket, "--shm-dir", cfg.shm_dir, "--host-bytes", "1024TiB",
                            "--keys", workdir / "keys")
+        # A daemon named by TIERKV_SOCKET alone does not replace an explicit --home (item 1).
+        monkeypatch.setenv("TIERKV_SOCKET", str(cfg.socket))
+        _, own = doctor("--home", workdir / "other", "--shm-dir", cfg.shm_dir, "--keys", workdir / "keys")
+        _, env = doctor("--shm-dir", cfg.shm_dir, "--keys", workdir / "keys")
     finally:
         d.stop()
     assert code == 0, out
     assert out["source"] == f"the daemon at {cfg.socket}" and out["home"] == str(cfg.home)
     assert out["budgets"]["host_bytes"] == cfg.host_bytes and out["budgets"]["disk_bytes"] == cfg.disk_bytes
+    assert own["source"] == "configuration" and own["home"] == str(workdir / "other")
+    assert env["source"] == f"the daemon at {cfg.socket}" and env["home"] == str(cfg.home)
 
 
 @pytest.fixture

@@ -12,19 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from .keys import keys_option
 from .serve import build_config
 
 
-def _live_daemon(cfg: Any) -> tuple[Any, str, int | None]:
-    """``cfg`` with the budgets and home of the daemon live on ``cfg.socket`` (when one is),
-    the source of the budgets, and that daemon's pid."""
+def _live_daemon(cfg: Any, ask: bool) -> tuple[Any, str, int | None]:
+    """``cfg`` with the budgets and home of the daemon live on ``cfg.socket`` (when ``ask``
+    and one is), the source of the budgets, and that daemon's pid."""
     import tierkv
 
     from ..daemon.security import socket_is_live
 
-    if not cfg.socket.exists() or not socket_is_live(cfg.socket):
+    if not ask or not cfg.socket.exists() or not socket_is_live(cfg.socket):
         return cfg, "configuration", None
     with tierkv.connect(cfg.socket) as client:
         stats = client.stats()
@@ -59,7 +60,12 @@ def doctor(config_file: Path | None, keys_dir: Path, as_json: bool, socket_path:
     from ..doctor import FAIL, OK, check_keyring, daemon_checks
 
     cfg = build_config({**flags, "socket": socket_path}, config_file)
-    cfg, source, pid = _live_daemon(cfg)
+    # As for every command (issue #37, item 1): an explicit --home is checked as given,
+    # not replaced by the home of a daemon on a socket the command line did not name.
+    ctx = click.get_current_context()
+    explicit = ParameterSource.COMMANDLINE
+    ask = ctx.get_parameter_source("home") is not explicit or ctx.get_parameter_source("socket_path") is explicit
+    cfg, source, pid = _live_daemon(cfg, ask)
     checks = [*daemon_checks(cfg, daemon_pid=pid), check_keyring(keys_dir)]
     failed = any(c.status == FAIL for c in checks)
     if as_json:
