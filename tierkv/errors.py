@@ -136,6 +136,13 @@ class IndexDamagedError(TierKVError):
     default_hint = "run `tierkv verify --repair --home HOME` to rebuild the index from the segments"
 
 
+class LayoutInUseError(TierKVError):
+    """A page layout cannot be removed while clients of the daemon use it (or while it is
+    being removed)."""
+
+    default_hint = "stop the clients of that model first, then remove the layout"
+
+
 class LeaseError(TierKVError):
     default_hint = "use a lease only between acquire() and release(), from the store that issued it"
 

@@ -18,13 +18,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .document import Document, DocumentOptions, build_document
-from .errors import ConfigError, ModelVersionMismatchError, NotFoundError
+from .errors import ConfigError, LayoutMismatchError, ModelVersionMismatchError, NotFoundError
 from .hf.model import LoadedModel
 from .hf.prefill import DEFAULT_CHUNK_TOKENS, Progress, cached_prefill
 from .identity import as_token_array, block_keys
+from .layout import PageLayout, layout_fix
 
 if TYPE_CHECKING:
     from .api import StoreAPI
@@ -200,6 +201,31 @@ class LoadedPrefix:
     manifest: dict
 
 
+def check_prefix_model(name: str, manifest: dict[str, Any], lm: LoadedModel) -> None:
+    """Raise unless the prefix ``name`` (its ``manifest``) was materialised by ``lm``: its
+    page layout first (LayoutMismatchError naming the field, e.g. the block size: a model
+    version covers the layout, so a block size of 32 for a prefix made with 16 is no other
+    model, issue #37 item 2), then its model version (ModelVersionMismatchError). NotFoundError
+    when the manifest is not a prefix."""
+    if manifest.get("kind") != MANIFEST_KIND:
+        raise NotFoundError(f"manifest {name!r} is not a materialised prefix", hint="list prefixes with `tierkv ls`")
+    raw = manifest.get("layout")
+    if isinstance(raw, dict):
+        try:
+            held: PageLayout | None = PageLayout.from_dict(raw)
+        except (KeyError, TypeError, ValueError):
+            held = None
+        if held is not None and held != lm.layout:
+            raise LayoutMismatchError(
+                f"prefix {name!r} was materialised with another page layout: this request has "
+                f"{', '.join(lm.layout.differences(held))}", hint=layout_fix(lm.layout, held, "the prefix"))
+    if manifest.get("model_version") != lm.model_version:
+        raise ModelVersionMismatchError(
+            f"prefix {name!r} was made under model version {str(manifest.get('model_version'))[:16]}…, "
+            f"the model in {lm.model_dir} is {lm.model_version[:16]}…"
+        )
+
+
 def load_prefix(
     store: "StoreAPI", lm: LoadedModel, name: str, *, on_warning: Callable[[str], None] | None = None
 ) -> LoadedPrefix:
@@ -211,13 +237,7 @@ def load_prefix(
     when its sources changed since (the re-derived ids do not hash the same).
     """
     manifest = store.get_manifest(name)
-    if manifest.get("kind") != MANIFEST_KIND:
-        raise NotFoundError(f"manifest {name!r} is not a materialised prefix", hint="list prefixes with `tierkv ls`")
-    if manifest.get("model_version") != lm.model_version:
-        raise ModelVersionMismatchError(
-            f"prefix {name!r} was made under model version {str(manifest.get('model_version'))[:16]}…, "
-            f"the model in {lm.model_dir} is {lm.model_version[:16]}…"
-        )
+    check_prefix_model(name, manifest, lm)
     options = DocumentOptions.from_dict(manifest.get("options", {}))
     prefix = document_tokens(lm, manifest["roots"], options, max_tokens=manifest.get("max_tokens"), on_warning=on_warning)
     if tokens_sha256(prefix.tokens) != manifest.get("tokens_sha256"):

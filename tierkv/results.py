@@ -48,6 +48,15 @@ class InvalidateResult:
 
 
 @dataclass(frozen=True)
+class RemoveLayoutResult:
+    """A page layout's store removed from a home (``tierkv layouts rm``): what it held."""
+
+    layout_id: str
+    removed_blocks: int
+    freed_bytes: int
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     checked: int
     corrupt: tuple[str, ...]  # hex keys whose page failed its checksum or is provably missing

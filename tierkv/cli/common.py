@@ -102,14 +102,19 @@ def connect_daemon(socket_path: Path, layout: PageLayout | None = None) -> "Clie
     return client
 
 
-def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, **options: Any) -> "StoreAPI":
+def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, *, new_layout: bool = False,
+               **options: Any) -> "StoreAPI":
     """The store for ``layout``: a client of the daemon at ``socket_path`` when given, else
     the home opened in this process; ``options`` are StoreConfig fields given on the
-    command line (None means the store's default)."""
+    command line (None means the store's default). A layout the target does not hold is
+    LayoutMismatchError unless ``new_layout`` (or the target holds none yet): see
+    tierkv/cli/layouts.py."""
     import tierkv
 
     from .home_stores import store_home
+    from .layouts import require_layout
 
+    require_layout(home, socket_path, layout, new_layout)
     if socket_path is not None:
         return connect_daemon(socket_path, layout)
     # The layout's own store in a home that holds several (as the daemon would open it).

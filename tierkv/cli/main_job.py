@@ -20,6 +20,7 @@ from ..hf import load_model as _load_model
 from ..hf import version_of
 from ..model_version import default_memo_path
 from .common import emit, home_option, json_option, open_store, open_target, progress_bar, socket_option, warn
+from .layouts import check_prefix
 
 if TYPE_CHECKING:
     from ..api import StoreAPI
@@ -34,6 +35,9 @@ def model_options(required: bool = True) -> Callable[[Callable[..., Any]], Calla
         f = click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True,
                          help="Tokens per block; part of the store's page layout.")(f)
         f = click.option("--device", default=None, help="Torch device for the model [default: cuda if available, else cpu].")(f)
+        f = click.option("--new-layout", is_flag=True,
+                         help="Make a store for this model's page layout when the home (or daemon) holds stores, "
+                              "none of it (else an error names what differs: `tierkv layouts`).")(f)
         return f
     return deco
 
@@ -102,7 +106,7 @@ def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None)
 @socket_option
 @json_option
 def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size: int, device: str | None,
-                include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
+                new_layout: bool, include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
                 max_tokens: int | None, name: str | None, chunk_tokens: int, pin: bool, namespace: str, no_progress: bool,
                 page_codec: str | None, home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Prefill the files and trees PATHS into the store as one prefix document.
@@ -119,7 +123,7 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
     # store is opened, so it creates no home (issue #37, item 10).
     prefix = document_tokens(lm, list(paths), options, max_tokens=max_tokens, on_warning=warn)
     progress, close_bar = progress_bar("prefill", enabled=not no_progress)
-    with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
+    with open_store(home, lm.layout, socket_path, new_layout=new_layout, page_codec=page_codec) as store:
         try:
             result = run(store, lm, list(paths), options, name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens,
                          pin=True if pin else None, namespace=namespace, progress=progress, on_warning=warn,
@@ -164,7 +168,8 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
 @home_option
 @socket_option
 @json_option
-def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | None, prefix_name: str | None,
+def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | None, new_layout: bool,
+                 prefix_name: str | None,
                  prefix_paths: tuple[Path, ...], include: tuple[str, ...], exclude: tuple[str, ...],
                  max_file_bytes: int, no_gitignore: bool, max_tokens: int | None, prompt: str,
                  max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool,
@@ -203,7 +208,12 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
                 tokens, _ = request(None)
             result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling, progress=progress)
         else:
-            with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
+            if prefix_name:
+                # The prefix first, in whichever store holds it: an unknown name or one made
+                # with another block size is an error before any store opens for this
+                # layout, so a typo creates nothing (issue #37, item 2).
+                check_prefix(home, socket_path, prefix_name, lm)
+            with open_store(home, lm.layout, socket_path, new_layout=new_layout, page_codec=page_codec) as store:
                 tokens, ns = request(store)
                 result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
                                   sampling=sampling, store_output=not no_store_output, progress=progress)
@@ -244,7 +254,7 @@ def model_version_cmd(model_dir: Path, dtype: str, block_size: int, as_json: boo
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @home_option
 @json_option
-def quickstart(model_dir: Path | None, dtype: str, block_size: int, device: str | None, question: str | None,
+def quickstart(model_dir: Path | None, dtype: str, block_size: int, device: str | None, new_layout: bool, question: str | None,
                max_tokens: int, max_new_tokens: int, home: Path, as_json: bool) -> None:
     """Build a small model (once), materialise tierkv's own source as a prefix and answer a
     question with and without the cache. With --model, uses your model and --home."""
@@ -263,7 +273,7 @@ def quickstart(model_dir: Path | None, dtype: str, block_size: int, device: str 
     lm = load_model(model_dir, dtype, block_size, device)
     setup_s = time.perf_counter() - setup_start
     progress, close_bar = progress_bar("materialise tierkv source", enabled=not as_json)
-    with open_store(store_home, lm.layout) as store:
+    with open_store(store_home, lm.layout, new_layout=new_layout) as store:
         try:
             r = run_quickstart(store, lm, question=question or DEFAULT_QUESTION, max_tokens=max_tokens,
                                max_new_tokens=max_new_tokens, progress=progress)

@@ -40,7 +40,8 @@ from ..errors import (
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import (
-    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult, namespace_page,
+    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, RemoveLayoutResult, Residency, StoreStats,
+    VerifyResult, namespace_page,
 )
 from ..tiers.shm import SharedRegion
 from . import messages as m
@@ -334,6 +335,12 @@ class Client(StoreAPI, ClientTransport):
 
     def ping(self) -> None:
         self._call(Op.PING, m.Empty())
+
+    def remove_layout(self, layout_id: str) -> RemoveLayoutResult:
+        """Remove the store of a layout the daemon serves (REMOVE_LAYOUT; LayoutInUseError
+        while a connection uses it, NotFoundError when it serves none by that id)."""
+        r = self._call(Op.REMOVE_LAYOUT, m.LayoutRef(layout_id))
+        return RemoveLayoutResult(layout_id, int(r["removed_blocks"]), int(r["freed_bytes"]))
 
     def check_integrity(self) -> None:
         """Client-side state (connected, no settled reply left waiting, leases consistent), then the daemon's

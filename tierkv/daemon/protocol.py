@@ -66,6 +66,7 @@ class Op(IntEnum):
     CHAIN_RESIDENCY = 20
     SET_PRIORITY_FROM = 21
     CHECK_INTEGRITY = 22
+    REMOVE_LAYOUT = 23
 
 
 class FatalFrameError(ProtocolError):

@@ -144,6 +144,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
             self.metrics = DaemonMetrics(self.handlers.merged_stats, self._daemon_stats,
                                          only.layout.page_bytes if only is not None else 0)
             self.handlers.peers = lambda: [(c.id, c.creds.uid) for c in self.connections.values()]
+            self.handlers.bound = lambda: [c.entry for c in self.connections.values()]
             self.handlers.gc_stats = self.gc_pauses.stats
             refusals = self.metrics.quota_refusals
             self.handlers.quota.on_refuse = lambda quota: refusals.labels(quota).inc()
