@@ -74,7 +74,7 @@ def chat(model_dir: Path, dtype: str, block_size: int, device: str | None, new_l
         conversation = Conversation(lm, store=store, namespace=ns, prefix_tokens=prefix, system=system,
                                     max_new_tokens=max_new_tokens,
                                     sampling=SamplingConfig(temperature=temperature, top_k=top_k, seed=seed),
-                                    store_output=not no_store_output)
+                                    store_output=not no_store_output, on_store_error=warn)
         if interactive:
             fmt = "the model's chat template" if conversation.uses_template else 'a plain "User:/Assistant:" format'
             click.echo(f"chatting in {fmt}{f' after prefix {prefix_name!r}' if prefix_name else ''}; "

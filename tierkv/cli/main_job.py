@@ -215,8 +215,11 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
                 check_prefix(home, socket_path, prefix_name, lm)
             with open_store(home, lm.layout, socket_path, new_layout=new_layout, page_codec=page_codec) as store:
                 tokens, ns = request(store)
+                # A full disk does not fail the answer (issue #37, item 3): a warning, and the
+                # blocks that do not fit are kept in memory (put_what_fits).
                 result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
-                                  sampling=sampling, store_output=not no_store_output, progress=progress)
+                                  sampling=sampling, store_output=not no_store_output, progress=progress,
+                                  on_store_error=warn)
     finally:
         close_bar()
     text = lm.decode(list(result.tokens))
