@@ -226,11 +226,41 @@ def check_prefix_model(name: str, manifest: dict[str, Any], lm: LoadedModel) -> 
         )
 
 
+def stored_prefix_tokens(store: "StoreAPI", name: str, manifest: dict[str, Any], missing: Sequence[str],
+                         block_size: int, on_warning: Callable[[str], None] | None = None) -> list[int]:
+    """The token ids of prefix ``name`` read back from its stored chain (``chain_tokens`` of
+    its last block): what a bundle carries, so an imported prefix serves without its source
+    tree at the path it had where it was made (issue #37, item 4). Whole blocks only: a
+    prefix whose last tokens fill no block comes back without them (said through
+    ``on_warning``). ConfigError when the chain is not stored whole or is not the prefix's."""
+    last = manifest.get("last_block_key")
+    hint = f"restore {missing[0]}, import the prefix's bundle again, or run `tierkv materialize ... --name {name}`"
+    if not last:
+        raise ConfigError(f"the sources of prefix {name!r} do not exist: {', '.join(missing)}", hint=hint)
+    try:
+        tokens = [int(t) for t in store.chain_tokens(bytes.fromhex(last)).tokens]
+    except NotFoundError:
+        raise ConfigError(f"the sources of prefix {name!r} do not exist ({', '.join(missing)}) and its blocks are "
+                          "not all stored", hint=hint) from None
+    if tokens_sha256(tokens) == manifest.get("tokens_sha256"):
+        return tokens
+    total = int(manifest.get("tokens", 0))
+    if len(tokens) != int(manifest.get("blocks", -1)) * block_size or not 0 < total - len(tokens) < block_size:
+        raise ConfigError(f"the stored blocks of prefix {name!r} are not the prefix it names", hint=hint)
+    if on_warning is not None:
+        on_warning(f"prefix {name!r}: its sources are not here ({missing[0]}); using the {len(tokens)} token ids of "
+                   f"its stored blocks (its last {total - len(tokens)} tokens fill no block and "
+                   "were not stored)")
+    return tokens
+
+
 def load_prefix(
     store: "StoreAPI", lm: LoadedModel, name: str, *, on_warning: Callable[[str], None] | None = None
 ) -> LoadedPrefix:
     """The prefix materialised as ``name``: token ids re-derived from its sources, and the
-    namespace its blocks were stored under.
+    namespace its blocks were stored under. When its sources are not here (an imported
+    bundle, made on another machine), the token ids of its stored blocks instead
+    (:func:`stored_prefix_tokens`).
 
     Raises NotFoundError for an unknown name or a manifest that is not a prefix,
     ModelVersionMismatchError when it was made under another model version, and ConfigError
@@ -238,6 +268,10 @@ def load_prefix(
     """
     manifest = store.get_manifest(name)
     check_prefix_model(name, manifest, lm)
+    missing = [r for r in manifest["roots"] if not os.path.exists(r)]
+    if missing:
+        tokens = stored_prefix_tokens(store, name, manifest, missing, lm.layout.block_size, on_warning)
+        return LoadedPrefix(tokens, str(manifest.get("namespace", "default")), manifest)
     options = DocumentOptions.from_dict(manifest.get("options", {}))
     prefix = document_tokens(lm, manifest["roots"], options, max_tokens=manifest.get("max_tokens"), on_warning=on_warning)
     if tokens_sha256(prefix.tokens) != manifest.get("tokens_sha256"):

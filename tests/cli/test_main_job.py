@@ -210,3 +210,36 @@ def test_materialize_generate_invalidate_through_a_daemon(llama_dir, repo, tmp_p
         daemon.request_stop()
         thread.join(30)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_an_imported_prefix_serves_without_its_source_tree(llama_dir, repo, tmp_path):
+    """Issue #37, item 4: `generate --prefix NAME` of an imported bundle failed with
+    "SOURCE_DIR does not exist" unless the source tree sat at the path it had where the
+    prefix was made, although the bundle carries the token ids."""
+    import shutil
+
+    src = tmp_path / "elsewhere" / "src"
+    shutil.copytree(repo, src)
+    a, b = tmp_path / "a", tmp_path / "b"
+    made = run_json("materialize", src, "--model", llama_dir, "--home", a, "--name", "repo", "--no-progress",
+                    "--max-tokens", "160")
+    tail = run_json("materialize", src, "--model", llama_dir, "--home", a, "--name", "tail", "--no-progress",
+                    "--max-tokens", "170")
+    assert made["tokens"] == 160 and tail["tokens"] == 170
+    ask = ("--model", llama_dir, "--prompt", "store the block", "--max-new-tokens", "5", "--no-progress")
+    cold = run_json("generate", *ask, "--prefix-from", src, "--max-tokens", "160", "--no-cache")
+    for name in ("repo", "tail"):
+        run("export", name, "-o", tmp_path / f"{name}.tkv", "--home", a)
+        run("import", tmp_path / f"{name}.tkv", "--home", b)
+    shutil.rmtree(tmp_path / "elsewhere")  # another machine: no source tree
+    for home in (b, a):
+        warm = run_json("generate", *ask, "--home", home, "--prefix", "repo")
+        assert warm["cached_tokens"] == 160 and warm["tokens"] == cold["tokens"]
+        assert run_json("generate", *ask, "--home", home, "--prefix", "repo", "--no-cache")["tokens"] == cold["tokens"]
+    # A prefix whose last tokens fill no block: served from its whole blocks, and said so.
+    r = run("generate", *ask, "--home", b, "--prefix", "tail", "--json")
+    assert "its last 10 tokens fill no block" in r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["cached_tokens"] == 160
+    # Blocks gone and no sources: the error names the missing tree.
+    run("invalidate", "--namespace", "default", "--home", b)
+    assert "do not exist" in run("generate", *ask, "--home", b, "--prefix", "repo", ok=False).stderr
