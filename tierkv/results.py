@@ -319,6 +319,18 @@ class Lease:
 
             raise LeaseError("lease used after release")
 
+    def __repr__(self) -> str:
+        # Bounded, whatever the lease's size: counts and the first slot, never the keys (32
+        # bytes each), the pool or the store (issue #37, item 10: a lease printed its pool).
+        lo = self.layout
+        first = f", slots={self.slots[0]}..{self.slots[-1]}" if self.slots else ""
+        return (f"{type(self).__name__}(blocks={len(self.slots)}, start_block={self.start_block}{first}, "
+                f"layout={lo.dtype}-l{lo.num_layers}-h{lo.num_kv_heads}-d{lo.head_dim}-b{lo.block_size}, "
+                f"released={self.released}{self._repr_extra()})")
+
+    def _repr_extra(self) -> str:
+        return ""
+
     def page(self, i: int) -> torch.Tensor:
         """A view of block ``i``'s page in the device pool (valid until release)."""
         self._check()
