@@ -17,7 +17,7 @@ from click.core import ParameterSource
 
 from ..config import HOME_ENV, SOCKET_ENV, default_home
 from ..errors import LayoutMismatchError, TierKVError
-from ..layout import PageLayout
+from ..layout import PageLayout, layout_fix
 
 if TYPE_CHECKING:
     from ..api import StoreAPI
@@ -112,13 +112,45 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     import tierkv
 
     from .home_stores import store_home
-    from .layouts import require_layout
 
     require_layout(home, socket_path, layout, new_layout)
     if socket_path is not None:
         return connect_daemon(socket_path, layout)
     # The layout's own store in a home that holds several (as the daemon would open it).
     return tierkv.open(store_home(home, layout), layout, **{k: v for k, v in options.items() if v is not None})
+
+
+# The layout guard of open_store (issue #37, item 2; tierkv/cli/layouts.py says why). Here,
+# not in layouts.py: open_store calling into that module made an import cycle through
+# targets.py.
+def held_layouts(home: Path, socket_path: Path | None) -> list[PageLayout]:
+    """The layouts of the stores ``home`` holds (read without opening them), or those the
+    daemon at ``socket_path`` serves."""
+    from ..daemon.layouts import find_layouts
+
+    if socket_path is None:
+        return [lo for _, lo in find_layouts(home)]
+    with connect_daemon(socket_path) as client:
+        per = client.stats(namespace_limit=1).extra.get("layouts") or {}
+    return [PageLayout.from_dict(s["layout"]) for s in per.values() if s.get("layout")]
+
+
+def require_layout(home: Path, socket_path: Path | None, layout: PageLayout, new_layout: bool) -> None:
+    """Raise LayoutMismatchError when the target holds stores, none of ``layout``, and
+    ``new_layout`` is not set; the message names the fields that differ from the closest
+    layout held, the hint the options that would match it."""
+    from ..daemon.layouts import layout_id
+
+    held = held_layouts(home, socket_path)
+    if new_layout or not held or layout in held:
+        return
+    closest = min(held, key=lambda lo: len(layout.differences(lo)))
+    where = f"the daemon at {socket_path}" if socket_path is not None else str(home)
+    raise LayoutMismatchError(
+        f"{where} holds no store of page layout {layout_id(layout)}; against its {layout_id(closest)} this model "
+        f"has {', '.join(layout.differences(closest))}",
+        hint=f"{layout_fix(layout, closest, 'the home')}, or pass --new-layout to make a store for this layout "
+             "(`tierkv layouts` lists them)")
 
 
 # Operations need the disk tier only: keep the memory tiers in (sparse) host memory, so an

@@ -1,6 +1,7 @@
-"""``tierkv layouts`` (list the page layouts a home holds, ``rm`` one) and the guard every
-command that stores pages goes through: a model whose layout the home (or daemon) does not
-hold is an error naming what differs, not a new store, unless ``--new-layout`` asks for one.
+"""``tierkv layouts`` (list the page layouts a home holds, ``rm`` one) and the checks before a
+command stores pages: :func:`check_prefix` here, and the guard every store open goes through
+(:func:`~tierkv.cli.common.require_layout`): a model whose layout the home (or daemon) does
+not hold is an error naming what differs, not a new store, unless ``--new-layout`` asks.
 
 Why a guard (issue #37, item 2): one ``generate --block-size 32`` by mistake made a store
 that lived forever, halved every tier of the real model in a daemon and counted toward
@@ -14,40 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..daemon.layouts import find_layouts, layout_id
-from ..errors import LayoutMismatchError, NotFoundError
-from ..layout import PageLayout, layout_fix
-from .common import connect_daemon, emit, fmt_bytes, print_columns
+from ..daemon.layouts import layout_id
+from ..errors import NotFoundError
+from ..layout import PageLayout
+from .common import emit, fmt_bytes, held_layouts, print_columns, require_layout
 from .targets import target, target_options
 
 if TYPE_CHECKING:
     from ..hf import LoadedModel
-
-
-def held_layouts(home: Path, socket_path: Path | None) -> list[PageLayout]:
-    """The layouts of the stores ``home`` holds (read without opening them), or those the
-    daemon at ``socket_path`` serves."""
-    if socket_path is None:
-        return [lo for _, lo in find_layouts(home)]
-    with connect_daemon(socket_path) as client:
-        per = client.stats(namespace_limit=1).extra.get("layouts") or {}
-    return [PageLayout.from_dict(s["layout"]) for s in per.values() if s.get("layout")]
-
-
-def require_layout(home: Path, socket_path: Path | None, layout: PageLayout, new_layout: bool) -> None:
-    """Raise LayoutMismatchError when the target holds stores, none of ``layout``, and
-    ``new_layout`` is not set; the message names the fields that differ from the closest
-    layout held, the hint the options that would match it."""
-    held = held_layouts(home, socket_path)
-    if new_layout or not held or layout in held:
-        return
-    closest = min(held, key=lambda lo: len(layout.differences(lo)))
-    where = f"the daemon at {socket_path}" if socket_path is not None else str(home)
-    raise LayoutMismatchError(
-        f"{where} holds no store of page layout {layout_id(layout)}; against its {layout_id(closest)} this model "
-        f"has {', '.join(layout.differences(closest))}",
-        hint=f"{layout_fix(layout, closest, 'the home')}, or pass --new-layout to make a store for this layout "
-             "(`tierkv layouts` lists them)")
 
 
 def check_prefix(home: Path, socket_path: Path | None, name: str, lm: "LoadedModel") -> None:
