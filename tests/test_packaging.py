@@ -1,6 +1,7 @@
 """The top-level kernels/ directory must not shadow the Hugging Face ``kernels`` package
 (which transformers and vLLM import) when Python runs from the repository root, and
-``tierkv.kernels`` must keep its API (issue 10, item 5)."""
+``tierkv.kernels`` must keep its API (issue 10, item 5); every runtime dependency is used and
+documented (issue 37, item 10)."""
 from __future__ import annotations
 
 import subprocess
@@ -42,3 +43,28 @@ def test_transformers_sees_no_kernels_package_from_the_repository_root():
     got = run_at_root("from transformers.utils.import_utils import is_kernels_available; "
                       "print(is_kernels_available())")
     assert got == "False"
+
+
+# Runtime dependencies tierkv does not import itself, each with its reason.
+NOT_IMPORTED = {
+    "safetensors": "the disk segments are safetensors files (docs/dependencies.md); transformers loads weights with it",
+}
+MODULE_OF = {"prometheus-client": "prometheus_client"}
+
+
+def test_every_runtime_dependency_is_imported_and_documented():
+    """Issue #37, item 10: aiofiles was a dependency nothing imported."""
+    import re
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = [re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0] for d in pyproject["project"]["dependencies"]]
+    sources = "\n".join(p.read_text() for d in ("tierkv", "kernels") for p in (ROOT / d).rglob("*.py"))
+    documented = (ROOT / "docs" / "dependencies.md").read_text()
+    assert "aiofiles" not in names
+    for name in names:
+        module = MODULE_OF.get(name, name)
+        imported = re.search(rf"^\s*(import|from) {re.escape(module)}\b", sources, flags=re.M)
+        assert imported or name in NOT_IMPORTED, f"{name} is a dependency nothing in tierkv imports"
+        assert re.search(rf"^\| [^|]*\b{re.escape(name)}\b", documented, flags=re.M), \
+            f"{name} is not in docs/dependencies.md's table"

@@ -9,6 +9,9 @@ class TierKVError(Exception):
     """Root of every error tierkv raises on purpose."""
 
     default_hint = ""
+    # The default hint worded for the `tierkv` command, where default_hint names a library
+    # call (tierkv.open(), tierkv.connect()) a command-line user never makes.
+    cli_hint: str | None = None
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         self.message = message
@@ -17,6 +20,19 @@ class TierKVError(Exception):
 
     def __str__(self) -> str:
         return f"{self.message} (hint: {self.hint})" if self.hint else self.message
+
+    def for_command_line(self) -> str:
+        """``str(self)`` as the ``tierkv`` command prints it: a default hint that names a
+        library call is replaced by the ``cli_hint`` of the class that declares it (not a
+        subclass's, whose own default differs). Compared by text, so an error that came
+        back from the daemon (its hint travels as text) is worded the same way."""
+        for cls in type(self).__mro__:
+            if cls.__dict__.get("default_hint") == self.hint:
+                cli_hint = cls.__dict__.get("cli_hint")
+                if cli_hint:
+                    return f"{self.message} (hint: {cli_hint})"
+                break
+        return str(self)
 
 
 class InvalidTokensError(TierKVError, ValueError):
@@ -39,6 +55,21 @@ class CodecMismatchError(LayoutMismatchError):
 
 class ConfigError(TierKVError, ValueError):
     default_hint = "check the capacities and options passed to tierkv.open()"
+    cli_hint = "check the command's options (tierkv COMMAND --help) and the config file"
+
+
+class DeviceUnavailableError(ConfigError):
+    """The torch device asked for does not exist here: CUDA on a CPU-only torch build or a
+    machine without a GPU, or a GPU index past the last one."""
+
+    default_hint = "pass --device cpu, or run where torch sees a GPU (torch.cuda.is_available())"
+
+
+class DeploymentError(ConfigError):
+    """This machine cannot back the configuration (tierkv/doctor.py): a budget larger than
+    its file system or GPU, a socket directory the daemon may not use."""
+
+    default_hint = "run `tierkv doctor` with the same options: one line per check, with its fix"
 
 
 class UnsupportedModelError(ConfigError):
@@ -55,6 +86,7 @@ class StoreLockedError(TierKVError):
 
 class DaemonOwnsHomeError(StoreLockedError):
     default_hint = "pass --socket PATH (or tierkv.connect(PATH)) to go through the running daemon"
+    cli_hint = "pass --socket PATH to go through the running daemon"
 
 
 class ForkedStoreError(TierKVError):
@@ -104,6 +136,13 @@ class IndexDamagedError(TierKVError):
     default_hint = "run `tierkv verify --repair --home HOME` to rebuild the index from the segments"
 
 
+class LayoutInUseError(TierKVError):
+    """A page layout cannot be removed while clients of the daemon use it (or while it is
+    being removed)."""
+
+    default_hint = "stop the clients of that model first, then remove the layout"
+
+
 class LeaseError(TierKVError):
     default_hint = "use a lease only between acquire() and release(), from the store that issued it"
 
@@ -147,6 +186,7 @@ class UntrustedDaemonError(TierKVError):
     neither root, nor this user's, nor the one the client was told to expect)."""
 
     default_hint = "check the --socket path; pass daemon_uid= (tierkv.connect) when the daemon runs as another user"
+    cli_hint = "check the --socket path: the command trusts a daemon run by root or by this user"
 
 
 class InvalidNameError(TierKVError, ValueError):

@@ -42,8 +42,14 @@ class HomeLock:
 
     def write_owner(self, socket_path: str | None) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "socket": socket_path}
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps(info).encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, json.dumps(info).encode(), 0)
+        except OSError:
+            # A full (or read-only) file system: the record only names the holder in another
+            # opener's error; the lock itself is the flock, so the home still opens and
+            # serves what it holds (issue #37, item 3: a full disk failed every command).
+            pass
 
     @staticmethod
     def read_owner(home: Path) -> dict:

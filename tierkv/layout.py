@@ -48,6 +48,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise PageFormatError(f"unsupported KV dtype {dtype}", hint=f"use one of {sorted(PAGE_DTYPES)}")
 
 
+# PageLayout's fields as a message names them (PageLayout.differences).
+_FIELD_LABELS = (("block_size", "block size"), ("dtype", "dtype"), ("num_layers", "layers"),
+                 ("num_kv_heads", "KV heads"), ("head_dim", "head dim"))
+
+
+def layout_fix(wanted: PageLayout, held: PageLayout, whose: str) -> str:
+    """A hint for a request of layout ``wanted`` where ``held`` (``whose``: "the prefix",
+    "the home") is: the model options that would match it, or another model."""
+    if (wanted.num_layers, wanted.num_kv_heads, wanted.head_dim) != (held.num_layers, held.num_kv_heads, held.head_dim):
+        return f"{whose} was made by a model of other shapes: pass that model's directory"
+    flags = [f"--block-size {held.block_size}"] if wanted.block_size != held.block_size else []
+    flags += [f"--dtype {held.dtype}"] if wanted.dtype != held.dtype else []
+    return f"pass {' '.join(flags)} (what {whose} holds)"
+
+
 def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
@@ -109,6 +124,13 @@ class PageLayout:
             block_size=int(d["block_size"]),
             dtype=str(d["dtype"]),
         )
+
+    def differences(self, other: "PageLayout") -> list[str]:
+        """What differs from ``other``, in words, this layout's value first: ``["block size
+        32 (not 16)"]``. Empty when equal. For messages that must name the field a user got
+        wrong (issue #37, item 2: a block size mistaken for another model)."""
+        return [f"{label} {getattr(self, f)} (not {getattr(other, f)})" for f, label in _FIELD_LABELS
+                if getattr(self, f) != getattr(other, f)]
 
     def check_pages(self, pages: torch.Tensor, n_blocks: int | None = None) -> None:
         """Raise PageFormatError unless ``pages`` is ``[n, *shape]`` in this layout's dtype."""

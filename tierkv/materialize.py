@@ -18,13 +18,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .document import Document, DocumentOptions, build_document
-from .errors import ConfigError, ModelVersionMismatchError, NotFoundError
+from .errors import ConfigError, LayoutMismatchError, ModelVersionMismatchError, NotFoundError
 from .hf.model import LoadedModel
 from .hf.prefill import DEFAULT_CHUNK_TOKENS, Progress, cached_prefill
 from .identity import as_token_array, block_keys
+from .layout import PageLayout, layout_fix
 
 if TYPE_CHECKING:
     from .api import StoreAPI
@@ -88,6 +89,7 @@ class MaterializeResult:
     files: int
     skipped: int
     manifest: dict | None
+    pinned: bool  # the prefix's blocks are PINNED (asked for, or kept from the name's manifest)
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,32 +130,46 @@ def materialize(
     name: str | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     max_tokens: int | None = None,
-    pin: bool = False,
+    pin: bool | None = None,
     namespace: str = "default",
     progress: Progress | None = None,
     on_warning: Callable[[str], None] | None = None,
+    prefix: PrefixTokens | None = None,
 ) -> MaterializeResult:
     """Prefill the document of ``paths`` into ``store`` and, with ``name``, save its manifest
     (after the blocks are durable, so a manifest never names blocks that were not stored).
-    ``pin`` stores the prefix's blocks as PINNED; ``namespace`` is the tenant salt of their
-    keys. ``progress(done, total)`` gets token counts.
+    ``pin=True`` stores the prefix's blocks as PINNED, ``pin=False`` as NORMAL (lowering
+    those a pinned manifest of ``name`` had pinned), ``None`` keeps what the manifest named
+    ``name`` says (not pinned for a new name): a repeated run changes nothing it was not
+    asked to (issue #37, item 5). ``namespace`` is the tenant salt of their keys.
+    ``progress(done, total)`` gets token counts. ``prefix``: the document of ``paths``
+    already built by :func:`document_tokens` (the CLI builds it before opening the store,
+    so a missing path or a document too long creates no home).
     """
     from .store import Priority
 
     start = time.perf_counter()
-    prefix = document_tokens(lm, paths, options, max_tokens=max_tokens, on_warning=on_warning)
+    if prefix is None:
+        prefix = document_tokens(lm, paths, options, max_tokens=max_tokens, on_warning=on_warning)
     scope = lm.scope(namespace)
+    previous = _manifest_or_none(store, name)
+    was_pinned = bool(previous and previous.get("pinned"))
+    if pin is None:
+        pin = was_pinned
     priority = Priority.PINNED if pin else Priority.NORMAL
     result = cached_prefill(
         lm.model, prefix.tokens, store=store, scope=scope, chunk_tokens=chunk_tokens,
         need_logits=False, priority=priority, progress=progress,
     )
-    if pin and result.cached_tokens:
-        # Blocks stored by an earlier, unpinned run keep their priority unless raised here.
-        store.set_priority(prefix.tokens, scope, Priority.PINNED)
+    if result.cached_tokens and (pin or was_pinned):
+        # Blocks stored by an earlier run keep their priority unless changed here: raised
+        # for pin=True, lowered when pin=False unpins a name that was pinned.
+        store.set_priority(prefix.tokens, scope, priority)
     manifest = None
     if name is not None:
         manifest = build_manifest(lm, prefix, paths, options, max_tokens, pin, namespace)
+        if previous and all(previous.get(k) == manifest[k] for k in ("tokens_sha256", "model_version", "namespace")):
+            manifest["created_at"] = previous.get("created_at", manifest["created_at"])  # the same prefix
         store.save_manifest(name, manifest)
     return MaterializeResult(
         tokens=len(prefix.tokens),
@@ -165,7 +181,17 @@ def materialize(
         files=len(prefix.document.files),
         skipped=len(prefix.document.skipped),
         manifest=manifest,
+        pinned=pin,
     )
+
+
+def _manifest_or_none(store: "StoreAPI", name: str | None) -> dict | None:
+    if name is None:
+        return None
+    try:
+        return store.get_manifest(name)
+    except NotFoundError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -175,24 +201,77 @@ class LoadedPrefix:
     manifest: dict
 
 
+def check_prefix_model(name: str, manifest: dict[str, Any], lm: LoadedModel) -> None:
+    """Raise unless the prefix ``name`` (its ``manifest``) was materialised by ``lm``: its
+    page layout first (LayoutMismatchError naming the field, e.g. the block size: a model
+    version covers the layout, so a block size of 32 for a prefix made with 16 is no other
+    model, issue #37 item 2), then its model version (ModelVersionMismatchError). NotFoundError
+    when the manifest is not a prefix."""
+    if manifest.get("kind") != MANIFEST_KIND:
+        raise NotFoundError(f"manifest {name!r} is not a materialised prefix", hint="list prefixes with `tierkv ls`")
+    raw = manifest.get("layout")
+    if isinstance(raw, dict):
+        try:
+            held: PageLayout | None = PageLayout.from_dict(raw)
+        except (KeyError, TypeError, ValueError):
+            held = None
+        if held is not None and held != lm.layout:
+            raise LayoutMismatchError(
+                f"prefix {name!r} was materialised with another page layout: this request has "
+                f"{', '.join(lm.layout.differences(held))}", hint=layout_fix(lm.layout, held, "the prefix"))
+    if manifest.get("model_version") != lm.model_version:
+        raise ModelVersionMismatchError(
+            f"prefix {name!r} was made under model version {str(manifest.get('model_version'))[:16]}…, "
+            f"the model in {lm.model_dir} is {lm.model_version[:16]}…"
+        )
+
+
+def stored_prefix_tokens(store: "StoreAPI", name: str, manifest: dict[str, Any], missing: Sequence[str],
+                         block_size: int, on_warning: Callable[[str], None] | None = None) -> list[int]:
+    """The token ids of prefix ``name`` read back from its stored chain (``chain_tokens`` of
+    its last block): what a bundle carries, so an imported prefix serves without its source
+    tree at the path it had where it was made (issue #37, item 4). Whole blocks only: a
+    prefix whose last tokens fill no block comes back without them (said through
+    ``on_warning``). ConfigError when the chain is not stored whole or is not the prefix's."""
+    last = manifest.get("last_block_key")
+    hint = f"restore {missing[0]}, import the prefix's bundle again, or run `tierkv materialize ... --name {name}`"
+    if not last:
+        raise ConfigError(f"the sources of prefix {name!r} do not exist: {', '.join(missing)}", hint=hint)
+    try:
+        tokens = [int(t) for t in store.chain_tokens(bytes.fromhex(last)).tokens]
+    except NotFoundError:
+        raise ConfigError(f"the sources of prefix {name!r} do not exist ({', '.join(missing)}) and its blocks are "
+                          "not all stored", hint=hint) from None
+    if tokens_sha256(tokens) == manifest.get("tokens_sha256"):
+        return tokens
+    total = int(manifest.get("tokens", 0))
+    if len(tokens) != int(manifest.get("blocks", -1)) * block_size or not 0 < total - len(tokens) < block_size:
+        raise ConfigError(f"the stored blocks of prefix {name!r} are not the prefix it names", hint=hint)
+    if on_warning is not None:
+        on_warning(f"prefix {name!r}: its sources are not here ({missing[0]}); using the {len(tokens)} token ids of "
+                   f"its stored blocks (its last {total - len(tokens)} tokens fill no block and "
+                   "were not stored)")
+    return tokens
+
+
 def load_prefix(
     store: "StoreAPI", lm: LoadedModel, name: str, *, on_warning: Callable[[str], None] | None = None
 ) -> LoadedPrefix:
     """The prefix materialised as ``name``: token ids re-derived from its sources, and the
-    namespace its blocks were stored under.
+    namespace its blocks were stored under. When its sources are not here (an imported
+    bundle, made on another machine), the token ids of its stored blocks instead
+    (:func:`stored_prefix_tokens`).
 
     Raises NotFoundError for an unknown name or a manifest that is not a prefix,
     ModelVersionMismatchError when it was made under another model version, and ConfigError
     when its sources changed since (the re-derived ids do not hash the same).
     """
     manifest = store.get_manifest(name)
-    if manifest.get("kind") != MANIFEST_KIND:
-        raise NotFoundError(f"manifest {name!r} is not a materialised prefix", hint="list prefixes with `tierkv ls`")
-    if manifest.get("model_version") != lm.model_version:
-        raise ModelVersionMismatchError(
-            f"prefix {name!r} was made under model version {str(manifest.get('model_version'))[:16]}…, "
-            f"the model in {lm.model_dir} is {lm.model_version[:16]}…"
-        )
+    check_prefix_model(name, manifest, lm)
+    missing = [r for r in manifest["roots"] if not os.path.exists(r)]
+    if missing:
+        tokens = stored_prefix_tokens(store, name, manifest, missing, lm.layout.block_size, on_warning)
+        return LoadedPrefix(tokens, str(manifest.get("namespace", "default")), manifest)
     options = DocumentOptions.from_dict(manifest.get("options", {}))
     prefix = document_tokens(lm, manifest["roots"], options, max_tokens=manifest.get("max_tokens"), on_warning=on_warning)
     if tokens_sha256(prefix.tokens) != manifest.get("tokens_sha256"):

@@ -48,6 +48,15 @@ class InvalidateResult:
 
 
 @dataclass(frozen=True)
+class RemoveLayoutResult:
+    """A page layout's store removed from a home (``tierkv layouts rm``): what it held."""
+
+    layout_id: str
+    removed_blocks: int
+    freed_bytes: int
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     checked: int
     corrupt: tuple[str, ...]  # hex keys whose page failed its checksum or is provably missing
@@ -309,6 +318,18 @@ class Lease:
             from .errors import LeaseError
 
             raise LeaseError("lease used after release")
+
+    def __repr__(self) -> str:
+        # Bounded, whatever the lease's size: counts and the first slot, never the keys (32
+        # bytes each), the pool or the store (issue #37, item 10: a lease printed its pool).
+        lo = self.layout
+        first = f", slots={self.slots[0]}..{self.slots[-1]}" if self.slots else ""
+        return (f"{type(self).__name__}(blocks={len(self.slots)}, start_block={self.start_block}{first}, "
+                f"layout={lo.dtype}-l{lo.num_layers}-h{lo.num_kv_heads}-d{lo.head_dim}-b{lo.block_size}, "
+                f"released={self.released}{self._repr_extra()})")
+
+    def _repr_extra(self) -> str:
+        return ""
 
     def page(self, i: int) -> torch.Tensor:
         """A view of block ``i``'s page in the device pool (valid until release)."""

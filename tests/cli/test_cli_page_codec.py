@@ -24,8 +24,9 @@ def test_materialize_int8_then_generate(llama_dir, repo, tmp_path):
     assert made.exit_code == 0, made.output
     stored = json.loads(made.stdout.strip().splitlines()[-1])["stored_blocks"]
     assert stored > 0
-    ask = ("generate", "--model", llama_dir, "--prompt", "store the block", "--max-new-tokens", "3", "--home", home,
-           "--prefix", "repo", "--json")
+    request = ("generate", "--model", llama_dir, "--prompt", "store the block", "--max-new-tokens", "3",
+               "--prefix", "repo", "--json")
+    ask = (*request, "--home", home)
     warm = _run(*ask)  # no codec named: the home's
     assert warm.exit_code == 0, warm.output
     assert json.loads(warm.stdout.strip().splitlines()[-1])["cached_tokens"] == stored * 16
@@ -33,5 +34,5 @@ def test_materialize_int8_then_generate(llama_dir, repo, tmp_path):
     assert again.exit_code == 0, again.output
     wrong = _run(*ask, "--page-codec", "none")
     assert wrong.exit_code == 1 and "page codec 'int8'" in wrong.output and "Traceback" not in wrong.output
-    daemon = _run(*ask, "--page-codec", "int8", "--socket", tmp_path / "no.sock")
+    daemon = _run(*request, "--page-codec", "int8", "--socket", tmp_path / "no.sock")
     assert daemon.exit_code == 2 and "daemon's setting" in daemon.output

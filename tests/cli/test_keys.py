@@ -56,3 +56,24 @@ def test_keys_sign_export_and_gate_import(tmp_path):
     r = run("import", bundle, "--home", tmp_path / "bob2", "--keys", bob, ok=False)
     assert r.exit_code == 1 and "untrusted key" in r.output
     assert run("keys", "trust", "bad", "zz", "--keys", bob, ok=False).exit_code != 0
+
+
+def test_what_keys_show_prints_is_what_keys_trust_takes(tmp_path):
+    """Issue #37, item 7: `keys show`'s output (`public_key  HEX`) was refused by `keys trust`."""
+    alice, bob = tmp_path / "alice-keys", tmp_path / "bob-keys"
+    pub = run_json("keys", "generate", "--keys", alice)["public_key"]
+    shown = run("keys", "show", "--keys", alice).stdout
+    assert shown.strip() == pub
+    as_file = tmp_path / "alice.pub"
+    as_file.write_text(shown)
+    json_file = tmp_path / "alice.json"
+    json_file.write_text(run("keys", "show", "--keys", alice, "--json").stdout)
+    older = tmp_path / "alice-older.pub"
+    older.write_text(f"public_key  {pub}\n")  # what `keys show` printed before
+    for name, key in (("file", as_file), ("text", shown), ("json", json_file), ("older", older),
+                      ("json-text", json_file.read_text())):
+        run("keys", "trust", name, key, "--keys", bob)
+    assert run_json("keys", "list", "--keys", bob)["trusted"] == dict.fromkeys(
+        ["file", "text", "json", "older", "json-text"], pub)
+    r = run("keys", "trust", "bad", '{"public_key": "zz"}', "--keys", bob, ok=False)
+    assert r.exit_code == 1 and "not an Ed25519 public key" in r.output

@@ -73,6 +73,10 @@ def test_bad_input_is_reported_without_traceback(llama_dir, repo, tmp_path):
     (tmp_path / "empty-repo").mkdir()
     assert "no text files" in run("materialize", tmp_path / "empty-repo", "--model", llama_dir, "--home", home,
                                   ok=False).stderr
+    # Issue #37, item 10: a missing path is an error before anything is written.
+    assert "does not exist" in run("materialize", tmp_path / "typo", "--model", llama_dir, "--home", home,
+                                   ok=False).stderr
+    assert not home.exists()
     run("materialize", repo, "--model", llama_dir, "--home", home, "--name", "repo", "--no-progress")
     assert "repo2" in run("generate", "--model", llama_dir, "--home", home, "--prefix", "repo2", "--prompt", "x",
                           ok=False).stderr
@@ -89,6 +93,59 @@ def test_bad_input_is_reported_without_traceback(llama_dir, repo, tmp_path):
                     "--max-new-tokens", "1")
     assert warm["cached_tokens"] > 0 and warm["tokens"] == cold["tokens"]
     assert warm["prompt_tokens"] == cold["prompt_tokens"]
+
+
+def test_a_cuda_device_the_machine_lacks_is_one_line(llama_dir, repo, tmp_path):
+    """Issue #37, item 6: `--device cuda` on a CPU-only torch printed a 50-line traceback."""
+    import torch
+
+    bad = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    home = tmp_path / "home"
+    for args in (("generate", "--prompt", "x", "--no-cache"), ("materialize", repo, "--home", home),
+                 ("chat", "--home", home)):
+        r = run(*args, "--model", llama_dir, "--device", bad, ok=False)  # exit 1, one "Error:" line
+        assert f"device '{bad}' is not available" in r.stderr and "hint: pass --device" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert not home.exists()
+
+
+def test_generate_shows_the_prefill_progress_on_stderr(llama_dir, repo, tmp_path):
+    """Issue #37, item 8: `generate --prefix-from DIR` computed for 33 s without a word."""
+    ask = ("generate", "--model", llama_dir, "--prefix-from", repo, "--prompt", "store the block",
+           "--max-new-tokens", "2", "--home", tmp_path / "home", "--json")
+    r = run(*ask)
+    out = json.loads(r.stdout)  # stdout: the one JSON object, untouched by the bar
+    bars = r.stderr.replace("\r", "\n")
+    assert "prefill" in bars and f"{out['prompt_tokens']}/{out['prompt_tokens']}" in bars, r.stderr
+    assert re.search(rf"prefill:\s+0%.* 0(\.00)?/{out['prompt_tokens']}", bars), r.stderr  # shown as the work starts
+    again = run(*ask, "--no-progress")
+    assert again.stderr == "" and json.loads(again.stdout)["cached_tokens"] > 0
+
+
+def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
+    """Issue #37, item 5: a repeated `materialize --name X` without --pin unpinned X."""
+    import tierkv
+    from tierkv.cli.home_stores import store_home
+    from tierkv.hf import load_model, version_of
+    from tierkv.materialize import document_tokens
+    from tierkv.store import Priority
+
+    home = tmp_path / "home"
+    args = ("materialize", repo, "--model", llama_dir, "--home", home, "--name", "repo", "--no-progress")
+    assert run_json(*args, "--pin")["pinned"] is True
+    listed = run_json("ls", "--home", home)["prefixes"][0]
+    again = run_json(*args)
+    assert again["pinned"] is True and again["computed_tokens"] == 0
+    assert run_json("ls", "--home", home)["prefixes"][0] == listed  # nothing changed, created_at included
+    layout, _ = version_of(llama_dir)
+    lm = load_model(llama_dir, device="cpu")
+    with tierkv.open(store_home(home, layout), layout, device="cpu", host_bytes=0) as store:
+        keys = store.lookup(document_tokens(lm, [repo]).tokens, lm.scope()).keys
+        assert keys and {store.placement.table.get(k).priority for k in keys} == {Priority.PINNED}
+    # `unpin` is how to unpin; a run after it keeps the prefix unpinned.
+    run("unpin", "repo", "--home", home)
+    assert run_json(*args)["pinned"] is False
+    assert run_json("ls", "--home", home)["prefixes"][0]["pinned"] is False
 
 
 def test_quickstart_with_a_user_model(llama_dir, tmp_path):
@@ -153,3 +210,36 @@ def test_materialize_generate_invalidate_through_a_daemon(llama_dir, repo, tmp_p
         daemon.request_stop()
         thread.join(30)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_an_imported_prefix_serves_without_its_source_tree(llama_dir, repo, tmp_path):
+    """Issue #37, item 4: `generate --prefix NAME` of an imported bundle failed with
+    "SOURCE_DIR does not exist" unless the source tree sat at the path it had where the
+    prefix was made, although the bundle carries the token ids."""
+    import shutil
+
+    src = tmp_path / "elsewhere" / "src"
+    shutil.copytree(repo, src)
+    a, b = tmp_path / "a", tmp_path / "b"
+    made = run_json("materialize", src, "--model", llama_dir, "--home", a, "--name", "repo", "--no-progress",
+                    "--max-tokens", "160")
+    tail = run_json("materialize", src, "--model", llama_dir, "--home", a, "--name", "tail", "--no-progress",
+                    "--max-tokens", "170")
+    assert made["tokens"] == 160 and tail["tokens"] == 170
+    ask = ("--model", llama_dir, "--prompt", "store the block", "--max-new-tokens", "5", "--no-progress")
+    cold = run_json("generate", *ask, "--prefix-from", src, "--max-tokens", "160", "--no-cache")
+    for name in ("repo", "tail"):
+        run("export", name, "-o", tmp_path / f"{name}.tkv", "--home", a)
+        run("import", tmp_path / f"{name}.tkv", "--home", b)
+    shutil.rmtree(tmp_path / "elsewhere")  # another machine: no source tree
+    for home in (b, a):
+        warm = run_json("generate", *ask, "--home", home, "--prefix", "repo")
+        assert warm["cached_tokens"] == 160 and warm["tokens"] == cold["tokens"]
+        assert run_json("generate", *ask, "--home", home, "--prefix", "repo", "--no-cache")["tokens"] == cold["tokens"]
+    # A prefix whose last tokens fill no block: served from its whole blocks, and said so.
+    r = run("generate", *ask, "--home", b, "--prefix", "tail", "--json")
+    assert "its last 10 tokens fill no block" in r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["cached_tokens"] == 160
+    # Blocks gone and no sources: the error names the missing tree.
+    run("invalidate", "--namespace", "default", "--home", b)
+    assert "do not exist" in run("generate", *ask, "--home", b, "--prefix", "repo", ok=False).stderr

@@ -166,7 +166,7 @@ def test_missing_home_is_a_clear_error(tmp_path):
 
 
 def test_socket_without_a_daemon_is_a_clear_error(home, tmp_path):
-    r = CliRunner().invoke(main, ["ls", "--home", str(home), "--socket", str(tmp_path / "no.sock")])
+    r = CliRunner().invoke(main, ["ls", "--socket", str(tmp_path / "no.sock")])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
     assert "socket" in r.output.lower() or "daemon" in r.output.lower()
 
@@ -428,6 +428,30 @@ def test_commands_through_a_daemon(daemon_socket):
     assert run_json("ls", *sock)["prefixes"][0]["resident"]["blocks"] == 4
     assert run_json("pin", "docs", *sock)["blocks"] == 4
     assert run_json("gc", "--dry-run", *sock)["removed_blocks"] == 0
+
+
+def test_an_explicit_home_beats_TIERKV_SOCKET_and_two_explicit_targets_are_an_error(home, daemon_socket, monkeypatch):
+    """Issue #37, item 1: with TIERKV_SOCKET in the environment, `invalidate --home h1`
+    counted (and would have removed) the daemon's blocks."""
+    with tierkv.connect(daemon_socket) as c:
+        put_prefix(c, random_tokens(8, 60), Scope(MV_B), seed=60)  # the daemon's home: 2 blocks of B
+    monkeypatch.setenv("TIERKV_SOCKET", str(daemon_socket))
+    # The explicit --home is the target, not the daemon named by the environment.
+    assert run_json("invalidate", "--home", home, "--model-version", MV_B, "--dry-run")["removed_blocks"] == 4
+    assert run_json("stats", "--home", home)["home"] == str(home)
+    # Without --home (or with TIERKV_HOME only) the environment's socket is the target.
+    daemon_stats = run_json("stats")
+    assert daemon_stats["model_versions"] == {MV_B: 2} and "daemon" in daemon_stats
+    monkeypatch.setenv("TIERKV_HOME", str(home))
+    assert run_json("invalidate", "--model-version", MV_B, "--dry-run")["removed_blocks"] == 2
+    # An explicit --socket beats TIERKV_HOME.
+    monkeypatch.delenv("TIERKV_SOCKET")
+    assert run_json("invalidate", "--socket", daemon_socket, "--model-version", MV_B, "--dry-run")["removed_blocks"] == 2
+    # Two explicit targets: a usage error naming both, and nothing done to either.
+    r = run("invalidate", "--home", home, "--socket", daemon_socket, "--model-version", MV_B, ok=False)
+    assert r.exit_code == 2 and "--home" in r.output and "--socket" in r.output and "both" in r.output
+    assert check(home)["model_versions"][MV_B] == 4
+    assert run_json("stats", "--socket", daemon_socket)["model_versions"] == {MV_B: 2}
 
 
 def test_verify_repair_with_home_rebuilds_a_damaged_index_of_any_layout(tmp_path):

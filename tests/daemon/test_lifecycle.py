@@ -5,11 +5,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.request
 from unittest import mock
 
@@ -234,3 +236,54 @@ def test_a_busy_metrics_port_fails_the_start_and_leaves_nothing_behind(workdir):
     assert not list((workdir / "shm").iterdir())
     tierkv.open(cfg.home, LAYOUT, device="cpu", device_bytes=1 << 20, host_bytes=0, disk_bytes=0,
                 shm_dir=workdir / "shm").close()  # the home is free again
+
+
+def _missing_cuda_device() -> str:
+    """A CUDA device this machine lacks: cuda:0 without CUDA, else one past the last GPU."""
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda:0"
+
+
+def test_serve_refuses_a_cuda_device_the_machine_lacks(workdir):
+    """Issue #37, item 6: `serve --device cuda:0` on a CPU-only torch started, and every
+    client then failed with `daemon error AssertionError`."""
+    bad = _missing_cuda_device()
+    with pytest.raises(RuntimeError) as exc:
+        spawn_daemon(workdir, "--device", bad)  # the last --device wins over the helper's cpu
+    message = str(exc.value)
+    assert "rc 1" in message and "Traceback" not in message
+    assert "Error: cannot start: cuda: " in message and f"device '{bad}' is not available" in message
+    assert "pass --device cpu" in message
+    assert not (workdir / "run" / "d.sock").exists() and not (workdir / "home").exists()
+
+
+def test_a_stopped_daemon_is_reported_as_not_running(workdir):
+    """Issue #37, item 10: a daemon that went away showed as "connection closed after 0 of
+    24 bytes" (or a bare errno); the user is told the daemon is not running."""
+    sock = workdir / "run" / "d.sock"
+    daemon = spawn_daemon(workdir)
+    os.kill(daemon.pid, signal.SIGSTOP)  # accepts nothing: a client waits in the listen queue
+    failure: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            tierkv.connect(sock, timeout=60).close()
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            failure.append(e)
+
+    waiting = threading.Thread(target=client)
+    waiting.start()
+    time.sleep(1.0)  # connected (the listen queue takes it), its HELLO unanswered
+    os.kill(daemon.pid, signal.SIGKILL)
+    daemon.wait(30)
+    waiting.join(30)
+    assert len(failure) == 1 and isinstance(failure[0], DaemonUnavailableError), failure
+    assert re.fullmatch(rf"the daemon at {re.escape(str(sock))} is not running \(connection (reset|closed)\) "
+                        r"\(hint: start it with `tierkv serve`, or check the --socket path\)",
+                        failure[0].for_command_line()), failure[0].for_command_line()
+    # The socket file a killed daemon left: the command says so, in one line.
+    assert sock.exists()
+    r = subprocess.run([sys.executable, "-m", "tierkv", "stats", "--socket", str(sock)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"Error: the daemon at {sock} is not running (connection refused: the socket was left by a daemon that "
+        "stopped) (hint: start it with `tierkv serve`, or check the --socket path)"]

@@ -180,3 +180,22 @@ def test_resident_acquires_run_on_the_loop_and_the_rest_in_a_worker(daemon):
         after = c.stats()["daemon"]["acquires"]
         assert after["worker"] == mid["worker"] + 1 and after["inline"] == mid["inline"]
         assert c.stats()["daemon"]["leases"] == 0
+
+
+def test_a_lease_repr_is_short_whatever_its_size(daemon):
+    """Issue #37, item 10: a RemoteLease's repr printed what it holds (the pool tensor, then
+    every 32-byte key); printing a lease in a log line or a debugger must stay one short line."""
+    with tierkv.connect(daemon.config.socket) as c:
+        toks = prompt(64 * 16, seed=23)
+        c.put(toks, pages_for(64, 23), SCOPE)
+        with c.acquire(toks, SCOPE) as lease:
+            assert lease.num_blocks == 64
+            text = repr(lease)
+            assert text.startswith("RemoteLease(blocks=64, start_block=0, slots=") and len(text) < 200, text
+            assert f"lease_id={lease.lease_id}" in text and "float32-l2-h2-d16-b16" in text
+            assert "tensor" not in text and "\\x" not in text and str(lease) == text
+        assert "released=True" in repr(lease)
+    with tierkv.open(daemon.config.home / "direct", LAYOUT, device="cpu") as st:  # a Store's own leases too
+        st.put(toks, pages_for(64, 23), SCOPE)
+        with st.acquire(toks, SCOPE) as lease:
+            assert repr(lease).startswith("Lease(blocks=64") and len(repr(lease)) < 200

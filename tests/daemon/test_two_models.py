@@ -36,7 +36,11 @@ def test_two_models_through_one_daemon_and_a_restart(llama_dir, repo, workdir, t
     d = DaemonThread(cfg).start()
     try:
         for name, model in (("llama", llama_dir), ("qwen2", qwen_dir)):
-            made[name] = run_json("materialize", repo, "--model", model, *sock, "--name", f"repo-{name}", "--no-progress")
+            # The second model's layout is new to the daemon: asked for with --new-layout
+            # (issue #37, item 2: without it a command for an unknown layout is an error).
+            new = ("--new-layout",) if made else ()
+            made[name] = run_json("materialize", repo, "--model", model, *sock, "--name", f"repo-{name}", "--no-progress",
+                                  *new)
             assert made[name]["stored_blocks"] > 0
         s = run_json("stats", *sock)
         assert set(s["layouts"]) == {layout_id(lo) for lo in layouts.values()}

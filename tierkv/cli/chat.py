@@ -16,6 +16,7 @@ import click
 from ..hf import SamplingConfig
 from ..hf.chat import ChatTurn, Conversation
 from .common import home_option, json_option, open_store, socket_option, warn
+from .layouts import check_prefix
 from .main_job import load_model, model_options
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -50,8 +51,8 @@ def _report(turn: ChatTurn, as_json: bool, number: int) -> None:
 @home_option
 @socket_option
 @json_option
-def chat(model_dir: Path, dtype: str, block_size: int, device: str | None, prefix_name: str | None, system: str | None,
-         max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_store_output: bool,
+def chat(model_dir: Path, dtype: str, block_size: int, device: str | None, new_layout: bool, prefix_name: str | None,
+         system: str | None, max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_store_output: bool,
          namespace: str | None, home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Chat with a model, one message per line of input; each turn reuses the previous
     turns (prompts and answers) from the store. Uses the model's chat template when its
@@ -62,7 +63,9 @@ def chat(model_dir: Path, dtype: str, block_size: int, device: str | None, prefi
     stdin = sys.stdin
     interactive = stdin.isatty()
     with contextlib.ExitStack() as stack:
-        store: Any = stack.enter_context(open_store(home, lm.layout, socket_path))
+        if prefix_name:
+            check_prefix(home, socket_path, prefix_name, lm)  # before a store opens (issue #37, item 2)
+        store: Any = stack.enter_context(open_store(home, lm.layout, socket_path, new_layout=new_layout))
         prefix: list[int] = []
         ns = namespace or "default"
         if prefix_name:
@@ -71,7 +74,7 @@ def chat(model_dir: Path, dtype: str, block_size: int, device: str | None, prefi
         conversation = Conversation(lm, store=store, namespace=ns, prefix_tokens=prefix, system=system,
                                     max_new_tokens=max_new_tokens,
                                     sampling=SamplingConfig(temperature=temperature, top_k=top_k, seed=seed),
-                                    store_output=not no_store_output)
+                                    store_output=not no_store_output, on_store_error=warn)
         if interactive:
             fmt = "the model's chat template" if conversation.uses_template else 'a plain "User:/Assistant:" format'
             click.echo(f"chatting in {fmt}{f' after prefix {prefix_name!r}' if prefix_name else ''}; "

@@ -6,16 +6,18 @@ This is the only place besides the command modules that reads the environment
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from ..config import HOME_ENV, SOCKET_ENV, default_home
 from ..errors import LayoutMismatchError, TierKVError
-from ..layout import PageLayout
+from ..layout import PageLayout, layout_fix
 
 if TYPE_CHECKING:
     from ..api import StoreAPI
@@ -32,7 +34,7 @@ class TierKVGroup(click.Group):
         try:
             return super().invoke(ctx)
         except TierKVError as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise click.ClickException(exc.for_command_line()) from exc
 
 
 def home_option(f: F) -> F:
@@ -51,10 +53,37 @@ def json_option(f: F) -> F:
 
 
 def socket_option(f: F) -> F:
+    """``--socket``, for a command that also takes ``--home``: the command receives the
+    socket :func:`chosen_socket` picks (None: open the home)."""
+
+    @functools.wraps(f)
+    def choosing(*args: Any, **kwargs: Any) -> Any:
+        kwargs["socket_path"] = chosen_socket(click.get_current_context(), kwargs.get("socket_path"))
+        return f(*args, **kwargs)
+
     return click.option(
         "--socket", "socket_path", type=click.Path(dir_okay=False, path_type=Path), envvar=SOCKET_ENV, default=None,
-        help=f"Go through the tierkv daemon listening here instead of opening --home [env {SOCKET_ENV}].",
-    )(f)
+        help=f"Go through the tierkv daemon listening here instead of opening --home [env {SOCKET_ENV}; "
+             "an explicit --home beats the environment].",
+    )(choosing)  # type: ignore[return-value]
+
+
+def chosen_socket(ctx: click.Context, socket_path: Path | None) -> Path | None:
+    """Which target a command acts on, ``--home`` or ``--socket`` (issue #37, item 1): an
+    explicit flag beats the environment, so ``TIERKV_SOCKET`` set in the shell does not
+    redirect ``--home h1`` (a destructive command would act on the daemon's home); both
+    flags given is an error naming both. From the environment alone (``TIERKV_SOCKET``, with
+    or without ``TIERKV_HOME``) the socket wins: the daemon owns its home."""
+    explicit = ParameterSource.COMMANDLINE
+    home_src, socket_src = ctx.get_parameter_source("home"), ctx.get_parameter_source("socket_path")
+    if socket_path is None:
+        return None
+    if home_src is explicit and socket_src is explicit:
+        raise click.UsageError(f"--home {ctx.params.get('home')} and --socket {socket_path} both name a target: "
+                               "pass one (--socket goes through the daemon serving its own home)")
+    if home_src is explicit:
+        return None  # TIERKV_SOCKET from the environment: the explicit --home wins
+    return socket_path
 
 
 def connect_daemon(socket_path: Path, layout: PageLayout | None = None) -> "Client":
@@ -73,18 +102,55 @@ def connect_daemon(socket_path: Path, layout: PageLayout | None = None) -> "Clie
     return client
 
 
-def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, **options: Any) -> "StoreAPI":
+def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, *, new_layout: bool = False,
+               **options: Any) -> "StoreAPI":
     """The store for ``layout``: a client of the daemon at ``socket_path`` when given, else
     the home opened in this process; ``options`` are StoreConfig fields given on the
-    command line (None means the store's default)."""
+    command line (None means the store's default). A layout the target does not hold is
+    LayoutMismatchError unless ``new_layout`` (or the target holds none yet): see
+    tierkv/cli/layouts.py."""
     import tierkv
 
     from .home_stores import store_home
 
+    require_layout(home, socket_path, layout, new_layout)
     if socket_path is not None:
         return connect_daemon(socket_path, layout)
     # The layout's own store in a home that holds several (as the daemon would open it).
     return tierkv.open(store_home(home, layout), layout, **{k: v for k, v in options.items() if v is not None})
+
+
+# The layout guard of open_store (issue #37, item 2; tierkv/cli/layouts.py says why). Here,
+# not in layouts.py: open_store calling into that module made an import cycle through
+# targets.py.
+def held_layouts(home: Path, socket_path: Path | None) -> list[PageLayout]:
+    """The layouts of the stores ``home`` holds (read without opening them), or those the
+    daemon at ``socket_path`` serves."""
+    from ..daemon.layouts import find_layouts
+
+    if socket_path is None:
+        return [lo for _, lo in find_layouts(home)]
+    with connect_daemon(socket_path) as client:
+        per = client.stats(namespace_limit=1).extra.get("layouts") or {}
+    return [PageLayout.from_dict(s["layout"]) for s in per.values() if s.get("layout")]
+
+
+def require_layout(home: Path, socket_path: Path | None, layout: PageLayout, new_layout: bool) -> None:
+    """Raise LayoutMismatchError when the target holds stores, none of ``layout``, and
+    ``new_layout`` is not set; the message names the fields that differ from the closest
+    layout held, the hint the options that would match it."""
+    from ..daemon.layouts import layout_id
+
+    held = held_layouts(home, socket_path)
+    if new_layout or not held or layout in held:
+        return
+    closest = min(held, key=lambda lo: len(layout.differences(lo)))
+    where = f"the daemon at {socket_path}" if socket_path is not None else str(home)
+    raise LayoutMismatchError(
+        f"{where} holds no store of page layout {layout_id(layout)}; against its {layout_id(closest)} this model "
+        f"has {', '.join(layout.differences(closest))}",
+        hint=f"{layout_fix(layout, closest, 'the home')}, or pass --new-layout to make a store for this layout "
+             "(`tierkv layouts` lists them)")
 
 
 # Operations need the disk tier only: keep the memory tiers in (sparse) host memory, so an
@@ -160,8 +226,12 @@ def emit(as_json: bool, obj: dict[str, Any], rows: Iterable[tuple[str, Any]] | N
 
 def progress_bar(desc: str, enabled: bool = True) -> tuple[Callable[[int, int], None], Callable[[], None]]:
     """A tqdm bar on stderr (tokens, tokens/s, ETA) as a ``progress(done, total)`` callback,
-    and a function that closes it (also closed by the update that reaches ``total``)."""
+    and a function that closes it (also closed by the update that reaches ``total``).
+
+    While the bar is shown, log records (a "disk tier degraded" warning from the store)
+    are printed through tqdm, on lines of their own above the bar, not inside it."""
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     state: dict[str, Any] = {}
 
@@ -170,6 +240,8 @@ def progress_bar(desc: str, enabled: bool = True) -> tuple[Callable[[int, int], 
             return
         bar = state.get("bar")
         if bar is None:
+            redirect = state["redirect"] = logging_redirect_tqdm(tqdm_class=tqdm)
+            redirect.__enter__()
             bar = state["bar"] = tqdm(
                 total=total, initial=done, desc=desc, unit="tok", unit_scale=True, file=sys.stderr,
                 dynamic_ncols=True, smoothing=0.1,
@@ -182,5 +254,6 @@ def progress_bar(desc: str, enabled: bool = True) -> tuple[Callable[[int, int], 
     def close() -> None:
         if "bar" in state:
             state.pop("bar").close()
+            state.pop("redirect").__exit__(None, None, None)
 
     return update, close

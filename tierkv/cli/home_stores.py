@@ -24,12 +24,13 @@ import torch
 
 from ..api import StoreAPI
 from ..blocks import Priority
-from ..daemon.layouts import LAYOUTS_DIR, find_layouts, layout_id, merge_stats
+from ..daemon.layouts import LAYOUTS_DIR, find_layouts, layout_id, merge_stats, remove_store_files
 from ..errors import ConfigError, NotFoundError
+from ..home import HomeLock
 from ..identity import Scope
 from ..layout import PageLayout
 from ..results import (
-    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
+    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, RemoveLayoutResult, Residency, StoreStats, VerifyResult,
     namespace_page,
 )
 from ..store import Store
@@ -197,6 +198,28 @@ class HomeStores(StoreAPI):
                                                         if ns in merged["namespaces"]}}
                              for lid, ls in merged["layouts"].items()}
         return StoreStats.from_dict(merged)
+
+    def remove_layout(self, lid: str) -> RemoveLayoutResult:
+        """Close the store of layout ``lid`` and delete its files, as the daemon's
+        REMOVE_LAYOUT does (layouts.remove_store_files). This process holds every store of
+        the home, so no one else uses it. NotFoundError when the home holds no such layout."""
+        if lid not in self.layouts:
+            raise NotFoundError(f"{self.home} holds no layout {lid} (it holds {', '.join(self.layouts)})",
+                                hint="list them with `tierkv layouts`")
+        i = self.layouts.index(lid)
+        store = self.stores.pop(i)
+        self.layouts = self.layouts[:i] + self.layouts[i + 1:]
+        stats = store.stats()
+        store_home = Path(store.config.home)
+        store.close()
+        # The home's LOCK while the files go (the root store held it until its close; a
+        # layout below the root keeps the root store open, which holds it).
+        lock = HomeLock(store_home, None)
+        try:
+            remove_store_files(self.home, store_home)
+        finally:
+            lock.release()
+        return RemoveLayoutResult(lid, stats.blocks, stats.tiers["disk"].used_bytes)
 
     def check_integrity(self) -> None:
         for s in self.stores:

@@ -9,6 +9,7 @@ whose bundles ``tierkv import`` trusts (tierkv.keys; docs/operations.md, "Bundle
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -55,10 +56,15 @@ def generate(force: bool, keys_dir: Path, as_json: bool) -> None:
 @keys_option
 @click.option("--json", "as_json", is_flag=True)
 def show(keys_dir: Path, as_json: bool) -> None:
-    """Print this user's public key (what importers pass to `tierkv keys trust`)."""
+    """Print this user's public key (what importers pass to `tierkv keys trust`): the
+    64 hex characters alone, or one JSON object with --json; `keys trust` takes either."""
     from ..keys import Keyring
 
-    emit(as_json, {"public_key": Keyring(keys_dir).public_key().hex()})
+    public = Keyring(keys_dir).public_key().hex()
+    if as_json:
+        emit(True, {"public_key": public})
+    else:
+        click.echo(public)  # no label: the line itself is what `keys trust` is given
 
 
 @keys_group.command(name="trust")
@@ -66,12 +72,27 @@ def show(keys_dir: Path, as_json: bool) -> None:
 @click.argument("key")
 @keys_option
 def trust(name: str, key: str, keys_dir: Path) -> None:
-    """Trust bundles signed by KEY (64 hex characters, or a file holding them) as NAME."""
+    """Trust bundles signed by KEY as NAME. KEY: what `tierkv keys show` printed (64 hex
+    characters, or its --json object), or a file holding it."""
     from ..keys import Keyring, parse_public_key
 
     text = Path(key).read_text() if os.path.isfile(key) else key
-    path = Keyring(keys_dir).trust(name, parse_public_key(text))
+    path = Keyring(keys_dir).trust(name, parse_public_key(_key_text(text)))
     click.echo(f"trusted {name}: {path}")
+
+
+def _key_text(text: str) -> str:
+    """The hex key in what `keys show` printed: the hex alone, its --json object, or the
+    ``public_key  HEX`` row older versions printed (issue #37, item 7)."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text).get("public_key")
+        except (ValueError, AttributeError):
+            return text
+        return value if isinstance(value, str) else text
+    words = text.split()
+    return words[1] if len(words) == 2 and words[0] == "public_key" else text
 
 
 @keys_group.command(name="untrust")

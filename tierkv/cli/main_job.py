@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import click
 
 from ..codec import CODECS
+from ..devices import resolve_device
 from ..document import DEFAULT_MAX_FILE_BYTES, DocumentOptions
 from ..hf import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_TOKENS, DTYPE_CHOICES, LoadedModel, SamplingConfig, generate
 from ..hf import load_model as _load_model
 from ..hf import version_of
 from ..model_version import default_memo_path
 from .common import emit, home_option, json_option, open_store, open_target, progress_bar, socket_option, warn
+from .layouts import check_prefix
 
 if TYPE_CHECKING:
     from ..api import StoreAPI
@@ -33,6 +35,9 @@ def model_options(required: bool = True) -> Callable[[Callable[..., Any]], Calla
         f = click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True,
                          help="Tokens per block; part of the store's page layout.")(f)
         f = click.option("--device", default=None, help="Torch device for the model [default: cuda if available, else cpu].")(f)
+        f = click.option("--new-layout", is_flag=True,
+                         help="Make a store for this model's page layout when the home (or daemon) holds stores, "
+                              "none of it (else an error names what differs: `tierkv layouts`).")(f)
         return f
     return deco
 
@@ -55,14 +60,6 @@ def namespace_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def _doc_options(include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool) -> DocumentOptions:
     return DocumentOptions(include=include, exclude=exclude, max_file_bytes=max_file_bytes, gitignore=not no_gitignore)
-
-
-def _device(device: str | None) -> str:
-    if device:
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def quiet_transformers() -> None:
@@ -89,7 +86,7 @@ def _check_codec(page_codec: str | None, socket_path: Path | None) -> None:
 
 def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None) -> LoadedModel:
     quiet_transformers()
-    return _load_model(model_dir, dtype=dtype, block_size=block_size, device=_device(device), memo_path=default_memo_path())
+    return _load_model(model_dir, dtype=dtype, block_size=block_size, device=resolve_device(device), memo_path=default_memo_path())
 
 
 @click.command()
@@ -99,7 +96,9 @@ def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None)
 @click.option("--name", default=None, help="Record a manifest under this name (for `generate --prefix NAME`).")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=DEFAULT_CHUNK_TOKENS, show_default=True,
               help="Tokens per prefill chunk; each chunk's full blocks are stored when it completes.")
-@click.option("--pin", is_flag=True, help="Store the prefix's blocks as pinned (never evicted).")
+@click.option("--pin", is_flag=True,
+              help="Store the prefix's blocks as pinned (never evicted). Without it a name already pinned stays "
+                   "pinned (`tierkv unpin NAME` unpins).")
 @namespace_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @page_codec_option
@@ -107,23 +106,28 @@ def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None)
 @socket_option
 @json_option
 def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size: int, device: str | None,
-                include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
+                new_layout: bool, include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
                 max_tokens: int | None, name: str | None, chunk_tokens: int, pin: bool, namespace: str, no_progress: bool,
                 page_codec: str | None, home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Prefill the files and trees PATHS into the store as one prefix document.
 
     Resumable: an interrupted run continues from its last stored chunk, and a repeated
     run does no work."""
+    from ..materialize import document_tokens
     from ..materialize import materialize as run
 
     _check_codec(page_codec, socket_path)
     lm = load_model(model_dir, dtype, block_size, device)
+    options = _doc_options(include, exclude, max_file_bytes, no_gitignore)
+    # The document first: a missing path or a document too long is an error before the
+    # store is opened, so it creates no home (issue #37, item 10).
+    prefix = document_tokens(lm, list(paths), options, max_tokens=max_tokens, on_warning=warn)
     progress, close_bar = progress_bar("prefill", enabled=not no_progress)
-    with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
+    with open_store(home, lm.layout, socket_path, new_layout=new_layout, page_codec=page_codec) as store:
         try:
-            result = run(store, lm, list(paths), _doc_options(include, exclude, max_file_bytes, no_gitignore),
-                         name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens, pin=pin, namespace=namespace,
-                         progress=progress, on_warning=warn)
+            result = run(store, lm, list(paths), options, name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens,
+                         pin=True if pin else None, namespace=namespace, progress=progress, on_warning=warn,
+                         prefix=prefix)
         finally:
             close_bar()
     summary = {
@@ -131,7 +135,7 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
         "document_tokens": result.document_tokens, "cached_tokens": result.cached_tokens,
         "computed_tokens": result.computed_tokens, "stored_blocks": result.stored_blocks,
         "files": result.files, "skipped_files": result.skipped, "elapsed_s": round(result.elapsed_s, 3),
-        "tokens_per_s": round(result.tokens_per_s, 1), "pinned": pin,
+        "tokens_per_s": round(result.tokens_per_s, 1), "pinned": result.pinned,
     }
     rows = [("prefix", name or "(unnamed)"), ("files", result.files), ("skipped files", result.skipped),
             ("tokens", result.tokens), ("already stored", result.cached_tokens), ("computed", result.computed_tokens),
@@ -159,16 +163,18 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
               help="Do not store the blocks the generated tokens complete (a next turn repeating them misses).")
 @click.option("--namespace", default=None,
               help="Tenant salt of the block keys [default: the prefix's namespace, else 'default'].")
+@click.option("--no-progress", is_flag=True, help="No progress bar for the prompt's prefill (on stderr).")
 @page_codec_option
 @home_option
 @socket_option
 @json_option
-def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | None, prefix_name: str | None,
+def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | None, new_layout: bool,
+                 prefix_name: str | None,
                  prefix_paths: tuple[Path, ...], include: tuple[str, ...], exclude: tuple[str, ...],
                  max_file_bytes: int, no_gitignore: bool, max_tokens: int | None, prompt: str,
                  max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool,
-                 no_store_output: bool, namespace: str | None, page_codec: str | None, home: Path,
-                 socket_path: Path | None, as_json: bool) -> None:
+                 no_store_output: bool, namespace: str | None, no_progress: bool, page_codec: str | None,
+                 home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Generate text after a prefix, restoring what the store holds of it."""
     from ..materialize import document_tokens, load_prefix
 
@@ -188,20 +194,34 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
             return prefix + lm.encode_prompt(prompt), namespace or "default"
         return lm.encode_document(prompt), namespace or "default"
 
-    if no_cache:
-        if prefix_name:
-            # The prefix's manifest is read from the store; none of its KV is used (the way
-            # to compare cached and uncached output of the same request).
-            with open_target(home, socket_path) as store:
-                tokens, _ = request(store)
+    # A long uncached prefix computes for a while (issue #37, item 8): the prefill's
+    # progress on stderr, as materialize shows it; closed before the answer is printed.
+    progress, close_bar = progress_bar("prefill", enabled=not no_progress)
+    try:
+        if no_cache:
+            if prefix_name:
+                # The prefix's manifest is read from the store; none of its KV is used (the way
+                # to compare cached and uncached output of the same request).
+                with open_target(home, socket_path) as store:
+                    tokens, _ = request(store)
+            else:
+                tokens, _ = request(None)
+            result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling, progress=progress)
         else:
-            tokens, _ = request(None)
-        result = generate(lm.model, tokens, max_new_tokens=max_new_tokens, sampling=sampling)
-    else:
-        with open_store(home, lm.layout, socket_path, page_codec=page_codec) as store:
-            tokens, ns = request(store)
-            result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
-                              sampling=sampling, store_output=not no_store_output)
+            if prefix_name:
+                # The prefix first, in whichever store holds it: an unknown name or one made
+                # with another block size is an error before any store opens for this
+                # layout, so a typo creates nothing (issue #37, item 2).
+                check_prefix(home, socket_path, prefix_name, lm)
+            with open_store(home, lm.layout, socket_path, new_layout=new_layout, page_codec=page_codec) as store:
+                tokens, ns = request(store)
+                # A full disk does not fail the answer (issue #37, item 3): a warning, and the
+                # blocks that do not fit are kept in memory (put_what_fits).
+                result = generate(lm.model, tokens, store=store, scope=lm.scope(ns), max_new_tokens=max_new_tokens,
+                                  sampling=sampling, store_output=not no_store_output, progress=progress,
+                                  on_store_error=warn)
+    finally:
+        close_bar()
     text = lm.decode(list(result.tokens))
     out = {
         "text": text, "tokens": list(result.tokens), "prompt_tokens": result.prompt_tokens,
@@ -237,7 +257,7 @@ def model_version_cmd(model_dir: Path, dtype: str, block_size: int, as_json: boo
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @home_option
 @json_option
-def quickstart(model_dir: Path | None, dtype: str, block_size: int, device: str | None, question: str | None,
+def quickstart(model_dir: Path | None, dtype: str, block_size: int, device: str | None, new_layout: bool, question: str | None,
                max_tokens: int, max_new_tokens: int, home: Path, as_json: bool) -> None:
     """Build a small model (once), materialise tierkv's own source as a prefix and answer a
     question with and without the cache. With --model, uses your model and --home."""
@@ -256,7 +276,7 @@ def quickstart(model_dir: Path | None, dtype: str, block_size: int, device: str 
     lm = load_model(model_dir, dtype, block_size, device)
     setup_s = time.perf_counter() - setup_start
     progress, close_bar = progress_bar("materialise tierkv source", enabled=not as_json)
-    with open_store(store_home, lm.layout) as store:
+    with open_store(store_home, lm.layout, new_layout=new_layout) as store:
         try:
             r = run_quickstart(store, lm, question=question or DEFAULT_QUESTION, max_tokens=max_tokens,
                                max_new_tokens=max_new_tokens, progress=progress)

@@ -17,17 +17,39 @@ from ..errors import TierKVError
 from ..policy import POLICIES
 from ..daemon.config import DaemonConfig, merge, read_config_file
 
+log = logging.getLogger("tierkv.serve")
 
-def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
+
+def build_config(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
+    """The daemon's configuration: ``flags`` (None = not given) over the file over the
+    environment (also what ``tierkv doctor`` checks)."""
     file_values = read_config_file(config_file) if config_file else {}
     return merge(flags, file_values, os.environ)
 
 
+def check_machine(cfg: DaemonConfig) -> None:
+    """Run the doctor's daemon checks (tierkv/doctor.py): log each warning, refuse to start
+    (DeploymentError) on a failure: a budget this machine cannot back at all."""
+    from ..doctor import FAIL, WARN, daemon_checks
+    from ..errors import DeploymentError
+
+    checks = daemon_checks(cfg)
+    for c in checks:
+        if c.status == WARN:
+            log.warning("%s: %s (fix: %s)", c.name, c.detail, c.fix)
+    failed = [c for c in checks if c.status == FAIL]
+    if failed:
+        raise DeploymentError("cannot start: " + "; ".join(f"{c.name}: {c.detail}" for c in failed),
+                              hint="; ".join(c.fix for c in failed) + " (`tierkv doctor` lists every check)")
+
+
 @click.command("serve")
 @click.option("--home", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Store home (default: config file, then $TIERKV_HOME, then ~/.local/share/tierkv).")
+              help="Store home (default: config file, then $TIERKV_HOME, then $XDG_DATA_HOME/tierkv, "
+                   "then ~/.local/share/tierkv).")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Unix socket (default: config file, $TIERKV_SOCKET, $XDG_RUNTIME_DIR/tierkv/tierkv.sock).")
+              help="Unix socket (default: config file, then $TIERKV_SOCKET, then $XDG_RUNTIME_DIR/tierkv/tierkv.sock, "
+                   "then /tmp/tierkv-UID/tierkv.sock when XDG_RUNTIME_DIR is unset; the directory is made 0700).")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="TOML config file (keys as in docs/operations.md); SIGHUP re-reads it.")
 @click.option("--layout", default=None,
@@ -88,7 +110,8 @@ def _build(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
               help="A namespace that never leaves this node (neither published nor fetched); repeatable.")
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(config_file: Path | None, log_level: str, socket_path: Path | None, **flags: Any) -> None:
-    """Run the tierkv daemon: the only process that opens HOME; clients use tierkv.connect(SOCKET)."""
+    """Run the tierkv daemon: the only process that opens HOME. Commands reach it with
+    --socket SOCKET (or $TIERKV_SOCKET), programs with tierkv.connect(SOCKET)."""
     from ..daemon.server import Daemon
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -96,11 +119,12 @@ def serve(config_file: Path | None, log_level: str, socket_path: Path | None, **
     if not flags.get("local_only_namespaces"):
         flags["local_only_namespaces"] = None  # not given: the config file's list applies
     try:
-        cfg = _build(flags, config_file)
-        reload = (lambda: _build(flags, config_file)) if config_file else None
+        cfg = build_config(flags, config_file)
+        check_machine(cfg)
+        reload = (lambda: build_config(flags, config_file)) if config_file else None
         Daemon(cfg, reload=reload, freeze_heap=True).run()  # this process is the daemon
     except TierKVError as exc:  # also when run as `python -m tierkv.daemon.server`, outside the group
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(exc.for_command_line()) from exc
 
 
 def register(group: click.Group) -> None:

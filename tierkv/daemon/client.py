@@ -40,11 +40,12 @@ from ..errors import (
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import (
-    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult, namespace_page,
+    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, RemoveLayoutResult, Residency, StoreStats,
+    VerifyResult, namespace_page,
 )
 from ..tiers.shm import SharedRegion
 from . import messages as m
-from .client_transport import ClientTransport, Waiter
+from .client_transport import ClientTransport, Waiter, daemon_gone
 from .protocol import VERSION, Op, close_fds
 from .security import check_listener
 from .remote_lease import RemoteLease, cuda_pool, pool_view
@@ -72,7 +73,8 @@ class Client(StoreAPI, ClientTransport):
             self._sock.connect(str(self.socket_path))
         except OSError as e:
             self._sock.close()
-            raise DaemonUnavailableError(f"no tierkv daemon on {self.socket_path}: {e.strerror or e}") from None
+            raise daemon_gone(self.socket_path, e) or DaemonUnavailableError(
+                f"no tierkv daemon on {self.socket_path}: {e.strerror or e}") from None
         try:
             check_listener(self._sock, self.socket_path, daemon_uid)
         except BaseException:
@@ -333,6 +335,12 @@ class Client(StoreAPI, ClientTransport):
 
     def ping(self) -> None:
         self._call(Op.PING, m.Empty())
+
+    def remove_layout(self, layout_id: str) -> RemoveLayoutResult:
+        """Remove the store of a layout the daemon serves (REMOVE_LAYOUT; LayoutInUseError
+        while a connection uses it, NotFoundError when it serves none by that id)."""
+        r = self._call(Op.REMOVE_LAYOUT, m.LayoutRef(layout_id))
+        return RemoveLayoutResult(layout_id, int(r["removed_blocks"]), int(r["freed_bytes"]))
 
     def check_integrity(self) -> None:
         """Client-side state (connected, no settled reply left waiting, leases consistent), then the daemon's

@@ -22,10 +22,30 @@ from .. import errors
 from ..errors import DaemonUnavailableError, ForkedStoreError, ProtocolError, TierKVError
 from ..process import current_pid
 from . import messages as m
-from .protocol import Frame, Op, close_fds, encode_frame, read_frame_sync
+from .protocol import ConnectionClosedError, Frame, Op, close_fds, encode_frame, read_frame_sync
 
 log = logging.getLogger("tierkv.daemon.client")  # the client's log, as before the split
 REASON_WAIT_S = 0.5  # after a failed send, how long to wait for the daemon's reason
+
+
+def daemon_gone(socket_path: Any, cause: BaseException) -> DaemonUnavailableError | None:
+    """The error for a connection that failed because no daemon is there any more (refused,
+    no socket file, closed or reset with no reason sent), or None for another cause. Issue
+    #37, item 10: "connection closed after 0 of 24 bytes" did not tell a user the daemon
+    had stopped."""
+    if isinstance(cause, FileNotFoundError):
+        return DaemonUnavailableError(f"no daemon at {socket_path}: the socket does not exist")
+    if isinstance(cause, ConnectionRefusedError):
+        why = "connection refused: the socket was left by a daemon that stopped"
+    elif isinstance(cause, ConnectionClosedError):
+        why = "connection closed" if cause.got == 0 else "connection closed in the middle of a reply"
+    elif isinstance(cause, ConnectionResetError):
+        why = "connection reset"
+    elif isinstance(cause, BrokenPipeError):
+        why = "connection closed"
+    else:
+        return None
+    return DaemonUnavailableError(f"the daemon at {socket_path} is not running ({why})")
 
 
 def _error_from(reply: m.ErrorReply) -> Exception:
@@ -94,7 +114,8 @@ class ClientTransport:
     def _fail_all(self, cause: Exception) -> None:
         """The connection is gone (held: ``_io``): every waiting request fails with the
         daemon's reason when it sent one."""
-        exc = self._failure or DaemonUnavailableError(f"connection to the daemon on {self.socket_path} was lost ({cause})")
+        exc = self._failure or daemon_gone(self.socket_path, cause) or DaemonUnavailableError(
+            f"connection to the daemon on {self.socket_path} was lost ({cause})")
         self._failure = exc
         waiting, self._waiting = self._waiting, {}
         for w in waiting.values():
@@ -120,7 +141,8 @@ class ClientTransport:
             self._read_until(Waiter(), time.monotonic() + REASON_WAIT_S)
             if self._failure is not None:
                 raise self._failure from None
-            raise DaemonUnavailableError(f"cannot reach the daemon on {self.socket_path}: {e}") from None
+            raise daemon_gone(self.socket_path, e) or DaemonUnavailableError(
+                f"cannot reach the daemon on {self.socket_path}: {e}") from None
 
     def _send_oneway(self, op: Op, msg: Any) -> None:
         """Send a request whose reply nobody waits for (the daemon sends none)."""

@@ -79,6 +79,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
         self.fast_path_requests = 0  # requests answered as they arrived (fast_path.py)
         self._scopes: dict[tuple[str, str, tuple[str, ...]], Scope] = {}
         self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
+        self.bound: Callable[[], list[LayoutEntry | None]] = lambda: []  # each connection's layout; server sets it
         self.gc_stats: Callable[[], dict[str, Any]] = lambda: {}  # the process's GC pauses (gc_pauses.py); server sets it
         # opcode -> (message class with decode(header, payload), handler)
         self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
@@ -93,6 +94,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
             Op.CHECK_INTEGRITY: (m.Empty, self.check_integrity),
             Op.CHAIN_TOKENS: (m.ChainRef, self.chain_tokens), Op.CHAIN_RESIDENCY: (m.ChainRef, self.chain_residency),
             Op.SET_PRIORITY_FROM: (m.ChainRef, self.set_priority_from),
+            Op.REMOVE_LAYOUT: (m.LayoutRef, self.remove_layout),
         }
         # opcode -> the handler's synchronous form, tried first as the request is read: the
         # reply, or None when it must wait (then the handler above runs in a task).

@@ -29,8 +29,8 @@ never exceeds a budget, so the memory and files actually in use never do either,
 for what a lowering could not evict yet: a leased, in-flight or pinned block (and its prefix)
 stays until released, and meanwhile its tier allocates only while its use is below the
 limit (so it never grows past it); the daemon retries every second (:meth:`Layouts.retrim`).
-A layout stays open until the daemon stops, so shares shrink as layouts open and never grow
-back while it runs (a restart gives each layout the home holds ``1/N``). Tiers that cannot be sparse are mapped at a fixed share,
+A layout stays open until the daemon stops or ``tierkv layouts rm`` removes it (its files go,
+and the others' limits rise to the new share); a restart gives each layout ``1/N``. Tiers that cannot be sparse are mapped at a fixed share,
 ``budget // max_layouts``, and limited within it: a CUDA device pool (one allocation of GPU
 memory, shared with clients by an IPC handle) and, on a CUDA host, the page-locked host pool
 (cudaHostRegister locks every page of the mapping).
@@ -45,6 +45,8 @@ all over the mapping: up to twice the share in memory).
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +54,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import CapacityError, ConfigError
+from ..errors import CapacityError, ConfigError, LayoutInUseError, NotFoundError
 from ..home import HomeLock, peek_layout
 from ..layout import PageLayout
 from ..store import Store
@@ -90,6 +92,24 @@ def find_layouts(home: Path) -> list[tuple[Path, PageLayout]]:
                 continue
             found.append((d, layout))
     return found
+
+
+def remove_store_files(home: Path, store_home: Path) -> None:
+    """Delete the store at ``store_home`` (closed, its LOCK held by the caller or by no one):
+    ``HOME/layouts/<id>`` whole, or the root's index/ and segments/ (the root keeps LOCK and
+    layouts/). Each is first renamed to a ``.removed-*`` name in one step, the index first,
+    so at every moment the home holds the store or not, never half of it; the renamed files
+    are deleted after (a crash leaves them to the next removal, which deletes them)."""
+    trash = home / f".removed-{os.getpid()}-{threading.get_ident()}"
+    trash.mkdir(exist_ok=True)
+    if store_home == home:
+        for part in ("index", "segments"):  # the index first: without it the root holds no store
+            if (home / part).exists():
+                os.rename(home / part, trash / part)
+    else:
+        os.rename(store_home, trash / store_home.name)
+    for old in home.glob(".removed-*"):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -156,6 +176,7 @@ class Layouts:
         self._lock = threading.Lock()
         self._home_lock: HomeLock | None = None
         self._root_used = False
+        self._removing: set[str] = set()  # taken out by take(), not dropped yet
 
     # ---- opening -----------------------------------------------------------------------
     def start(self, preset: PageLayout | None = None) -> None:
@@ -192,6 +213,9 @@ class Layouts:
             entry = self._entries.get(lid)
             if entry is not None:
                 return entry
+            if lid in self._removing:
+                raise LayoutInUseError(f"layout {lid} is being removed", hint="retry when `tierkv layouts` no longer "
+                                                                              "lists it")
             if len(self._entries) >= self.max_layouts:
                 raise CapacityError(
                     f"the daemon serves {len(self._entries)} page layouts already "
@@ -251,6 +275,37 @@ class Layouts:
                             StagingSlots(pool.shape[0], quota))
         self._entries[entry.layout_id] = entry
         return entry
+
+    # ---- removing (tierkv layouts rm) ----------------------------------------------------
+    def take(self, lid: str) -> LayoutEntry:
+        """Take ``lid`` out of the served layouts (on the event loop, right after checking no
+        connection is bound to it: no HELLO binds it from then on, and an open of it raises
+        LayoutInUseError until :meth:`drop`). NotFoundError when it is not served."""
+        entry = self._entries.get(lid)
+        if entry is None:
+            raise NotFoundError(f"the daemon serves no layout {lid} (it serves {', '.join(self._entries) or 'none'})",
+                                hint="list them with `tierkv layouts`")
+        self._removing.add(lid)
+        del self._entries[lid]
+        return entry
+
+    def drop(self, entry: LayoutEntry) -> None:
+        """Close the store :meth:`take` took out, delete its files, and give its share of the
+        budgets back to the layouts still open (their limits rise to the new share). Runs
+        in a worker thread."""
+        with self._lock:
+            try:
+                entry.close()
+                if entry.home == self.home:
+                    # The root's store held the home's LOCK: the daemon takes it back first,
+                    # as before its first layout opened (the next new layout opens there).
+                    self._home_lock = HomeLock(self.home, self.socket_path)
+                    self._root_used = False
+                remove_store_files(self.home, entry.home)
+                rest = self.entries()
+                self._set_limits(rest, self.budget.share(len(rest)))
+            finally:
+                self._removing.discard(entry.layout_id)
 
     # ---- reading -----------------------------------------------------------------------
     def get(self, lid: str) -> LayoutEntry | None:

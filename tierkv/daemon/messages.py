@@ -285,6 +285,20 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class LayoutRef:
+    """REMOVE_LAYOUT: a layout by its id (``bfloat16-l8-h4-d64-b128``)."""
+
+    layout_id: str
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"layout_id": self.layout_id}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "LayoutRef":
+        return cls(_get(h, "layout_id", str))
+
+
+@dataclass(frozen=True)
 class Empty:
     """PING, LIST_MANIFESTS requests, and replies that carry nothing."""
 

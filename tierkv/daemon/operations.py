@@ -11,7 +11,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ..blocks import Priority
-from ..errors import ConfigError, NotFoundError, ProtocolError
+from ..errors import ConfigError, LayoutInUseError, NotFoundError, ProtocolError
 from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
 from . import messages as m
 from .layouts import layout_id, merge_stats
@@ -177,6 +177,21 @@ class OperationHandlers:
         same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
         per = {e.layout_id: e.store.stats().as_dict() for e in self.layouts.entries()}
         return merge_stats(per, str(self.layouts.home))
+
+    async def remove_layout(self, conn: "Connection", msg: m.LayoutRef) -> Reply:
+        """Remove a layout's store (``tierkv layouts rm``): refused while a connection is
+        bound to it (its clients may hold leases and staging slots). The check and taking it
+        out happen on the event loop with no await between, so no HELLO binds it meanwhile;
+        closing and deleting run in a worker thread (Layouts.drop)."""
+        self.tenancy.check_whole_store(conn.creds.uid, "remove_layout")
+        entry = self.layouts.get(msg.layout_id)
+        users = sum(1 for e in self.bound() if entry is not None and e is entry)
+        if users:
+            raise LayoutInUseError(f"layout {msg.layout_id} is used by {users} connection(s) of this daemon")
+        entry = self.layouts.take(msg.layout_id)
+        stats = await self.run(lambda: entry.store.stats().as_dict())
+        await self.run(self.layouts.drop, entry)
+        return {"removed_blocks": stats["blocks"], "freed_bytes": stats["tiers"]["disk"]["used_bytes"]}, b""
 
     async def ping(self, conn: "Connection", msg: m.Empty) -> Reply:
         return {}, b""

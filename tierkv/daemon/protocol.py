@@ -66,6 +66,7 @@ class Op(IntEnum):
     CHAIN_RESIDENCY = 20
     SET_PRIORITY_FROM = 21
     CHECK_INTEGRITY = 22
+    REMOVE_LAYOUT = 23
 
 
 class FatalFrameError(ProtocolError):
@@ -172,6 +173,15 @@ def parse_header(raw: bytes) -> dict:
     return obj
 
 
+class ConnectionClosedError(ConnectionError):
+    """The peer closed the stream after ``got`` of the ``wanted`` bytes being read (0: at a
+    frame's start). The client words it for the user (client_transport.daemon_gone)."""
+
+    def __init__(self, got: int, wanted: int) -> None:
+        super().__init__(f"connection closed after {got} of {wanted} bytes")
+        self.got, self.wanted = got, wanted
+
+
 class IdleConnectionError(FatalFrameError):
     """The peer sent nothing for the idle timeout while holding nothing (quotas.py)."""
 
@@ -258,7 +268,7 @@ def recv_exact(sock: socket.socket, n: int, fds: list[int] | None = None) -> byt
             k = len(data)
             view[got : got + k] = data
         if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+            raise ConnectionClosedError(got, n)
         got += k
     return bytes(buf)
 

@@ -16,7 +16,7 @@ from ..results import Lease
 from ..tiers.shm import SharedRegion
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # Lease's bounded repr, with the lease id
 class RemoteLease(Lease):
     """A lease held by the daemon for this client; same attributes as :class:`Lease`.
     It ends at :meth:`release`, when the client disconnects, or after the daemon's lease
@@ -31,6 +31,9 @@ class RemoteLease(Lease):
         if time.monotonic() - self.renewed_at > self.timeout_s:
             raise LeaseError(f"lease {self.lease_id} expired ({self.timeout_s:g} s without renew); its pages may "
                              "have been reused", hint="call lease.renew() while holding a lease for long")
+
+    def _repr_extra(self) -> str:
+        return f", lease_id={self.lease_id}"
 
     def renew(self) -> None:
         self._check()

@@ -83,15 +83,26 @@ def prepare_socket_dir(directory: Path, shared: bool = False) -> None:
         os.chmod(directory, mode)  # mkdir's mode is masked by the umask
     except FileExistsError:
         pass
+    error = socket_dir_error(directory, shared)
+    if error is not None:
+        raise error
+
+
+def socket_dir_error(directory: Path, shared: bool = False) -> SocketPathError | None:
+    """Why the existing ``directory`` cannot hold the daemon's socket (not a directory, not
+    this user's, wider than 0700, or 0711 when ``shared``), or None when it can. The rule
+    ``prepare_socket_dir`` enforces and ``tierkv doctor`` reports."""
+    mode = 0o711 if shared else 0o700
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode):
-        raise SocketPathError(f"{directory} (the socket's directory) is not a directory")
+        return SocketPathError(f"{directory} (the socket's directory) is not a directory")
     if st.st_uid != os.getuid():
-        raise SocketPathError(f"{directory} belongs to uid {st.st_uid}, not to this user ({os.getuid()})",
-                              hint="put the socket in a directory you own, e.g. $XDG_RUNTIME_DIR/tierkv")
+        return SocketPathError(f"{directory} belongs to uid {st.st_uid}, not to this user ({os.getuid()})",
+                               hint="put the socket in a directory you own, e.g. $XDG_RUNTIME_DIR/tierkv")
     if st.st_mode & (0o066 if shared else 0o077):
-        raise SocketPathError(f"{directory} has mode {stat.S_IMODE(st.st_mode):o}; the socket's directory must be "
-                              f"{mode:04o}", hint=f"chmod {mode:o} {directory}, or put the socket in a private directory")
+        return SocketPathError(f"{directory} has mode {stat.S_IMODE(st.st_mode):o}; the socket's directory must be "
+                               f"{mode:04o}", hint=f"chmod {mode:o} {directory}, or put the socket in a private directory")
+    return None
 
 
 def socket_is_live(path: Path, timeout: float = 1.0) -> bool:

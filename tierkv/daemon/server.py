@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import StoreConfig
+from ..devices import resolve_device
 from ..errors import ConfigError
 from ..layout import PageLayout
 from ..store import Store
@@ -126,6 +127,8 @@ class Daemon(Serving, RemoteKeeper, Reload):
 
     def _open(self) -> socket.socket:
         cfg = self.config
+        if cfg.device is not None:
+            resolve_device(cfg.device)  # refuse to start: else every client's first store open fails
         security.prepare_socket_dir(cfg.socket.parent, shared=bool(cfg.allowed_uids))
         security.clear_socket_path(cfg.socket)  # refuse early, before taking the home
         shm_dir = cfg.shm_dir or default_shm_dir()  # opening a store reaps dead processes' regions
@@ -141,6 +144,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
             self.metrics = DaemonMetrics(self.handlers.merged_stats, self._daemon_stats,
                                          only.layout.page_bytes if only is not None else 0)
             self.handlers.peers = lambda: [(c.id, c.creds.uid) for c in self.connections.values()]
+            self.handlers.bound = lambda: [c.entry for c in self.connections.values()]
             self.handlers.gc_stats = self.gc_pauses.stats
             refusals = self.metrics.quota_refusals
             self.handlers.quota.on_refuse = lambda quota: refusals.labels(quota).inc()

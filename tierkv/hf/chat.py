@@ -17,7 +17,7 @@ again and the store serves what still matches.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .generate import GREEDY, SamplingConfig, generate
 
@@ -61,12 +61,13 @@ class Conversation:
 
     Not thread-safe; one conversation per user. ``store`` (a Store or daemon client) may be
     None: nothing is then cached. The answer of each turn is stored unless ``store_output``
-    is False.
+    is False. ``on_store_error``: a failing disk does not end the turn (tierkv.hf.generate).
     """
 
     def __init__(self, lm: "LoadedModel", *, store: "StoreAPI | None" = None, namespace: str = "default",
                  prefix_tokens: Sequence[int] = (), system: str | None = None, max_new_tokens: int = 128,
-                 sampling: SamplingConfig = GREEDY, store_output: bool = True) -> None:
+                 sampling: SamplingConfig = GREEDY, store_output: bool = True,
+                 on_store_error: Callable[[str], None] | None = None) -> None:
         self.lm = lm
         self.store = store
         self.namespace = namespace
@@ -74,6 +75,7 @@ class Conversation:
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self.store_output = store_output
+        self.on_store_error = on_store_error
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.uses_template = bool(getattr(lm.tokenizer, "chat_template", None))
         self._text = ""  # the rendered text that self._tokens stand for (after the prefix)
@@ -108,7 +110,8 @@ class Conversation:
         rendered, tokens = self.prompt_tokens(user_text)
         scope = self.lm.scope(self.namespace) if self.store is not None else None
         result = generate(self.lm.model, tokens, store=self.store, scope=scope, max_new_tokens=self.max_new_tokens,
-                          sampling=self.sampling, eos_token_id=self._eos(), store_output=self.store_output)
+                          sampling=self.sampling, eos_token_id=self._eos(), store_output=self.store_output,
+                          on_store_error=self.on_store_error)
         answer = list(result.tokens)
         eos = self._eos()
         if answer and answer[-1] in eos:

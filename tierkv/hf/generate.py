@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..identity import Scope
 from ..layout import pack_pages
 from .config import context_length
-from .prefill import DEFAULT_CHUNK_TOKENS, cache_layer_kv, cached_prefill
+from .prefill import DEFAULT_CHUNK_TOKENS, Progress, cache_layer_kv, cached_prefill, put_what_fits
 
 if TYPE_CHECKING:
     from ..api import StoreAPI
@@ -102,13 +102,18 @@ def generate(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     store_new: bool = True,
     store_output: bool = True,
+    progress: Progress | None = None,
+    on_store_error: Callable[[str], None] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``tokens``, restoring the prompt's longest
     stored prefix from ``store`` (when given) and storing its new full blocks (when
     ``store_new``), then, when ``store_new`` and ``store_output``, the full blocks that the
     generated tokens completed (all but the last token have KV). Stops at an
     end-of-sequence token (``eos_token_id``, default the model's generation config) or at
-    the model's context.
+    the model's context. ``progress(done, total)`` gets the prompt's prefill in tokens
+    (:func:`cached_prefill`'s): restored, then after each computed chunk. With
+    ``on_store_error`` a full or failing disk does not fail the request
+    (:func:`~tierkv.hf.prefill.put_what_fits`).
 
     Raises ConfigError when the prompt alone exceeds the model's context length.
     """
@@ -121,7 +126,8 @@ def generate(
             hint="use a shorter prefix (materialize --max-tokens) or a shorter prompt",
         )
     start = time.perf_counter()
-    pre = cached_prefill(model, tokens, store=store, scope=scope, chunk_tokens=chunk_tokens, store_new=store_new)
+    pre = cached_prefill(model, tokens, store=store, scope=scope, chunk_tokens=chunk_tokens, store_new=store_new,
+                         progress=progress, on_store_error=on_store_error)
     assert pre.logits is not None  # cached_prefill(need_logits=True) always computes the last token
     generator = None
     if sampling.temperature > 0:
@@ -142,7 +148,8 @@ def generate(
     total = time.perf_counter() - start  # the answer is complete; storing it is not latency
     stored_output = 0
     if store is not None and scope is not None and store_new and store_output:
-        stored_output = _store_output(store, scope, [int(t) for t in tokens] + new[:-1], len(tokens), cache)
+        stored_output = _store_output(store, scope, [int(t) for t in tokens] + new[:-1], len(tokens), cache,
+                                      on_store_error)
     return GenerationResult(
         tokens=tuple(new),
         prompt_tokens=pre.prompt_tokens,
@@ -155,7 +162,8 @@ def generate(
     )
 
 
-def _store_output(store: "StoreAPI", scope: Scope, seq: list[int], prompt_len: int, cache: Any) -> int:
+def _store_output(store: "StoreAPI", scope: Scope, seq: list[int], prompt_len: int, cache: Any,
+                  on_store_error: Callable[[str], None] | None) -> int:
     """Put the blocks of ``seq`` (prompt + generated tokens with KV in ``cache``) past the
     prompt's full blocks, which the prefill stored; returns how many were new."""
     bs = store.layout.block_size
@@ -163,4 +171,4 @@ def _store_output(store: "StoreAPI", scope: Scope, seq: list[int], prompt_len: i
     if full <= first:
         return 0
     pages = pack_pages(cache_layer_kv(cache), store.layout, first * bs, full - first)
-    return store.put(seq[: full * bs], pages, scope, start_block=first).stored
+    return put_what_fits(store, seq[: full * bs], pages, scope, start_block=first, on_store_error=on_store_error)

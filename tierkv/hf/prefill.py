@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..errors import InvalidTokensError, PageFormatError
+from ..errors import DiskWriteError, IndexWriteError, InvalidTokensError, PageFormatError
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout, kv_layers, pack_pages
 from ..lease_windows import LeaseWindows
@@ -182,6 +182,31 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
     return Restored(cache_from_kv(layer_kv, model.device, model.dtype), got * bs)
 
 
+def put_what_fits(store: "StoreAPI", tokens: Sequence[int], pages: torch.Tensor, scope: Scope, *, start_block: int,
+                  priority: Priority = Priority.NORMAL, on_store_error: Callable[[str], None] | None = None) -> int:
+    """``store.put`` of a request's new blocks; returns how many were stored. With
+    ``on_store_error`` a disk or index write that fails (a full disk: DiskWriteError,
+    IndexWriteError) does not fail the request: the message goes to ``on_store_error`` and
+    the put is tried once more, which keeps the blocks in memory now that the disk tier is
+    degraded (a second failure stores nothing). What was stored before stays. The answer
+    comes, as a daemon's does once its disk tier is degraded (issue #37, item 3); without
+    ``on_store_error`` the error propagates (materialize: a prefix that cannot be made
+    durable is an error)."""
+    try:
+        return store.put(tokens, pages, scope, start_block=start_block, priority=priority).stored
+    except (DiskWriteError, IndexWriteError) as e:
+        if on_store_error is None:
+            raise
+        failure = e.message
+    try:
+        stored = store.put(tokens, pages, scope, start_block=start_block, priority=priority).stored
+        on_store_error(f"{failure}; the answer goes on, {stored} of its blocks kept in memory only")
+        return stored
+    except (DiskWriteError, IndexWriteError):
+        on_store_error(f"{failure}; the answer goes on without storing {len(pages)} of its blocks")
+        return 0
+
+
 @torch.inference_mode()
 def cached_prefill(
     model: Any,
@@ -194,6 +219,7 @@ def cached_prefill(
     store_new: bool = True,
     priority: Priority = Priority.NORMAL,
     progress: Progress | None = None,
+    on_store_error: Callable[[str], None] | None = None,
 ) -> PrefillResult:
     """Prefill ``tokens`` (one sequence) with ``model``, reusing and extending ``store``.
 
@@ -202,7 +228,8 @@ def cached_prefill(
     if ``store_new``, every block completed by a chunk is put (durably) before the next
     chunk starts. ``need_logits=False`` (materialising a prefix) restores every stored full
     block and computes nothing when all of them are stored. ``progress(done, total)`` is
-    called with token counts after the restore and after each chunk.
+    called with token counts after the restore and after each chunk. ``on_store_error``:
+    see :func:`put_what_fits`.
 
     Raises InvalidTokensError for an empty or malformed prompt, PageFormatError when the
     model's KV layout is not the store's, and whatever the store raises.
@@ -247,8 +274,8 @@ def cached_prefill(
         if store is not None and store_new and layout is not None and pos // bs > stored_upto:
             full = pos // bs
             pages = pack_pages(cache_layer_kv(cache), layout, stored_upto * bs, full - stored_upto)
-            result = store.put(token_list[: full * bs], pages, store_scope, start_block=stored_upto, priority=priority)
-            stored += result.stored
+            stored += put_what_fits(store, token_list[: full * bs], pages, store_scope, start_block=stored_upto,
+                                    priority=priority, on_store_error=on_store_error)
             stored_upto = full
         if pos == n and need_logits:
             logits = out.logits[0, -1].float()
