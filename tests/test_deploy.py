@@ -150,3 +150,38 @@ def test_container_recipe_builds(tmp_path):
     r = subprocess.run([docker, "run", "--rm", "--entrypoint", "tierkv", "tierkv-test:cpu", "--version"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("tierkv "), r.stderr
+
+
+def test_cuda_container_recipe_installs_the_gpu_extra_and_serves_from_the_gpu():
+    """deploy/container/Dockerfile.cuda: the same shape as the CPU recipe, with torch's CUDA
+    build, tierkv's `gpu` extra (kvikio), the device tier on cuda:0 and metrics published."""
+    from tierkv.cli.serve import build_config, serve
+
+    recipe = ROOT / "deploy" / "container" / "Dockerfile.cuda"
+    stages = parse_dockerfile(recipe.read_text())
+    assert len(stages) == 2
+    for op, args in (i for s in stages for i in s):
+        if op == "COPY" and not args.startswith("--from"):
+            for src in shlex.split(args)[:-1]:
+                assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+                assert f"!{src}" in (ROOT / ".dockerignore").read_text(), f"COPY {src}: not in the build context"
+    pinned = re.search(r"torch==([\w.]+)", (ROOT / "scripts" / "test.sh").read_text()).group(1)
+    run_lines = " ".join(a for op, a in stages[0] if op == "RUN")
+    assert f"torch=={pinned}" in run_lines and "download.pytorch.org/whl/cu" in run_lines
+    assert '"/src[gpu]"' in run_lines
+    final = dict(stages[1])
+    assert final["USER"] not in ("root", "0") and final["STOPSIGNAL"] == "SIGTERM"
+    entry, cmd = json.loads(final["ENTRYPOINT"]), json.loads(final["CMD"])
+    assert Path(entry[0]).name == "tierkv" and entry[1:] == ["serve"]
+    config = ROOT / "deploy" / "container" / "daemon-cuda.toml"
+    args = [str(config) if a == "/etc/tierkv/daemon.toml" else a for a in cmd]
+    params = dict(serve.make_context("serve", args).params)
+    config_file, socket = params.pop("config_file"), params.pop("socket_path")
+    params.pop("log_level")
+    cfg = build_config({**params, "socket": socket, "local_only_namespaces": None, "allowed_uids": None}, config_file)
+    assert cfg.device == "cuda:0" and cfg.metrics_port == 9464 and cfg.metrics_host == "0.0.0.0"
+    assert str(cfg.home) in json.loads(final["VOLUME"]) and str(cfg.socket) in final["ENV"]
+    text = recipe.read_text()
+    assert "--gpus all" in text and "--ipc host" in text and "-p 9464:9464" in text
+    shm = int(re.search(r"--shm-size (\d+)g", text).group(1)) << 30
+    assert cfg.host_bytes + cfg.staging_bytes <= shm  # the device tier is GPU memory

@@ -182,13 +182,14 @@ def test_the_daemon_process_freezes_its_startup_heap_and_reports_gc_pauses(workd
         assert proc.wait(60) == 0, proc.stderr.read().decode()[-2000:]
 
 
-def test_config_precedence_flags_over_file_over_env(tmp_path):
+def test_config_precedence_flag_over_env_over_file(tmp_path):
     f = tmp_path / "d.toml"
     f.write_text('socket = "/tmp/from-file.sock"\nhost_bytes = "2GiB"\nlease_timeout_s = 30.0\n'
                  '[layout]\nnum_layers = 4\nnum_kv_heads = 2\nhead_dim = 64\ndtype = "bfloat16"\n')
     env = {"TIERKV_HOME": str(tmp_path / "env-home"), "TIERKV_SOCKET": "/tmp/from-env.sock"}
     cfg = merge({"host_bytes": "512MiB", "home": None}, read_config_file(f), env)
-    assert cfg.home == tmp_path / "env-home" and str(cfg.socket) == "/tmp/from-file.sock"
+    assert cfg.home == tmp_path / "env-home" and str(cfg.socket) == "/tmp/from-env.sock"  # issue #37: env > file
+    assert str(merge({}, read_config_file(f), {}).socket) == "/tmp/from-file.sock"
     assert cfg.host_bytes == 512 << 20 and cfg.lease_timeout_s == 30.0
     assert cfg.layout == PageLayout(4, 2, 64, 16, "bfloat16")
     assert str(merge({}, {}, env).socket) == "/tmp/from-env.sock"

@@ -1,14 +1,20 @@
-"""Daemon configuration: one frozen dataclass, and the merge of its three sources.
+"""Daemon configuration: one frozen dataclass, and the merge of its sources.
 
-Precedence: command-line flags beat the TOML config file, which beats the environment
-(``TIERKV_HOME``, ``TIERKV_SOCKET``) and built-in defaults. Only the CLI reads the file and
-the environment; it hands the values to :func:`merge` as plain mappings.
+Precedence (issue #37): a command-line flag beats the environment, which beats the TOML
+config file, which beats the built-in default. Every field but ``quotas`` (a table: the
+file only) has an environment variable: ``TIERKV_`` and the field's name in capitals
+(``TIERKV_HOME``, ``TIERKV_SOCKET``, ``TIERKV_DEVICE_BYTES=8GiB``, ``TIERKV_WRITE_THROUGH=0``,
+lists comma-separated). Mooncake's own ``MC_TCP_BIND_ADDRESS`` is only a default for
+``remote_bind``. Only the CLI reads the file and the environment; it hands the values to
+:func:`resolve` as plain mappings, and :func:`resolve` says where each value came from
+(``tierkv config show``).
 
 No page layout is needed: clients declare theirs when they connect and the daemon opens a
 store per layout (layouts.py). ``layout`` (``--layout``) only pre-creates one at start.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tomllib
@@ -52,7 +58,8 @@ class DaemonConfig:
     # tierkv/codec.py: how new homes store pages in the host and disk tiers ("none" or "int8");
     # None: each home's own ("none" for a new one). Read when a layout's store is opened.
     page_codec: str | None = None
-    metrics_port: int | None = None  # Prometheus text endpoint on 127.0.0.1; None: off
+    metrics_port: int | None = None  # Prometheus text endpoint; None: off
+    metrics_host: str = "127.0.0.1"  # its address (0.0.0.0 where a container publishes the port)
     pid_file: Path | None = None  # default: next to the socket, "<socket>.pid"
     lease_timeout_s: float = 600.0  # a lease not renewed for this long is released
     staging_bytes: int = 256 * MiB  # shared region clients write new pages into
@@ -87,6 +94,9 @@ class DaemonConfig:
     write_back_evicted: bool = False  # blocks leaving this node's last tier
     local_only_namespaces: tuple[str, ...] = ()  # neither published nor fetched
     extra: dict[str, str] = field(default_factory=dict, compare=False)
+    # Where each field's value came from ("flag", "env TIERKV_X", "file PATH", "default"):
+    # resolve() fills it; the daemon reports it in its stats (`tierkv config show --socket`).
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))
@@ -220,13 +230,64 @@ _PUBLISH_KEYS = frozenset({"publish_pinned", "publish_materialised", "publish_pu
 _PATHS = ("home", "socket", "pid_file", "shm_dir")
 
 
+ENV_PREFIX = "TIERKV_"
+_NOT_IN_ENV = frozenset({"quotas", "extra", "sources"})
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
+assert HOME_ENV == ENV_PREFIX + "HOME" and SOCKET_ENV == ENV_PREFIX + "SOCKET"  # the scheme's two oldest
+
+
+def env_name(name: str) -> str:
+    """The environment variable of DaemonConfig field ``name``."""
+    return ENV_PREFIX + name.upper()
+
+
+def env_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The DaemonConfig fields set in ``env``, converted by the field's type (sizes and
+    paths are converted later, as the file's are). An empty variable counts as unset."""
+    out: dict[str, Any] = {}
+    for f in fields(DaemonConfig):
+        raw = env.get(env_name(f.name), "").strip()
+        if f.name in _NOT_IN_ENV or not raw:
+            continue
+        kind = str(f.type)
+        try:
+            if kind.startswith("bool"):
+                if raw.lower() not in _TRUE | _FALSE:
+                    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+                out[f.name] = raw.lower() in _TRUE
+            elif kind.startswith("tuple"):
+                out[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
+            elif f.name in _SIZES or f.name in _PATHS or f.name == "layout":
+                out[f.name] = raw
+            elif kind.startswith("int"):
+                out[f.name] = int(raw)
+            elif kind.startswith("float"):
+                out[f.name] = float(raw)
+            else:
+                out[f.name] = raw
+        except ValueError as e:
+            raise ConfigError(f"{env_name(f.name)}={raw!r}: {e}", hint=f"unset it, or give a value of type {kind}") from None
+    return out
+
+
 def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping[str, str]) -> DaemonConfig:
-    """Flags (None = not given) over the config file over the environment and defaults."""
-    values: dict[str, Any] = {"home": env.get(HOME_ENV) or default_home(), "socket": env.get(SOCKET_ENV) or default_socket()}
+    """:func:`resolve`'s configuration."""
+    return resolve(flags, file_values, env)
+
+
+def resolve(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping[str, str],
+            file_label: str = "file") -> DaemonConfig:
+    """Flags (None = not given) over the environment over the config file over the
+    defaults; the result's ``sources`` names where each field's value came from."""
+    values: dict[str, Any] = {"home": default_home(), "socket": default_socket()}
+    sources: dict[str, str] = {}
     if env.get(BIND_ENV):
-        values["remote_bind"] = env[BIND_ENV]
-    values.update({k: v for k, v in file_values.items() if v is not None})
-    values.update({k: v for k, v in flags.items() if v is not None})
+        values["remote_bind"], sources["remote_bind"] = env[BIND_ENV], f"env {BIND_ENV}"
+    for layer, label in ((file_values, lambda k: file_label), (env_values(env), lambda k: f"env {env_name(k)}"),
+                         (flags, lambda k: "flag")):
+        for k, v in layer.items():
+            if v is not None:
+                values[k], sources[k] = v, label(k)
     for k in _SIZES:
         if k in values:
             values[k] = parse_size(values[k])
@@ -247,6 +308,26 @@ def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping
         ns = values["local_only_namespaces"]
         values["local_only_namespaces"] = tuple([ns] if isinstance(ns, str) else ns)
     try:
-        return DaemonConfig(**values)
+        cfg = DaemonConfig(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    cfg.sources.update({f.name: sources.get(f.name, "default") for f in fields(cfg) if f.name not in _NOT_IN_ENV})
+    cfg.sources["quotas"] = sources.get("quotas", "default")
+    return cfg
+
+
+def shown(cfg: DaemonConfig) -> dict[str, dict[str, str]]:
+    """Every field as text with its source: what ``tierkv config show`` prints."""
+    out: dict[str, dict[str, str]] = {}
+    for f in fields(cfg):
+        if f.name in ("extra", "sources"):
+            continue
+        value = getattr(cfg, f.name)
+        if isinstance(value, PageLayout):
+            value = value.to_json()
+        elif isinstance(value, Quotas):
+            value = json.dumps(dataclasses.asdict(value), sort_keys=True)
+        elif isinstance(value, tuple):
+            value = ",".join(map(str, value))
+        out[f.name] = {"value": "" if value is None else str(value), "source": cfg.sources.get(f.name, "default")}
+    return out

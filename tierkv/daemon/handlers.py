@@ -27,6 +27,7 @@ from ..blocks import Priority
 from ..errors import CapacityError, ConfigError, ProtocolError
 from ..identity import Scope
 from . import messages as m
+from .config import shown
 from .layouts import LayoutEntry, Layouts, layout_id
 from .lease_handlers import LeaseHandlers
 from .leases import LeaseTable
@@ -254,4 +255,5 @@ class Handlers(LeaseHandlers, OperationHandlers):
                             "disk_bytes": self.layouts.budget.disk_bytes},
                 "over_limit_slots": {e.layout_id: e.over_limit for e in entries if e.over_limit},
                 "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.acquires),
-                "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats()}
+                "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats(),
+                "config": shown(self.config)}  # each setting and where it came from (`tierkv config show`)

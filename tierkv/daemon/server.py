@@ -152,11 +152,12 @@ class Daemon(Serving, RemoteKeeper, Reload):
             security.write_pid_file(cfg.resolved_pid_file)
             if cfg.metrics_port is not None:
                 try:
-                    self.metrics_port = self.metrics.start(cfg.metrics_port)
+                    self.metrics_port = self.metrics.start(cfg.metrics_port, cfg.metrics_host)
                 except OSError as e:
-                    raise ConfigError(f"cannot serve metrics on 127.0.0.1:{cfg.metrics_port}: {e.strerror or e}",
-                                      hint="choose a free --metrics-port") from None
-                log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
+                    raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e.strerror or e}",
+                                      hint="choose a free --metrics-port, or an address of this machine for "
+                                           "--metrics-host") from None
+                log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, self.metrics_port)
         except BaseException:
             # Undo in reverse: nothing of a daemon that failed to start may stay behind.
             if sock is not None:
