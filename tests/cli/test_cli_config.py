@@ -105,3 +105,27 @@ def test_a_live_daemon_reports_its_settings_and_serves_metrics_where_told(tmp_pa
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_a_store_a_command_opens_itself_takes_the_environment_and_the_file(tmp_path, monkeypatch):
+    """Direct mode (`--home`, no daemon): the store's budgets, policy and codec come from
+    TIERKV_<NAME> over the file $TIERKV_CONFIG, and the command's own flags over both."""
+    from tierkv import PageLayout
+    from tierkv.cli.common import open_store
+
+    conf = tmp_path / "tierkv.toml"
+    conf.write_text('host_bytes = "8MiB"\ndisk_bytes = "32MiB"\neviction_policy = "lru"\nworkers = 2\n')
+    monkeypatch.setenv("TIERKV_CONFIG", str(conf))
+    monkeypatch.setenv("TIERKV_DISK_BYTES", "64MiB")
+    monkeypatch.setenv("TIERKV_PAGE_CODEC", "none")
+    monkeypatch.setenv("TIERKV_SHM_DIR", str(tmp_path / "shm"))
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+    with open_store(tmp_path / "home", layout, device="cpu", device_bytes=1 << 20, page_codec="int8") as store:
+        cfg = store.config
+        assert cfg.host_bytes == 8 << 20 and cfg.eviction_policy == "lru"  # the file
+        assert cfg.disk_bytes == 64 << 20  # the environment over the file
+        assert cfg.page_codec == "int8"  # the flag over the environment
+        assert cfg.shm_dir == tmp_path / "shm"
+    # serve reads the same file when --config is not given.
+    got = show("--home", tmp_path / "h", "--socket", tmp_path / "s.sock")["settings"]
+    assert got["workers"] == {"value": "2", "source": f"file {conf}"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
@@ -116,8 +117,12 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     require_layout(home, socket_path, layout, new_layout)
     if socket_path is not None:
         return connect_daemon(socket_path, layout)
-    # The layout's own store in a home that holds several (as the daemon would open it).
-    return tierkv.open(store_home(home, layout), layout, **{k: v for k, v in options.items() if v is not None})
+    # The layout's own store in a home that holds several (as the daemon would open it):
+    # flags over TIERKV_* over $TIERKV_CONFIG (tierkv/daemon/config.py, DIRECT_FIELDS).
+    from ..daemon.config import direct_store_options
+
+    opts = {**direct_store_options(os.environ), **{k: v for k, v in options.items() if v is not None}}
+    return tierkv.open(store_home(home, layout), layout, **opts)
 
 
 # The layout guard of open_store (issue #37, item 2; tierkv/cli/layouts.py says why). Here,

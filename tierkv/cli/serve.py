@@ -16,7 +16,7 @@ import click
 from ..codec import CODECS
 from ..errors import TierKVError
 from ..policy import POLICIES
-from ..daemon.config import DaemonConfig, read_config_file, resolve
+from ..daemon.config import CONFIG_ENV, DaemonConfig, read_config_file, resolve
 
 log = logging.getLogger("tierkv.serve")
 
@@ -24,6 +24,7 @@ log = logging.getLogger("tierkv.serve")
 def build_config(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
     """The daemon's configuration: ``flags`` (None = not given) over the environment over
     the file (also what ``tierkv doctor`` checks and ``tierkv config show`` prints)."""
+    config_file = config_file or (Path(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else None)
     file_values = read_config_file(config_file) if config_file else {}
     return resolve(flags, file_values, os.environ, file_label=f"file {config_file}")
 

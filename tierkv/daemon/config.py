@@ -270,6 +270,28 @@ def env_values(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+CONFIG_ENV = "TIERKV_CONFIG"  # a TOML file read by every command (serve's --config beats it)
+# The settings a command that opens a home in its own process (`--home`, no daemon) takes
+# from the same environment and file as the daemon, per store (the daemon's are shared
+# between its layouts).
+DIRECT_FIELDS = ("device_bytes", "host_bytes", "disk_bytes", "write_through", "eviction_policy", "page_codec",
+                 "shm_dir")
+
+
+def direct_store_options(env: Mapping[str, str]) -> dict[str, Any]:
+    """StoreConfig options for a store a command opens itself: ``TIERKV_<NAME>`` over the
+    file ``$TIERKV_CONFIG``, for DIRECT_FIELDS; the command's own flags go over these."""
+    values = {k: v for k, v in (read_config_file(Path(env[CONFIG_ENV])) if env.get(CONFIG_ENV) else {}).items()
+              if k in DIRECT_FIELDS}
+    values.update({k: v for k, v in env_values(env).items() if k in DIRECT_FIELDS})
+    for k in _SIZES:
+        if k in values:
+            values[k] = parse_size(values[k])
+    if "shm_dir" in values:
+        values["shm_dir"] = Path(values["shm_dir"]).expanduser()
+    return values
+
+
 def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping[str, str]) -> DaemonConfig:
     """:func:`resolve`'s configuration."""
     return resolve(flags, file_values, env)
