@@ -168,3 +168,66 @@ def test_the_client_refuses_a_listener_of_an_untrusted_uid(workdir):
     finally:
         os.waitpid(pid, 0)
         os.close(r)
+
+
+def test_a_tenant_maps_only_its_own_memory_and_cannot_spoil_another_s_pages(workdir):
+    """Issue #34, item 1, with a real second uid: the tenant's mapped memory (everything its
+    HELLO passed it) holds none of the owner's pages; scribbling over all of it changes
+    nothing the owner reads, now or after a restart; the tenant's own put and lease work,
+    also for a lease longer than its read window (cut to it: a shorter hit); and its pages
+    stay out of reach once it disconnected."""
+    need_root()
+    os.chmod(workdir, 0o711)
+    cfg = make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,), client_staging_bytes=64 * 1024)
+    d = DaemonThread(cfg).start()
+    window = 64 * 1024 // 8192  # read window slots (LAYOUT's page is 8 KiB)
+    try:
+        sock = d.config.socket
+        mine, theirs, long_one = prompt(64, seed=11), prompt(48, seed=12), prompt(16 * (window + 3), seed=13)
+        marker = pages_for(4, 11)  # the owner's pages, looked for in the tenant's memory
+        with tierkv.connect(sock) as c:
+            c.put(mine, marker, SCOPE)
+            with c.acquire(mine, SCOPE) as lease:  # the owner's path is unchanged: zero copy
+                assert lease.num_blocks == 4 and torch.equal(lease.pages(), marker)
+            c.stats()
+
+        def tenant() -> dict:
+            out: dict = {}
+            with tierkv.connect(sock) as t:
+                t.put(theirs, pages_for(3, 12), SCOPE)
+                with t.acquire(theirs, SCOPE) as lease:
+                    out["own_pages_equal"] = bool(torch.equal(lease.pages(), pages_for(3, 12)))
+                t.put(long_one, pages_for(window + 3, 13), SCOPE)
+                with t.acquire(long_one, SCOPE) as lease:
+                    out["long_lease_blocks"] = lease.num_blocks
+                    out["long_prefix_equal"] = bool(torch.equal(lease.pages(), pages_for(window + 3, 13)[:lease.num_blocks]))
+                pools = [p for p in (t.device_pool, t.host_pool, t.staging_pool) if p is not None]
+                out["mapped_bytes"] = sum(p.numel() * p.element_size() for p in pools)
+                raw = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in pools)
+                out["owner_page_seen"] = any(marker[i].numpy().tobytes()[:256] in raw for i in range(4))
+                for p in pools:  # scribble on everything it can write
+                    p.view(torch.uint8).fill_(0xA5)
+                with t.acquire(theirs, SCOPE) as lease:  # its own bytes, copied afresh
+                    out["own_after_scribble"] = bool(torch.equal(lease.pages(), pages_for(3, 12)))
+            return out
+
+        got = run_as(NOBODY, tenant)
+        assert "ok" in got, got
+        r = got["ok"]
+        assert r["own_pages_equal"] and r["own_after_scribble"]
+        assert r["long_lease_blocks"] == window and r["long_prefix_equal"]  # cut to the window
+        assert r["mapped_bytes"] == 2 * 64 * 1024  # its read window and its staging, nothing else
+        assert not r["owner_page_seen"]
+        with tierkv.connect(sock) as c:  # the owner's pages are intact
+            with c.acquire(mine, SCOPE) as lease:
+                assert lease.num_blocks == 4 and torch.equal(lease.pages(), marker)
+        d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()
+    d = DaemonThread(cfg).start()  # and after a restart
+    try:
+        with tierkv.connect(d.config.socket) as c:
+            with c.acquire(mine, SCOPE) as lease:
+                assert lease.num_blocks == 4 and torch.equal(lease.pages(), marker)
+    finally:
+        d.stop()

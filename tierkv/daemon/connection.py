@@ -24,6 +24,9 @@ class Connection:
     inflight: asyncio.Semaphore
     client_pid: int = 0
     entry: LayoutEntry | None = None  # the layout bound at HELLO (None: operations only)
+    # Another uid's connection under namespace_per_uid: its own read window and staging
+    # (tenant_regions.py; closed when the connection ends). None: the tiers are mapped.
+    tenant: Any = None
     tasks: set[asyncio.Task] = field(default_factory=set)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     unsent: int = 0  # bytes of replies encoded and not yet taken by the peer (quotas.py)

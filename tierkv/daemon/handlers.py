@@ -34,6 +34,7 @@ from .leases import LeaseTable
 from .operations import OperationHandlers, Reply
 from .quotas import QuotaRules
 from .tenancy import Tenancy
+from .tenant_regions import TenantRegions
 from .protocol import VERSION, Op
 
 if TYPE_CHECKING:
@@ -164,7 +165,11 @@ class Handlers(LeaseHandlers, OperationHandlers):
             "layout": None,
         }
         fds: list[int] = []
-        if entry is not None:
+        if entry is not None and self.is_tenant(conn):
+            conn.tenant = TenantRegions(self.layouts.shm_dir, entry.layout, self.config.client_staging_bytes)
+            header.update({"layout": entry.layout.to_dict(), "layout_id": entry.layout_id,
+                           **conn.tenant.hello_fields(fds)})
+        elif entry is not None:
             st, pool = entry.local, entry.staging_pool  # the tiers clients map are the local store's
             header.update({
                 "layout": entry.layout.to_dict(), "layout_id": entry.layout_id,
@@ -184,7 +189,24 @@ class Handlers(LeaseHandlers, OperationHandlers):
         return m.KeysReply(r.keys, {"tokens_matched": r.tokens_matched, "tier_names": names},
                            tuple(names.index(t) for t in r.tiers)).encode()
 
+    def is_tenant(self, conn: "Connection") -> bool:
+        """Another uid under namespace_per_uid: it maps only memory of its own connection."""
+        return self.config.namespace_per_uid and conn.creds.uid != os.getuid()
+
+    def staging_of(self, conn: "Connection") -> tuple[Any, torch.Tensor]:
+        """The staging slots and pool a connection puts through: its own for a tenant."""
+        if conn.tenant is not None:
+            return conn.tenant.staging, conn.tenant.staging_pool
+        entry = self.entry(conn)
+        return entry.staging, entry.staging_pool
+
     async def stage(self, conn: "Connection", msg: m.Stage) -> Reply:
+        if conn.tenant is not None:  # its own region: no other connection's quota to share
+            slots = conn.tenant.staging.alloc(conn.id, msg.count)
+            if slots is None:
+                raise CapacityError(f"no {msg.count} staging slots free in this connection's region",
+                                    hint="put fewer blocks at once, or raise client_staging_bytes")
+            return {"slots": slots}, b""
         staging, uid = self.entry(conn).staging, conn.creds.uid
         peers = self.peers()
         self.quota.check_staging(uid, [u for _, u in peers], staging.held_by(c for c, u in peers if u == uid),
@@ -196,28 +218,29 @@ class Handlers(LeaseHandlers, OperationHandlers):
         return {"slots": slots}, b""
 
     async def unstage(self, conn: "Connection", msg: m.Unstage) -> Reply:
-        self.entry(conn).staging.free(conn.id, msg.slots)
+        self.staging_of(conn)[0].free(conn.id, msg.slots)
         return {}, b""
 
     async def commit(self, conn: "Connection", msg: m.Commit) -> Reply:
         entry = self.entry(conn)
-        if not entry.staging.owns(conn.id, msg.slots):
+        staging, staging_pool = self.staging_of(conn)
+        if not staging.owns(conn.id, msg.slots):
             raise ProtocolError("commit names staging slots this connection does not hold")
         if msg.priority == Priority.PINNED:
             try:
                 await self._check_pinned(conn, entry.store, self.namespace_for(conn, msg.scope.namespace), len(msg.slots))
             except BaseException:
-                entry.staging.free(conn.id, msg.slots)
+                staging.free(conn.id, msg.slots)
                 raise
         try:
             idx = torch.tensor(msg.slots, dtype=torch.long)
             # A private copy: the checksum and the stored bytes must be the same bytes even
             # if the client scribbles on its staging slots while the put runs.
-            pages = await self.run(entry.staging_pool.index_select, 0, idx)
+            pages = await self.run(staging_pool.index_select, 0, idx)
             r = await self.run(entry.store.put, msg.tokens, pages, self.scope(conn, msg.scope),
                                start_block=msg.start_block, block_extra=msg.block_extra, priority=Priority(msg.priority))
         finally:
-            entry.staging.free(conn.id, msg.slots)
+            staging.free(conn.id, msg.slots)
         return {"stored": r.stored, "skipped": r.skipped, "durable": r.durable}, b""
 
     async def prefetch(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:

@@ -74,6 +74,8 @@ class LeaseHandlers:
         :meth:`_acquire_inline`): the server calls it as the request is read, with no task
         and no extra turn of the loop. None, with nothing done, when it must wait: the
         server then runs :meth:`acquire` in a task."""
+        if conn.tenant is not None:
+            return None  # a tenant's pages are copied into its read window: a worker's job
         entry, uid, uids, tier = self._acquire_checks(conn)
         # No reservation: nothing else runs on the loop between the checks and the entry.
         lease = self._acquire_inline(entry, msg, self.scope(conn, msg.scope))
@@ -91,8 +93,14 @@ class LeaseHandlers:
         reservation = self.leases.reserve(conn.id, uid, 0)
         try:
             self.acquires["worker"] += 1
+            max_blocks = msg.max_blocks
+            if conn.tenant is not None:  # no longer than its read window has room for
+                room = conn.tenant.read_free
+                max_blocks = room if max_blocks is None else min(max_blocks, room)
             lease = await self.run(_acquire, entry.store, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
-                                   msg.max_blocks, msg.start_block)
+                                   max_blocks, msg.start_block)
+            if conn.tenant is not None and lease.keys:
+                return await self._tenant_lease_reply(conn, uid, tier, entry, lease)
             return self._lease_reply(conn, uid, [u for _, u in self.peers()], tier, lease)
         finally:
             self.leases.unreserve(reservation)
@@ -117,6 +125,21 @@ class LeaseHandlers:
                 raise
         lease_id = self.leases.add(conn.id, lease, uid).lease_id if lease.keys else 0
         return m.KeysReply(lease.keys, {"lease_id": lease_id}, tuple(lease.slots)).encode()
+
+    async def _tenant_lease_reply(self, conn: "Connection", uid: int, tier: int, entry: LayoutEntry, lease: Any) -> Reply:
+        """A tenant's lease: its pages copied into the connection's read window (by a worker:
+        up to its size of memory), and the reply naming those slots; they are freed when the
+        lease ends, however it ends (LeaseTable's ``on_end``)."""
+        try:
+            self.quota.check_leased_blocks(uid, [u for _, u in self.peers()], self.leases.blocks_of(uid),
+                                           lease.num_blocks, tier)
+            window = await self.run(conn.tenant.copy_in, entry.local.device.pool, lease.slots)
+        except BaseException:
+            self._release_later([lease])
+            raise
+        tenant = conn.tenant
+        held = self.leases.add(conn.id, lease, uid, on_end=lambda: tenant.free(window))
+        return m.KeysReply(lease.keys, {"lease_id": held.lease_id}, tuple(window)).encode()
 
     def _acquire_inline(self, entry: LayoutEntry, msg: m.PrefixRequest, scope: Scope) -> Any:
         """The acquire done here on the event loop when it cannot wait on anything: no
@@ -199,6 +222,8 @@ class LeaseHandlers:
         leases = self.leases.take_connection(conn.id)
         for e in self.layouts.entries():  # a connection without HELLO may have staged on the only layout
             e.staging.free_connection(conn.id)
+        if conn.tenant is not None:  # its mappings lose their backing pages with the files
+            conn.tenant.close()
         await self.release_all(leases)
         return len(leases)
 

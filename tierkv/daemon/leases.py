@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from typing import Iterable
+from typing import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..results import Lease
@@ -28,6 +28,7 @@ class HeldLease:
     lease: Lease
     renewed: float = field(default_factory=time.monotonic)
     uid: int = -1
+    on_end: Callable[[], None] | None = None  # run when it leaves the table, however it leaves
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ class LeaseTable:
         """Blocks leased by ``uid``'s connections, counting acquires in flight."""
         return self._blocks_by_uid[uid] + self._reserved_blocks[uid]
 
-    def add(self, conn_id: int, lease: Lease, uid: int = -1) -> HeldLease:
-        h = HeldLease(next(self._ids), conn_id, lease, uid=uid)
+    def add(self, conn_id: int, lease: Lease, uid: int = -1, on_end: Callable[[], None] | None = None) -> HeldLease:
+        h = HeldLease(next(self._ids), conn_id, lease, uid=uid, on_end=on_end)
         self._held[h.lease_id] = h
         self._by_conn.setdefault(conn_id, set()).add(h.lease_id)
         self._blocks_by_uid[uid] += lease.num_blocks
@@ -116,6 +117,8 @@ class LeaseTable:
         ids.discard(h.lease_id)
         if not ids:
             del self._by_conn[h.conn_id]
+        if h.on_end is not None:
+            h.on_end()
         return h.lease
 
     def check_integrity(self) -> None:
