@@ -142,12 +142,12 @@ def mode_torture(shm: str, home: str, seed: str, ops: str, small: str = "0", wb:
 # The calls a crash can fall between, by step: put (segment creation, page runs, slot records,
 # the synced write, the index commit), eviction, demotion, write-back, invalidation and
 # quarantine. Each is hooked where it is called (the name as its caller looks it up), never
-# process-wide: ``_pwrite_all`` is the disk tier's own page/record write.
+# process-wide: ``pwrite_all`` as the disk tier looks it up is its page write.
 HOOKS = {
     "segment-create": ("tierkv.tiers.disk", "create_segment"),  # a new segment file, renamed, dir synced
     "segment-dir-sync": ("tierkv.tiers.segments", "fsync_dir"),  # segment renamed, directory not yet synced
-    "page-run-write": ("tierkv.tiers.disk", "_pwrite_all"),  # one run of pages (or records), not synced
-    "records-write": ("tierkv.tiers.disk.DiskTier", "_write_records"),  # pages written, records next, nothing synced
+    "page-run-write": ("tierkv.tiers.disk", "pwrite_all"),  # one run of pages, not synced
+    "records-write": ("tierkv.tiers.disk", "write_run_records"),  # pages written, records next, nothing synced
     "disk-write": ("tierkv.tiers.disk.DiskTier", "_write_pages"),  # after: pages and records synced, not indexed
     "index-put": ("tierkv.index.Index", "put_blocks"),  # after: indexed, not acknowledged
     "evict": ("tierkv.placement.Placement", "evict"),

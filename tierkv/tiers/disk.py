@@ -17,7 +17,8 @@ Faults: an OSError while writing or syncing marks the tier *degraded* for
 After a failed fsync the data is treated as lost; the slot is never reported durable.
 
 Parts of the tier live beside it: disk_files.py (segment file names, locations, the scan and
-quarantine at open) and disk_reads.py (the read paths and read health).
+quarantine at open), disk_reads.py (the read paths and read health) and disk_records.py
+(slot records).
 """
 from __future__ import annotations
 
@@ -40,22 +41,15 @@ from .base import TierName
 from .disk_files import SEG_RE, SEG_SHIFT, Segment, SegmentFiles, location, split_location  # SEG_*: re-exported
 from .disk_reads import DiskReads
 from .disk_rooms import SegmentRooms
-from .diskio import BounceBuffer, KvikioFiles, probe_kvikio, probe_odirect
-from .segments import SegmentHeader, create_segment, encode_record
+from .disk_records import rewrite_records, write_run_records
+from .diskio import BounceBuffer, KvikioFiles, probe_kvikio, probe_odirect, pwrite_all
+from .segments import SegmentHeader, create_segment
 
 log = logging.getLogger(__name__)
 DEGRADED_RETRY_S = 30.0
 # Slot records for a write: the bodies, or a function that gives them once the pages are written.
 SlotBodies = Union[Sequence[bytes], Callable[[], Sequence[bytes]]]
 RUN_BYTES = 8 << 20  # largest single transfer: a few times dd's bs=4M, bounded staging memory
-
-
-def _pwrite_all(fd: int, data: memoryview | list[memoryview], off: int) -> None:
-    """One write of ``data`` (a buffer, or consecutive buffers in one ``pwritev``) at ``off``."""
-    bufs = data if isinstance(data, list) else [data]
-    n, want = os.pwritev(fd, bufs, off), sum(len(b) for b in bufs)
-    if n != want:
-        raise OSError(errno.EIO, f"short write {n} of {want}")
 
 
 class DiskTier(SegmentFiles, DiskReads):
@@ -335,11 +329,11 @@ class DiskTier(SegmentFiles, DiskReads):
                     data = prepare(r_i, run)
                     if pending is not None:
                         pending.result()
-                    pending = writer.submit(_pwrite_all, touched[seg_id], data, off)
+                    pending = writer.submit(pwrite_all, touched[seg_id], data, off)
                 if pending is not None:
                     pending.result()
             if records is not None:
-                self._write_records(locs, runs, records() if callable(records) else records, buffered)
+                write_run_records(self._offset, locs, runs, records() if callable(records) else records, buffered)
             if self.fsync:
                 # One fdatasync per segment covers its pages and records (one inode).
                 for seg_id, fd in touched.items():
@@ -348,45 +342,9 @@ class DiskTier(SegmentFiles, DiskReads):
             for fd in [*touched.values(), *buffered.values()]:
                 os.close(fd)
 
-    def _write_records(self, locs: list[int], runs: list[list[int]], records: Sequence[bytes],
-                       fds: dict[int, int]) -> None:
-        """The slot records of a write, one pwrite per run of consecutive slots (buffered:
-        records are small and not 4 KiB-aligned, so O_DIRECT does not apply)."""
-        for run in runs:
-            seg, seg_id, _ = self._offset(locs[run[0]])
-            size = seg.header.record_bytes
-            if not size:
-                continue  # a format-1 segment: no records
-            if seg_id not in fds:
-                fds[seg_id] = os.open(seg.path, os.O_WRONLY)
-            # A body that does not fit (an over-long namespace) leaves a zeroed record: the
-            # page is stored and served, only a rebuild cannot restore it.
-            raw = b"".join(encode_record(records[k], size) or bytes(size) for k in run)
-            _pwrite_all(fds[seg_id], memoryview(raw), seg.header.record_offset(split_location(locs[run[0]])[1]))
-
     def update_records(self, records: Sequence[tuple[int, bytes]]) -> None:
-        """Rewrite the slot records of pages already on disk (``(location, body)``, e.g. after
-        a priority change, whose index commit came first) and sync them. Best effort: a
-        failure is logged, and costs only that a rebuilt index has the old priority."""
-        try:
-            by_seg: dict[int, list[tuple[int, bytes]]] = {}
-            for loc, body in records:
-                by_seg.setdefault(split_location(loc)[0], []).append((loc, body))
-            for seg_id, items in by_seg.items():
-                seg = self._segs[seg_id]
-                if not seg.header.record_bytes:
-                    continue
-                fd = os.open(seg.path, os.O_WRONLY)
-                try:
-                    for loc, body in items:
-                        raw = encode_record(body, seg.header.record_bytes) or bytes(seg.header.record_bytes)
-                        _pwrite_all(fd, memoryview(raw), seg.header.record_offset(split_location(loc)[1]))
-                    if self.fsync:
-                        os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-        except OSError as e:
-            log.warning("could not rewrite slot records: %s", e)
+        """:func:`~tierkv.tiers.disk_records.rewrite_records` of this tier's segments."""
+        rewrite_records(self._segs, records, self.fsync)
 
     def _staging(self, nbytes: int) -> tuple[BounceBuffer, BounceBuffer]:
         """This thread's two aligned write buffers, grown to at least ``nbytes`` each."""
