@@ -29,7 +29,7 @@ from .codec import open_home_codec
 from .config import StoreConfig
 from .errors import ForkedStoreError, LayoutMismatchError, NotFoundError, TierKVError
 from .eviction import EvictedBlock
-from .home import HomeLock
+from .home import HomeLock, LentLock
 from .identity import Scope, as_token_array
 from .index import NO_DISK, Index
 from .layout import PageLayout
@@ -54,7 +54,8 @@ DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
 class Store(StoreAPI):
-    """A tierkv store opened in this process. Build with :func:`tierkv.open`.
+    """A tierkv store opened in this process. Build with :func:`tierkv.open` (a daemon
+    opens its root store under the LOCK it holds: ``home_lock``, :class:`~tierkv.home.LentLock`).
 
     Built from parts, each given what it needs in its constructor:
 
@@ -69,19 +70,18 @@ class Store(StoreAPI):
     - ``operations`` (:class:`~tierkv.operations.StoreOperations`): pinning, manifests,
       chains, invalidate, verify, stats.
 
-    Lookup and prefetch, opening and closing live here.
-    Every public method checks that the store is usable (open, and used by the process
-    that opened it), then does its work or delegates it. ``index``, ``device``, ``host`` and
-    ``disk`` are the parts the placement was given, for inspection (the daemon shares the
-    memory tiers with its clients)."""
+    Lookup and prefetch, opening and closing live here. Every public method checks that the
+    store is usable (open, and used by this process), then does its work or delegates it.
+    ``index``, ``device``, ``host`` and ``disk`` are the placement's parts, for inspection
+    (the daemon shares the memory tiers with its clients)."""
 
-    def __init__(self, config: StoreConfig, socket_path: str | None = None) -> None:
+    def __init__(self, config: StoreConfig, socket_path: str | None = None, home_lock: LentLock | None = None) -> None:
         self.config = config
         self.layout: PageLayout = config.layout
         self._pid = os.getpid()
         self._closed = False
         home = config.home
-        self._home_lock = HomeLock(home, socket_path)
+        self._home_lock = home_lock or HomeLock(home, socket_path)  # a daemon's root store: lent one
         try:
             self.index = Index(home / "index", config.index_map_bytes)
             codec = open_home_codec(self.index, config.page_codec, self.layout, home)  # before a new home's layout

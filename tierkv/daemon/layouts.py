@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CapacityError, ConfigError
-from ..home import HomeLock, peek_layout
+from ..home import HomeLock, LentLock, peek_layout
 from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import SharedRegion
@@ -145,7 +145,7 @@ class Layouts:
     plain dict reads, safe from the event loop while another thread opens a layout."""
 
     def __init__(self, home: Path, socket_path: str, max_layouts: int, budget: Budget, shm_dir: Path,
-                 open_store: Callable[[Path, PageLayout, TierLimits], tuple[Any, Store]]) -> None:
+                 open_store: Callable[[Path, PageLayout, TierLimits, LentLock | None], tuple[Any, Store]]) -> None:
         self.home = home
         self.socket_path = socket_path
         self.max_layouts = max_layouts
@@ -160,15 +160,15 @@ class Layouts:
     # ---- opening -----------------------------------------------------------------------
     def start(self, preset: PageLayout | None = None) -> None:
         """Take the home and open every store it holds (and ``preset``, the ``--layout`` of
-        the command line). The daemon holds the home's LOCK itself until a store lives at
-        the root (that store then holds it), so no other process opens the home meanwhile."""
+        the command line). The daemon holds the home's LOCK until it closes, lending it to
+        the store at the root (home.LentLock), so no other process opens the home meanwhile."""
+        self._home_lock = HomeLock(self.home, self.socket_path)
         found = find_layouts(self.home)
         if len(found) > self.max_layouts:
+            self.close()
             raise ConfigError(f"{self.home} holds {len(found)} layouts, more than max_layouts={self.max_layouts}",
                               hint=f"start the daemon with --max-layouts {len(found)} or more")
         self._root_used = any(h == self.home for h, _ in found)
-        if not self._root_used:
-            self._home_lock = HomeLock(self.home, self.socket_path)
         # Every store opens with its share of all that start opens: none fills a share
         # that the next open would take back (a lowered disk limit deletes pages).
         n = len(found) + (preset is not None and all(preset != lo for _, lo in found))
@@ -197,18 +197,9 @@ class Layouts:
                     f"the daemon serves {len(self._entries)} page layouts already "
                     f"({', '.join(self._entries)}); max_layouts is {self.max_layouts}",
                     hint="restart the daemon with a larger --max-layouts")
-            if not self._root_used:
-                # The first layout lives at the root. Hand the root's LOCK from the daemon to
-                # the store: released here, taken again first thing in the store's open (the
-                # window is a few microseconds; a process that slipped in gets the home and
-                # this open fails with StoreLockedError, nothing is shared).
-                assert self._home_lock is not None
-                self._home_lock.release()
-                self._home_lock = None
-                self._root_used = True
-                home = self.home
-            else:
-                home = self.home / LAYOUTS_DIR / lid
+            # The first layout lives at the root; the root stays free for the next one when
+            # its open fails (issue 34, item 4).
+            home = self.home if not self._root_used else self.home / LAYOUTS_DIR / lid
             log.info("opening a store for layout %s at %s", lid, home)
             # The open layouts give up room first (they evict down to the new share), so
             # the budgets hold at every moment; if the open fails they get it back.
@@ -216,10 +207,12 @@ class Layouts:
             share = self.budget.share(len(before) + 1)
             self._set_limits(before, share)
             try:
-                return self._add(home, layout, share)
+                entry = self._add(home, layout, share)
             except BaseException:
                 self._set_limits(before, self.budget.share(len(before)))
                 raise
+            self._root_used = True
+            return entry
 
     def _set_limits(self, entries: list[LayoutEntry], limits: TierLimits) -> None:
         for e in entries:
@@ -240,7 +233,8 @@ class Layouts:
         return left
 
     def _add(self, home: Path, layout: PageLayout, limits: TierLimits) -> LayoutEntry:
-        store, local = self._open_store(home, layout, limits)
+        lent = LentLock(self._home_lock) if home == self.home and self._home_lock is not None else None
+        store, local = self._open_store(home, layout, limits, lent)
         try:
             region, pool = regions.create_staging(self.shm_dir, layout, self.budget.staging_bytes)
         except BaseException:
