@@ -85,7 +85,7 @@ class Store(StoreAPI):
         try:
             self.index = Index(home / "index", config.index_map_bytes)
             codec = open_home_codec(self.index, config.page_codec, self.layout, home)  # before a new home's layout
-            self._check_layout()
+            new_home = self._check_layout()  # a new home's layout is recorded last (below)
             shm_dir = config.shm_dir or default_shm_dir()
             reap_stale_regions(shm_dir)  # tiers of killed processes: nobody else unlinks them
             cuda = torch.cuda.is_available()
@@ -106,6 +106,9 @@ class Store(StoreAPI):
             self.leasing = Leasing(self, self.placement, self.promotion, self.read_through)
             self.operations = StoreOperations(self.placement)
             self._load_index()
+            if new_home:  # only now: a home whose tiers could not be built holds no layout (#34)
+                self.index.put_meta("layout", self.layout.to_json())
+                self.index.put_meta("format_version", FORMAT_VERSION)
             if config.disk_limit_bytes is not None:  # the memory tiers took theirs above
                 self.set_tier_limits(disk_bytes=config.disk_limit_bytes)
             self._executor = ThreadPoolExecutor(max(1, config.prefetch_workers), thread_name_prefix="tierkv-prefetch")
@@ -124,14 +127,12 @@ class Store(StoreAPI):
         )
 
     # ---- opening -------------------------------------------------------------------
-    def _check_layout(self) -> None:
+    def _check_layout(self) -> bool:
+        """Whether the home is new (holds no layout yet); LayoutMismatchError for another."""
         stored = self.index.get_meta("layout")
-        if stored is None:
-            self.index.put_meta("layout", self.layout.to_json())
-            self.index.put_meta("format_version", FORMAT_VERSION)
-            return
-        if stored != self.layout.to_json():
+        if stored is not None and stored != self.layout.to_json():
             raise LayoutMismatchError(f"{self.config.home} holds pages of layout {stored}, asked for {self.layout.to_json()}")
+        return stored is None
 
     def _load_index(self) -> None:
         """Rebuild the block table from the index: drop entries whose page is missing, short

@@ -45,6 +45,7 @@ all over the mapping: up to twice the share in memory).
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,19 +201,33 @@ class Layouts:
             # The first layout lives at the root; the root stays free for the next one when
             # its open fails (issue 34, item 4).
             home = self.home if not self._root_used else self.home / LAYOUTS_DIR / lid
+            fresh = home != self.home and not home.exists()  # removed again if the open fails
             log.info("opening a store for layout %s at %s", lid, home)
             # The open layouts give up room first (they evict down to the new share), so
             # the budgets hold at every moment; if the open fails they get it back.
             before = self.entries()
             share = self.budget.share(len(before) + 1)
+            self._check_fits(layout, share)  # before anything is evicted or written (issue 34, items 2-3)
             self._set_limits(before, share)
             try:
                 entry = self._add(home, layout, share)
             except BaseException:
                 self._set_limits(before, self.budget.share(len(before)))
+                if fresh:  # a refused layout leaves nothing a restart would find
+                    shutil.rmtree(home, ignore_errors=True)
                 raise
             self._root_used = True
             return entry
+
+    @staticmethod
+    def _check_fits(layout: PageLayout, share: TierLimits) -> None:
+        """CapacityError when the share ``layout`` would get holds no page of it (device) or
+        no slot (disk, when there is one): a store that can hold nothing is refused, not built."""
+        if share.device_bytes < layout.page_bytes or 0 < share.disk_bytes < layout.slot_bytes:
+            raise CapacityError(
+                f"a page of layout {layout_id(layout)} is {layout.page_bytes} bytes; its share of the daemon's "
+                f"budgets would be {share.device_bytes} bytes of device tier and {share.disk_bytes} of disk",
+                hint="declare a smaller block_size, or restart the daemon with larger --device-bytes/--disk-bytes")
 
     def _set_limits(self, entries: list[LayoutEntry], limits: TierLimits) -> None:
         for e in entries:
