@@ -54,8 +54,7 @@ DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
 class Store(StoreAPI):
-    """A tierkv store opened in this process. Build with :func:`tierkv.open` (a daemon
-    opens its root store under the LOCK it holds: ``home_lock``, :class:`~tierkv.home.LentLock`).
+    """A tierkv store opened in this process. Build with :func:`tierkv.open` (``home_lock``: home.LentLock).
 
     Built from parts, each given what it needs in its constructor:
 
