@@ -121,3 +121,39 @@ def test_a_failed_open_of_a_new_home_records_no_layout(workdir):
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_layout_whose_store_fails_evicts_nothing_of_the_others(workdir):
+    """Issue 34, item 3: the open layouts were lowered to the share they would have with one
+    more *before* the new store was built, and raised back when it failed: by then their
+    disk blocks above the lowered limit were deleted (1,472 of 1,760 in the issue). The new
+    store is built first now; a failure costs the others nothing."""
+    proc = spawn_daemon(workdir, "--max-layouts", "2")  # serving LAYOUT, room for one more
+    sock, home = workdir / "run" / "d.sock", workdir / "home"
+    sub = home / LAYOUTS_DIR / layout_id(OTHER)
+    n_prompts, blocks_each = 22, 32  # 704 blocks of 8 KiB: more than half the 8 MiB disk budget
+    try:
+        with tierkv.connect(sock, layout=LAYOUT) as c:
+            for i in range(n_prompts):
+                assert c.put(prompt(16 * blocks_each, seed=100 + i), pages_for(blocks_each, i), SCOPE).stored == blocks_each
+            before = c.stats()
+        assert before["blocks"] == before["tiers"]["disk"]["blocks"] == n_prompts * blocks_each
+        sub.mkdir(parents=True)
+        (sub / "segments").write_bytes(b"not a directory")  # OTHER's store fails past every check
+        with pytest.raises(TierKVError):
+            tierkv.connect(sock, layout=OTHER)
+        with tierkv.connect(sock, layout=LAYOUT) as c:
+            after = c.stats()
+            assert after["blocks"] == after["tiers"]["disk"]["blocks"] == n_prompts * blocks_each
+            assert after["tiers"]["disk"]["capacity_bytes"] == before["tiers"]["disk"]["capacity_bytes"]
+            for i in range(n_prompts):
+                assert c.lookup(prompt(16 * blocks_each, seed=100 + i), SCOPE).tokens_matched == 16 * blocks_each
+        # Once it can open, OTHER gets its half and LAYOUT is lowered to the other half.
+        (sub / "segments").unlink()
+        with tierkv.connect(sock, layout=OTHER) as b:
+            assert 0 < b.stats()["layouts"][layout_id(OTHER)]["tiers"]["device"]["capacity_bytes"] <= 1 << 19
+        with tierkv.connect(sock, layout=LAYOUT) as c:
+            tiers = c.stats()["layouts"][layout_id(LAYOUT)]["tiers"]
+            assert tiers["device"]["capacity_bytes"] == 1 << 19 and tiers["disk"]["capacity_bytes"] <= 4 << 20
+    finally:
+        stop(proc)
