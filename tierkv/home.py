@@ -71,6 +71,21 @@ class HomeLock:
             self.fd = -1
 
 
+class LentLock:
+    """A :class:`HomeLock` lent to a store opened under it: releasing it does nothing, so
+    the home stays locked by the lender whatever the store does. A daemon holds its home's
+    LOCK for its whole life and lends it to the store at the root (issue 34, item 4: it
+    used to release the LOCK for that store to take, and a store that failed to open left
+    the home unlocked beside the running daemon). Rejected: taking the LOCK again after a
+    failed open (another process may have taken it meanwhile)."""
+
+    def __init__(self, lock: HomeLock) -> None:
+        self.path = lock.path
+
+    def release(self) -> None:
+        pass
+
+
 def peek_layout(home: Path) -> PageLayout | None:
     """The page layout recorded in the index under ``home``, read without opening the store
     or taking the home (so it works while another process owns it), or None when ``home``

@@ -2,7 +2,7 @@
 
 KV pages cannot be checked without the model that made them (a forged page with a valid
 checksum is just as readable as a real one), so ``tierkv import`` trusts a bundle only when
-it is signed by a key the importer trusts (or when ``--verify-model`` recomputes a sample of
+it is signed by a key the importer trusts (or when ``--verify-model`` recomputes every one of
 its blocks). Keys are Ed25519 (the ``cryptography`` package): small, fast, deterministic
 signatures, no parameters to get wrong.
 

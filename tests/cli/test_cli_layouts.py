@@ -171,3 +171,30 @@ def test_a_typo_through_a_daemon_keeps_the_budgets_and_rm_gives_them_back(llama_
     stop()
     start()
     assert [r["block_size"] for r in run_json("layouts", *sock)["layouts"]] == [16]
+
+
+def test_removing_the_root_layout_through_a_daemon_keeps_the_home_locked(llama_dir, repo, daemon):
+    """The daemon holds HOME/LOCK for its life (issue 34, item 4) and lends it to the root's
+    store: removing that store leaves the home locked, and the next new layout opens at the
+    root."""
+    from tierkv.errors import DaemonOwnsHomeError
+
+    start, stop, cfg = daemon
+    start()
+    sock = ("--socket", cfg.socket)
+    run("materialize", repo, "--model", llama_dir, *sock, "--name", "repo", "--no-progress")
+    ask = ("--model", llama_dir, "--prompt", PROMPT, "--max-new-tokens", "1", "--no-progress", *sock)
+    run("generate", *ask, "--block-size", "32", "--new-layout")
+    root_id = layout_id(version_of(llama_dir)[0])
+    run_json("layouts", "rm", root_id, "--yes", *sock)
+    assert [r["block_size"] for r in run_json("layouts", *sock)["layouts"]] == [32]
+    assert not (cfg.home / "index").exists()
+    with pytest.raises(DaemonOwnsHomeError):
+        tierkv.open(cfg.home, version_of(llama_dir)[0])
+    run("generate", *ask, "--block-size", "64", "--new-layout")  # opens at the root
+    assert tierkv.home_layout(cfg.home).block_size == 64
+    stop()
+    start()
+    # Both found again (16 too: the fixture's daemon has it as its --layout), 64 at the root.
+    assert sorted(r["block_size"] for r in run_json("layouts", *sock)["layouts"]) == [16, 32, 64]
+    assert tierkv.home_layout(cfg.home).block_size == 64

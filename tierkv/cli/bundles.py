@@ -101,8 +101,8 @@ def export_cmd(name: str, output: Path, keys_dir: Path, home: Path, socket_path:
               help="Refuse the bundle unless it was made under this model directory's version.")
 @click.option("--force", is_flag=True, help="Import despite another --model version, or over another prefix of that name.")
 @click.option("--verify-model", "verify_model", type=click.Path(file_okay=False, exists=True, path_type=Path),
-              default=None, help="Trust an unsigned bundle only if a sample of its blocks, recomputed by this "
-              "model, matches its pages.")
+              default=None, help="Trust an unsigned bundle only if every block, recomputed by this "
+              "model, matches its page.")
 @keys_option
 @target_options
 def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bool, verify_model: Path | None,
@@ -130,7 +130,7 @@ def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bo
         layout = read_header(bundle).layout
     else:
         layout = None  # checked against the daemon's below
-    verified = check_bundle(bundle, layout, trust.sample if trust.model_check else 0)
+    verified = check_bundle(bundle, layout)
     check_trust(verified, trust)
     header = verified.header
     expected = model_version(model_dir, header.layout, memo_path=default_memo_path()) if model_dir else None

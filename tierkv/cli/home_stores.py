@@ -24,7 +24,8 @@ import torch
 
 from ..api import StoreAPI
 from ..blocks import Priority
-from ..daemon.layouts import LAYOUTS_DIR, find_layouts, layout_id, merge_stats, remove_store_files
+from ..daemon.layout_stats import merge_stats
+from ..daemon.layouts import LAYOUTS_DIR, find_layouts, layout_id, remove_store_files
 from ..errors import ConfigError, NotFoundError
 from ..home import HomeLock
 from ..identity import Scope

@@ -16,6 +16,13 @@ MAX_NAME = 200
 MAX_STR = 4096
 MAX_LIST = 1 << 16
 MAX_PAGE_BYTES = 1 << 30  # one page (one block of every layer's K and V)
+# The smallest page a client may declare. The daemon keeps Python objects per slot of each
+# memory tier and of staging (a slot allocator's free heap and used set: 40 bytes a slot
+# free, 66 used, measured), and a tier has budget // page_bytes slots: a 2-byte page made
+# 1.75 GiB of them per 64 MiB of device budget and stalled every client (issue 34, item 2).
+# At 512 bytes they stay near a tenth of the budget they index. 512 is also the smallest
+# real page: 1 layer, 1 KV head, head_dim 8, 16 tokens, float16.
+MIN_PAGE_BYTES = 512
 Header = dict[str, Any]
 
 

@@ -11,9 +11,10 @@ fixed, so a second model with other KV shapes gets a store of its own.
 
 Budgets. ``device_bytes``, ``host_bytes`` and ``disk_bytes`` are daemon-wide budgets shared
 by the layouts in use: with N layouts open each may use ``budget // N`` of each tier (the one
-layout of a one-model daemon gets the whole budget). When another layout opens, the open
-ones are lowered to the new share first (each evicts down to it through the store's normal
-eviction, :meth:`tierkv.Store.set_tier_limits`), then the new one opens with its share. At
+layout of a one-model daemon gets the whole budget). A new layout is checked (its page must
+fit its share) and its store opened with limits of 0; only then are the open ones lowered
+to the new share (each evicts down to it through the store's normal eviction,
+:meth:`tierkv.Store.set_tier_limits`) and the new one raised to it. At
 most ``max_layouts`` layouts open (CapacityError beyond); ``staging_bytes`` is split as a
 fixed ``1/max_layouts`` per layout (clients write into it; it holds nothing between requests).
 
@@ -55,7 +56,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CapacityError, ConfigError, LayoutInUseError, NotFoundError
-from ..home import HomeLock, peek_layout
+from ..home import HomeLock, LentLock, peek_layout
 from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import SharedRegion
@@ -165,7 +166,7 @@ class Layouts:
     plain dict reads, safe from the event loop while another thread opens a layout."""
 
     def __init__(self, home: Path, socket_path: str, max_layouts: int, budget: Budget, shm_dir: Path,
-                 open_store: Callable[[Path, PageLayout, TierLimits], tuple[Any, Store]]) -> None:
+                 open_store: Callable[[Path, PageLayout, TierLimits, LentLock | None], tuple[Any, Store]]) -> None:
         self.home = home
         self.socket_path = socket_path
         self.max_layouts = max_layouts
@@ -181,21 +182,22 @@ class Layouts:
     # ---- opening -----------------------------------------------------------------------
     def start(self, preset: PageLayout | None = None) -> None:
         """Take the home and open every store it holds (and ``preset``, the ``--layout`` of
-        the command line). The daemon holds the home's LOCK itself until a store lives at
-        the root (that store then holds it), so no other process opens the home meanwhile."""
+        the command line). The daemon holds the home's LOCK until it closes, lending it to
+        the store at the root (home.LentLock), so no other process opens the home meanwhile."""
+        self._home_lock = HomeLock(self.home, self.socket_path)
         found = find_layouts(self.home)
         if len(found) > self.max_layouts:
+            self.close()
             raise ConfigError(f"{self.home} holds {len(found)} layouts, more than max_layouts={self.max_layouts}",
                               hint=f"start the daemon with --max-layouts {len(found)} or more")
         self._root_used = any(h == self.home for h, _ in found)
-        if not self._root_used:
-            self._home_lock = HomeLock(self.home, self.socket_path)
         # Every store opens with its share of all that start opens: none fills a share
         # that the next open would take back (a lowered disk limit deletes pages).
         n = len(found) + (preset is not None and all(preset != lo for _, lo in found))
         try:
             for home, layout in found:
-                self._add(home, layout, self.budget.share(n))
+                entry = self._add(home, layout, self.budget.share(n))
+                self._entries[entry.layout_id] = entry
             if preset is not None:
                 self.open(preset)
         except BaseException:
@@ -221,29 +223,46 @@ class Layouts:
                     f"the daemon serves {len(self._entries)} page layouts already "
                     f"({', '.join(self._entries)}); max_layouts is {self.max_layouts}",
                     hint="restart the daemon with a larger --max-layouts")
-            if not self._root_used:
-                # The first layout lives at the root. Hand the root's LOCK from the daemon to
-                # the store: released here, taken again first thing in the store's open (the
-                # window is a few microseconds; a process that slipped in gets the home and
-                # this open fails with StoreLockedError, nothing is shared).
-                assert self._home_lock is not None
-                self._home_lock.release()
-                self._home_lock = None
-                self._root_used = True
-                home = self.home
-            else:
-                home = self.home / LAYOUTS_DIR / lid
+            # The first layout lives at the root; the root stays free for the next one when
+            # its open fails (issue 34, item 4).
+            home = self.home if not self._root_used else self.home / LAYOUTS_DIR / lid
+            fresh = home != self.home and not home.exists()  # removed again if the open fails
             log.info("opening a store for layout %s at %s", lid, home)
-            # The open layouts give up room first (they evict down to the new share), so
-            # the budgets hold at every moment; if the open fails they get it back.
             before = self.entries()
             share = self.budget.share(len(before) + 1)
-            self._set_limits(before, share)
+            self._check_fits(layout, share)  # before anything is evicted or written (issue 34, items 2-3)
+            # The new store opens with limits of 0 (it is new: start() opened every store the
+            # home holds, so it holds nothing and touches no memory at 0); only once it and
+            # its staging exist do the open layouts evict down to the new share, and then it
+            # gets its share, so the budgets hold at every moment. Rejected: lowering the
+            # open layouts first and raising them back if the open failed (what this
+            # replaced): a refused layout had already deleted their disk blocks, 1,472 of
+            # 1,760 in issue 34, item 3.
             try:
-                return self._add(home, layout, share)
+                entry = self._add(home, layout, TierLimits(0, 0, 0))
             except BaseException:
-                self._set_limits(before, self.budget.share(len(before)))
+                if fresh:  # a refused layout leaves nothing a restart would find
+                    shutil.rmtree(home, ignore_errors=True)
                 raise
+            try:
+                self._set_limits(before, share)
+                self._set_limits([entry], share)
+            except BaseException:
+                entry.close()
+                raise
+            self._entries[entry.layout_id] = entry  # served only with its share
+            self._root_used = True
+            return entry
+
+    @staticmethod
+    def _check_fits(layout: PageLayout, share: TierLimits) -> None:
+        """CapacityError when the share ``layout`` would get holds no page of it (device) or
+        no slot (disk, when there is one): a store that can hold nothing is refused, not built."""
+        if share.device_bytes < layout.page_bytes or 0 < share.disk_bytes < layout.slot_bytes:
+            raise CapacityError(
+                f"a page of layout {layout_id(layout)} is {layout.page_bytes} bytes; its share of the daemon's "
+                f"budgets would be {share.device_bytes} bytes of device tier and {share.disk_bytes} of disk",
+                hint="declare a smaller block_size, or restart the daemon with larger --device-bytes/--disk-bytes")
 
     def _set_limits(self, entries: list[LayoutEntry], limits: TierLimits) -> None:
         for e in entries:
@@ -264,7 +283,8 @@ class Layouts:
         return left
 
     def _add(self, home: Path, layout: PageLayout, limits: TierLimits) -> LayoutEntry:
-        store, local = self._open_store(home, layout, limits)
+        lent = LentLock(self._home_lock) if home == self.home and self._home_lock is not None else None
+        store, local = self._open_store(home, layout, limits, lent)
         try:
             region, pool = regions.create_staging(self.shm_dir, layout, self.budget.staging_bytes)
         except BaseException:
@@ -273,8 +293,7 @@ class Layouts:
         quota = max(1, self.budget.client_staging_bytes // layout.page_bytes)
         entry = LayoutEntry(layout_id(layout), layout, home, store, local, region, pool,
                             StagingSlots(pool.shape[0], quota))
-        self._entries[entry.layout_id] = entry
-        return entry
+        return entry  # the caller serves it (self._entries) once its limits are set
 
     # ---- removing (tierkv layouts rm) ----------------------------------------------------
     def take(self, lid: str) -> LayoutEntry:
@@ -296,11 +315,8 @@ class Layouts:
         with self._lock:
             try:
                 entry.close()
-                if entry.home == self.home:
-                    # The root's store held the home's LOCK: the daemon takes it back first,
-                    # as before its first layout opened (the next new layout opens there).
-                    self._home_lock = HomeLock(self.home, self.socket_path)
-                    self._root_used = False
+                if entry.home == self.home:  # the next new layout opens at the root
+                    self._root_used = False  # (the daemon kept the LOCK: it lent it)
                 remove_store_files(self.home, entry.home)
                 rest = self.entries()
                 self._set_limits(rest, self.budget.share(len(rest)))
@@ -351,44 +367,3 @@ class Layouts:
                              ("disk", self.budget.disk_bytes)):
             assert sum(getattr(e.local, tier).capacity_bytes for e in self._entries.values()) <= budget, \
                 f"{tier}: the layouts' limits exceed the daemon's budget"
-
-
-# ---- stats across layouts -----------------------------------------------------------------
-_RATES = ("hit_rate", "hit_rate_by_tier", "acquire_hit_rate", "acquire_hit_rate_by_tier", "mean_lookup_ms")  # recomputed
-
-
-def _sum(values: list[Any]) -> Any:
-    """Numbers add up, mappings merge key by key, anything else keeps the first value."""
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        return sum(values)
-    if all(isinstance(v, dict) for v in values):
-        keys = list(dict.fromkeys(k for v in values for k in v))
-        return {k: _sum([v[k] for v in values if k in v]) for k in keys}
-    return values[0]
-
-
-def merge_stats(per_layout: dict[str, dict[str, Any]], home: str) -> dict[str, Any]:
-    """The stats of several layouts' stores (each StoreStats' JSON shape) as one: blocks,
-    bytes and counters summed, rates recomputed from the sums, ``layout`` the only layout's
-    or None, and ``layouts`` with each store's own figures (layout id -> its stats)."""
-    from ..stats import Counters, acquire_rates
-
-    stores = list(per_layout.values())
-    out: dict[str, Any] = _sum(stores) if stores else {
-        "blocks": 0, "leased_blocks": 0, "model_versions": {}, "namespaces": {}, "disk_read_path": "",
-        "tiers": {t: {"blocks": 0, "used_bytes": 0, "capacity_bytes": 0} for t in ("device", "host", "disk")},
-        **Counters().as_dict(),
-    }
-    for name in _RATES:
-        out.pop(name, None)
-    lookups, asked = int(out.get("lookups", 0)), int(out.get("lookup_blocks", 0))
-    hits = dict(out.get("hits", {}))
-    out["hit_rate"] = sum(hits.values()) / asked if asked else 0.0
-    out["hit_rate_by_tier"] = {t: n / asked if asked else 0.0 for t, n in hits.items()}
-    out.update(acquire_rates(dict(out.get("acquire_hits", {})), int(out.get("acquire_blocks", 0))))
-    ms = sum(s.get("mean_lookup_ms", 0.0) * s.get("lookups", 0) for s in stores)
-    out["mean_lookup_ms"] = ms / lookups if lookups else 0.0
-    out["home"] = home
-    out["layout"] = stores[0]["layout"] if len(stores) == 1 else {}
-    out["layouts"] = per_layout
-    return out

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import ProtocolError
 from ..identity import KEY_BYTES, Scope
 from ..layout import PageLayout
-from .fields import (MAX_LIST, MAX_PAGE_BYTES, MAX_STR, Header, _get, _int, _ints, extra_from_wire,
+from .fields import (MAX_LIST, MAX_PAGE_BYTES, MIN_PAGE_BYTES, MAX_STR, Header, _get, _int, _ints, extra_from_wire,
                      extra_to_wire, tokens_from, tokens_payload)
 from .protocol import MAX_TOKENS
 
@@ -77,9 +77,9 @@ def layout_from_wire(raw: Header) -> PageLayout:
                             dtype=_get(raw, "dtype", str))
     except ValueError as e:
         raise ProtocolError(f"bad layout: {e}") from None
-    if layout.page_bytes > MAX_PAGE_BYTES:
-        raise ProtocolError(f"a page of layout {layout.to_json()} is {layout.page_bytes} bytes, "
-                            f"more than the {MAX_PAGE_BYTES} the daemon accepts")
+    if not MIN_PAGE_BYTES <= layout.page_bytes <= MAX_PAGE_BYTES:
+        raise ProtocolError(f"a page of layout {layout.to_json()} is {layout.page_bytes} bytes; the daemon accepts "
+                            f"pages of {MIN_PAGE_BYTES} to {MAX_PAGE_BYTES} bytes (one block of every layer's K and V)")
     return layout
 
 

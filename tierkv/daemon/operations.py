@@ -14,7 +14,8 @@ from ..blocks import Priority
 from ..errors import ConfigError, LayoutInUseError, NotFoundError, ProtocolError
 from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
 from . import messages as m
-from .layouts import layout_id, merge_stats
+from .layout_stats import merge_stats
+from .layouts import layout_id
 
 # The largest page of namespaces one stats reply carries, whatever the client asks: at
 # ~100 bytes a name (with each layout's copy) it stays far below the 16 MiB payload limit.

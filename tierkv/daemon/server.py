@@ -46,6 +46,7 @@ import torch
 from ..config import StoreConfig
 from ..devices import resolve_device
 from ..errors import ConfigError
+from ..home import LentLock
 from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import default_shm_dir
@@ -96,9 +97,11 @@ class Daemon(Serving, RemoteKeeper, Reload):
         entry = self.layouts.only() if self.layouts is not None else None
         return None if entry is None else entry.store
 
-    def _open_store(self, home: Path, layout: PageLayout, limits: TierLimits) -> tuple[Any, Store]:
+    def _open_store(self, home: Path, layout: PageLayout, limits: TierLimits,
+                    home_lock: LentLock | None) -> tuple[Any, Store]:
         """One layout's store, its tiers mapped at the whole budgets and limited to its share
-        ``limits`` (wrapped in a ClusterNode when the remote tier is on), and the local Store.
+        ``limits`` (wrapped in a ClusterNode when the remote tier is on), and the local Store;
+        ``home_lock``: the daemon's LOCK of the home, lent to the store at the root.
         Called by :class:`Layouts`, at start or on first use. Tiers that cannot be sparse
         (a CUDA device pool; a page-locked host pool) are mapped at 1/max_layouts instead
         (layouts.py)."""
@@ -116,7 +119,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
             disk_limit_bytes=limits.disk_bytes, segment_pages=segment_pages, write_through=cfg.write_through,
             shm_dir=cfg.shm_dir, eviction_policy=cfg.eviction_policy, page_codec=cfg.page_codec,
             populate_memory=True,  # a daemon starts ahead of its clients: it has the idle time
-        ), socket_path=str(cfg.socket))
+        ), socket_path=str(cfg.socket), home_lock=home_lock)
         if cfg.remote_enabled:
             try:
                 store = self._join_cluster(local)
