@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncContextManager, AsyncIterator, Awaitable, Callable
 
 import torch
 
@@ -32,7 +33,7 @@ from .layouts import LayoutEntry, Layouts, layout_id
 from .lease_handlers import LeaseHandlers
 from .leases import LeaseTable
 from .operations import OperationHandlers, Reply
-from .quotas import QuotaRules
+from .quotas import PinnedCounts, QuotaRules
 from .tenancy import Tenancy
 from .tenant_regions import TenantRegions
 from .protocol import VERSION, Op
@@ -77,6 +78,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
         self._drain_handle: asyncio.TimerHandle | None = None
         self._drains: set[asyncio.Future] = set()
         self.quota = QuotaRules(config.quotas)
+        self._pin_lock = asyncio.Lock()  # pins checked and stored one at a time (pin_guard)
         self.acquires = {"inline": 0, "worker": 0}  # where acquires ran (daemon stats)
         self.fast_path_requests = 0  # requests answered as they arrived (fast_path.py)
         self._scopes: dict[tuple[str, str, tuple[str, ...]], Scope] = {}
@@ -226,19 +228,15 @@ class Handlers(LeaseHandlers, OperationHandlers):
         staging, staging_pool = self.staging_of(conn)
         if not staging.owns(conn.id, msg.slots):
             raise ProtocolError("commit names staging slots this connection does not hold")
-        if msg.priority == Priority.PINNED:
-            try:
-                await self._check_pinned(conn, entry.store, self.namespace_for(conn, msg.scope.namespace), len(msg.slots))
-            except BaseException:
-                staging.free(conn.id, msg.slots)
-                raise
         try:
-            idx = torch.tensor(msg.slots, dtype=torch.long)
-            # A private copy: the checksum and the stored bytes must be the same bytes even
-            # if the client scribbles on its staging slots while the put runs.
-            pages = await self.run(staging_pool.index_select, 0, idx)
-            r = await self.run(entry.store.put, msg.tokens, pages, self.scope(conn, msg.scope),
-                               start_block=msg.start_block, block_extra=msg.block_extra, priority=Priority(msg.priority))
+            async with self.pin_guard(conn, entry.store, msg.priority, len(msg.slots)):
+                idx = torch.tensor(msg.slots, dtype=torch.long)
+                # A private copy: the checksum and the stored bytes must be the same bytes even
+                # if the client scribbles on its staging slots while the put runs.
+                pages = await self.run(staging_pool.index_select, 0, idx)
+                r = await self.run(entry.store.put, msg.tokens, pages, self.scope(conn, msg.scope),
+                                   start_block=msg.start_block, block_extra=msg.block_extra,
+                                   priority=Priority(msg.priority))
         finally:
             staging.free(conn.id, msg.slots)
         return {"stored": r.stored, "skipped": r.skipped, "durable": r.durable}, b""
@@ -247,24 +245,37 @@ class Handlers(LeaseHandlers, OperationHandlers):
         fut = await self.run(self.entry(conn).store.prefetch, msg.tokens, self.scope(conn, msg.scope), msg.block_extra)
         return {"tokens_warm": await asyncio.wrap_future(fut)}, b""
 
-    async def _check_pinned(self, conn: "Connection", store: Any, effective_ns: str, want: int) -> None:
-        """The pinned quota (quotas.py) of this tenant: its uid's namespaces under
-        namespace_per_uid, else the namespace being pinned."""
-        uid, uids = conn.creds.uid, [u for _, u in self.peers()]
-        if not self.quota.others_connected(uid, uids):
+    def pin_guard(self, conn: "Connection", store: Any, priority: int, want: int) -> AsyncContextManager[None]:
+        """Around a store call that may pin ``want`` blocks: the pinned quota's check and
+        the call as one step (quotas.py), or nothing to do."""
+        if priority != Priority.PINNED:
+            return contextlib.nullcontext()
+        return self._pinning(conn, store, want)
+
+    @contextlib.asynccontextmanager
+    async def _pinning(self, conn: "Connection", store: Any, want: int) -> AsyncIterator[None]:
+        uid = conn.creds.uid
+        if not self.config.allowed_uids and not self.quota.others_connected(uid, (u for _, u in self.peers())):
+            yield  # a daemon of one user: nobody to share the disk tier with
             return
-        local = getattr(store, "store", store)  # a ClusterNode wraps the Store
-        tenant = self.tenancy.namespace_prefix(uid) if self.config.namespace_per_uid else effective_ns
-        pinned = await self.run(local.pinned_blocks, tenant)
-        disk_slots = local.disk.segment_limit * local.disk.segment_pages  # this layout's share
-        self.quota.check_pinned(uid, uids, tenant, pinned, want, int(disk_slots))
+        # Checked and pinned under one lock: a check before an await let 16 concurrent
+        # pinned puts pass it together (issue 34, item 9). Pins are rare (materialise):
+        # serialising them costs the data path nothing.
+        async with self._pin_lock:
+            local = getattr(store, "store", store)  # a ClusterNode wraps the Store
+            tenant = self.tenancy.namespace_prefix(uid) if self.config.namespace_per_uid else None
+            total = await self.run(local.pinned_blocks, "")
+            own = await self.run(local.pinned_blocks, tenant) if tenant is not None else 0
+            disk_slots = local.disk.segment_limit * local.disk.segment_pages  # this layout's share
+            self.quota.check_pinned(uid, [u for _, u in self.peers()], PinnedCounts(total, tenant, own), want,
+                                    int(disk_slots))
+            yield
 
     async def set_priority(self, conn: "Connection", msg: m.SetPriority) -> Reply:
-        if msg.priority == Priority.PINNED:
-            entry = self.entry(conn)
-            await self._check_pinned(conn, entry.store, self.namespace_for(conn, msg.scope.namespace),
-                                     len(msg.tokens) // entry.layout.block_size)
-        n = await self.run(self.entry(conn).store.set_priority, msg.tokens, self.scope(conn, msg.scope), Priority(msg.priority))
+        entry = self.entry(conn)
+        async with self.pin_guard(conn, entry.store, msg.priority, len(msg.tokens) // entry.layout.block_size):
+            n = await self.run(entry.store.set_priority, msg.tokens, self.scope(conn, msg.scope),
+                               Priority(msg.priority))
         return {"count": n}, b""
 
     def daemon_stats(self) -> dict[str, Any]:

@@ -208,6 +208,12 @@ class LeaseHandlers:
         return {}, b""
 
     async def renew(self, conn: "Connection", msg: m.LeaseRef) -> Reply:
+        # A uid holding more than its fair share (others arrived since it leased) keeps its
+        # leases until they end or expire, but may not renew them (issue 34, item 9: a uid
+        # alone leased the whole tier and kept it, and later uids got acquires of 0 blocks).
+        entry, uid = self.entry(conn), conn.creds.uid
+        self.quota.check_leased_blocks(uid, [u for _, u in self.peers()], self.leases.blocks_of(uid), 0,
+                                       int(entry.local.device.slots.limit))
         if not self.leases.renew(conn.id, msg.lease_id):
             raise LeaseError(f"lease {msg.lease_id} is not held by this connection (released or expired)")
         return {}, b""

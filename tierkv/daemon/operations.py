@@ -2,7 +2,7 @@
 rather than on a connection's own pages (chains by their last key, manifests, invalidate,
 verify, stats, ping, check_integrity). :class:`~tierkv.daemon.handlers.Handlers` inherits
 them; it owns the state they use (``layouts``, ``config``, ``tenancy``, ``run``, ``stores``,
-``namespace_for``, ``_check_pinned``, ``daemon_stats``). Split out of handlers.py, which keeps
+``namespace_for``, ``pin_guard``, ``daemon_stats``). Split out of handlers.py, which keeps
 the hot path (HELLO, lookup, acquire, release, staging, commit) and the lease bookkeeping.
 """
 from __future__ import annotations
@@ -67,12 +67,11 @@ class OperationHandlers:
         if msg.priority is None:
             raise ProtocolError("set_priority_from needs a priority")
         try:
-            st, tokens, _, ns = await self._own_chain(conn, msg.last_key)
+            st, tokens, *_ = await self._own_chain(conn, msg.last_key)
         except NotFoundError:
             return {"count": 0}, b""
-        if msg.priority == Priority.PINNED:
-            await self._check_pinned(conn, st, self.namespace_for(conn, ns), len(tokens) // st.layout.block_size)
-        return {"count": await self.run(st.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
+        async with self.pin_guard(conn, st, msg.priority, len(tokens) // st.layout.block_size):
+            return {"count": await self.run(st.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
 
     async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
         if msg.manifest is None:
