@@ -1,7 +1,9 @@
 """A layout a client declares at HELLO and the daemon refuses changes nothing: the home stays
 locked by the daemon, nothing is written under it, no other layout loses blocks (issue 34,
-items 2-4). Real daemon processes (``tierkv serve``) and real clients."""
+items 2-4), and another uid makes at most its quota of layouts. Real daemon processes (``tierkv serve``) and real clients."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -11,6 +13,7 @@ from tierkv.daemon.layouts import LAYOUTS_DIR, layout_id
 from tierkv.errors import DaemonOwnsHomeError, TierKVError
 from tierkv.home import peek_layout
 
+from as_user import NOBODY, need_root, run_as
 from daemon_helpers import LAYOUT, LAYOUT_ARG, SCOPE, pages_for, prompt, spawn_daemon
 
 # A page of 4 MiB: more than the spawned daemon's whole device budget (1 MiB), so its store
@@ -155,5 +158,47 @@ def test_a_layout_whose_store_fails_evicts_nothing_of_the_others(workdir):
         with tierkv.connect(sock, layout=LAYOUT) as c:
             tiers = c.stats()["layouts"][layout_id(LAYOUT)]["tiers"]
             assert tiers["device"]["capacity_bytes"] == 1 << 19 and tiers["disk"]["capacity_bytes"] <= 4 << 20
+    finally:
+        stop(proc)
+
+
+THIRD = PageLayout(num_layers=2, num_kv_heads=1, head_dim=32, block_size=32, dtype="bfloat16")
+FOURTH = PageLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=32, dtype="bfloat16")
+
+
+def test_another_uid_makes_at_most_layouts_per_uid_layouts_also_after_a_restart(workdir):
+    """Three junk layouts of another uid cut the real model to a quarter of every budget,
+    stayed across a restart, and the next real model was refused. Another uid now makes at
+    most ``layouts_per_uid`` (1) new layouts; the refused one changes nothing; who made a
+    layout is kept, so a restart counts it; the daemon's own uid still opens more."""
+    need_root()
+    os.chmod(workdir, 0o711)
+    args = ("--max-layouts", "4", "--allowed-uid", str(NOBODY))
+    home = workdir / "home"
+
+    def declare(layout: PageLayout) -> dict:
+        with tierkv.connect(workdir / "run" / "d.sock", layout=layout) as c:
+            return {"tiers": c.stats()["tiers"]["device"]["capacity_bytes"]}
+
+    proc = spawn_daemon(workdir, *args)  # serving LAYOUT
+    try:
+        assert "ok" in run_as(NOBODY, lambda: declare(OTHER))
+        refused = run_as(NOBODY, lambda: declare(THIRD))
+        assert refused["error"] == "QuotaExceededError" and "layouts_per_uid = 1" in refused["message"], refused
+        assert not (home / LAYOUTS_DIR / layout_id(THIRD)).exists()
+        assert (home / LAYOUTS_DIR / layout_id(OTHER) / "CREATOR").read_text() == str(NOBODY)
+        with tierkv.connect(workdir / "run" / "d.sock", layout=LAYOUT) as c:  # two layouts: a half each
+            per = c.stats()["layouts"]
+            assert sorted(per) == sorted([layout_id(LAYOUT), layout_id(OTHER)])
+            assert per[layout_id(LAYOUT)]["tiers"]["device"]["capacity_bytes"] == (1 << 20) // 2
+    finally:
+        stop(proc)
+    proc = spawn_daemon(workdir, *args)
+    try:
+        assert run_as(NOBODY, lambda: declare(THIRD))["error"] == "QuotaExceededError"  # still counted
+        assert "ok" in run_as(NOBODY, lambda: declare(OTHER))  # its own layout is still served to it
+        declare(FOURTH)  # the daemon's own uid: bound by --max-layouts only
+        assert (home / LAYOUTS_DIR / layout_id(FOURTH)).is_dir()
+        assert not (home / LAYOUTS_DIR / layout_id(FOURTH) / "CREATOR").exists()
     finally:
         stop(proc)

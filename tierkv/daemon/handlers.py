@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, AsyncContextManager, AsyncIterator, Await
 import torch
 
 from ..blocks import Priority
-from ..errors import CapacityError, ConfigError, ProtocolError
+from ..errors import CapacityError, ConfigError, ProtocolError, QuotaExceededError
 from ..identity import Scope
 from . import messages as m
 from .config import shown
@@ -156,7 +156,13 @@ class Handlers(LeaseHandlers, OperationHandlers):
         if msg.layout is not None:
             entry = self.layouts.get(layout_id(msg.layout))
             if entry is None:  # first use of this layout: open its store (seconds; off the loop)
-                entry = await self.run(self.layouts.open, msg.layout)
+                creator = None if conn.creds.uid == os.getuid() else conn.creds.uid
+                try:
+                    entry = await self.run(self.layouts.open, msg.layout, creator,
+                                           self.config.quotas.layouts_per_uid)
+                except QuotaExceededError:
+                    self.quota.count("layouts")
+                    raise
         else:
             entry = self.layouts.only()
         conn.entry = entry

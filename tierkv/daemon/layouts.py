@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import CapacityError, ConfigError, LayoutInUseError, NotFoundError
+from ..errors import CapacityError, ConfigError, LayoutInUseError, NotFoundError, QuotaExceededError
 from ..home import HomeLock, LentLock, peek_layout
 from ..layout import PageLayout
 from ..store import Store
@@ -65,6 +65,15 @@ from .leases import StagingSlots
 
 log = logging.getLogger(__name__)
 LAYOUTS_DIR = "layouts"
+CREATOR = "CREATOR"  # beside a store made for another uid's HELLO: that uid (quotas.py, layouts_per_uid)
+
+
+def read_creator(store_home: Path) -> int | None:
+    """The uid whose HELLO made the store at ``store_home``, or None (the daemon's own)."""
+    try:
+        return int((store_home / CREATOR).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def layout_id(layout: PageLayout) -> str:
@@ -104,7 +113,7 @@ def remove_store_files(home: Path, store_home: Path) -> None:
     trash = home / f".removed-{os.getpid()}-{threading.get_ident()}"
     trash.mkdir(exist_ok=True)
     if store_home == home:
-        for part in ("index", "segments"):  # the index first: without it the root holds no store
+        for part in ("index", "segments", CREATOR):  # the index first: without it the root holds no store
             if (home / part).exists():
                 os.rename(home / part, trash / part)
     else:
@@ -154,6 +163,7 @@ class LayoutEntry:
     staging_pool: torch.Tensor
     staging: StagingSlots
     over_limit: int = 0  # slots still used above its limits (held when they were lowered)
+    creator: int | None = None  # the other uid whose HELLO made it (None: the daemon's own)
 
     def close(self) -> None:
         self.store.close()
@@ -197,6 +207,7 @@ class Layouts:
         try:
             for home, layout in found:
                 entry = self._add(home, layout, self.budget.share(n))
+                entry.creator = read_creator(home)
                 self._entries[entry.layout_id] = entry
             if preset is not None:
                 self.open(preset)
@@ -204,9 +215,11 @@ class Layouts:
             self.close()
             raise
 
-    def open(self, layout: PageLayout) -> LayoutEntry:
-        """The entry of ``layout``, opening (creating) its store on first use. Raises
-        CapacityError when ``max_layouts`` layouts are open already."""
+    def open(self, layout: PageLayout, creator: int | None = None, layouts_per_uid: int = 1) -> LayoutEntry:
+        """The entry of ``layout``, opening (creating) its store on first use; ``creator``
+        is the uid asking when it is not the daemon's own. Raises CapacityError when
+        ``max_layouts`` layouts are open already, QuotaExceededError when ``creator`` made
+        ``layouts_per_uid`` of them (quotas.py)."""
         lid = layout_id(layout)
         entry = self._entries.get(lid)
         if entry is not None:
@@ -223,6 +236,12 @@ class Layouts:
                     f"the daemon serves {len(self._entries)} page layouts already "
                     f"({', '.join(self._entries)}); max_layouts is {self.max_layouts}",
                     hint="restart the daemon with a larger --max-layouts")
+            made = sum(1 for e in self._entries.values() if creator is not None and e.creator == creator)
+            if creator is not None and made >= layouts_per_uid:
+                raise QuotaExceededError(
+                    f"uid {creator} made {made} of the daemon's page layouts already (layouts_per_uid = "
+                    f"{layouts_per_uid}); layout {lid} is not served",
+                    hint="use a layout the daemon serves (tierkv layouts), or ask its operator to open this one")
             # The first layout lives at the root; the root stays free for the next one when
             # its open fails (issue 34, item 4).
             home = self.home if not self._root_used else self.home / LAYOUTS_DIR / lid
@@ -245,10 +264,14 @@ class Layouts:
                     shutil.rmtree(home, ignore_errors=True)
                 raise
             try:
+                if creator is not None:  # before anything gives up room: a restart counts it too
+                    (home / CREATOR).write_text(str(creator))
+                    entry.creator = creator
                 self._set_limits(before, share)
                 self._set_limits([entry], share)
             except BaseException:
                 entry.close()
+                (home / CREATOR).unlink(missing_ok=True)
                 raise
             self._entries[entry.layout_id] = entry  # served only with its share
             self._root_used = True

@@ -31,6 +31,12 @@ The limits (defaults in :class:`Quotas`, documented in docs/operations.md):
   checked and stored under one lock (16 concurrent pinned puts used to pass a check made
   before an ``await`` together: 1,600 pinned against 1,024). A daemon of one user, with no
   other uid admitted, checks nothing;
+* layouts: another uid may make at most ``layouts_per_uid`` new layouts (each takes an
+  equal part of every budget from the layouts already open, and stays, also across a
+  restart: three junk layouts of another uid cut the real model to a quarter of every tier
+  and the next real model was refused); who made a layout is kept beside its store
+  (``CREATOR``), so the count survives a restart. The daemon's own uid is bound only by
+  ``max_layouts``;
 * unread replies: a connection whose replies wait unread beyond ``unread_reply_bytes`` is
   not read from until they drain, and one whose peer reads nothing for ``send_timeout_s``
   is closed (its leases are released).
@@ -64,8 +70,11 @@ class Quotas:
     shared_tier_fraction: float = 0.5
     shared_staging_fraction: float = 0.5
     shared_pinned_fraction: float = 0.5
+    layouts_per_uid: int = 1  # new layouts another uid may make (the daemon's own uid: max_layouts)
 
     def __post_init__(self) -> None:
+        if self.layouts_per_uid < 0:
+            raise ValueError("layouts_per_uid must be at least 0")
         for name in ("connections_per_uid", "unread_reply_bytes", "leases_per_connection"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -86,10 +95,14 @@ class QuotaRules:
         self.on_refuse = on_refuse  # the metric of each refusal
 
     def refuse(self, quota: str, message: str, hint: str | None = None) -> QuotaExceededError:
+        self.count(quota)
+        return QuotaExceededError(message, hint=hint)
+
+    def count(self, quota: str) -> None:
+        """Count a refusal by ``quota`` (one made here or by the quota's owner)."""
         self.refusals[quota] += 1
         if self.on_refuse is not None:
             self.on_refuse(quota)
-        return QuotaExceededError(message, hint=hint)
 
     @staticmethod
     def others_connected(uid: int, uids: Iterable[int]) -> bool:
