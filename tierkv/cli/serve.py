@@ -70,6 +70,9 @@ _DAEMON_OPTIONS = [
     click.option("--max-layouts", type=int, default=None,
                  help="Page layouts (models) served at once (default 4, or 1 with --layout). The N layouts in use share "
                       "each tier budget, 1/N each; staging is split 1/max-layouts."),
+    click.option("--layout-idle", "layout_idle_s", type=float, default=None,
+                 help="Seconds after which a layout no client uses gives its device and host share to the layouts in "
+                      "use (default 300); it keeps its disk share, and gets the rest back when a client declares it."),
     click.option("--workers", type=int, default=None,
                  help="Threads that run store calls (default 8); disk reads and fsyncs overlap across them."),
     click.option("--device", default=None, help="cuda:N or cpu (default: cuda:0 when available)."),

@@ -70,6 +70,8 @@ class DaemonConfig:
     # Page layouts served at once; the N in use share each tier budget, 1/N each (layouts.py).
     # None: 1 when ``layout`` is given (a one-model daemon, as before layouts were declared), else 4.
     max_layouts: int | None = None
+    # A layout no connection used for this long gives its memory share to those in use (shares.py).
+    layout_idle_s: float = 300.0
     namespace_per_uid: bool = False  # prefix every namespace with "uid<N>/" (trusted side)
     allowed_uids: tuple[int, ...] = ()  # peers besides the daemon's own uid
     quotas: Quotas = field(default_factory=Quotas)  # per-uid limits and timeouts ([quotas] in the file)
@@ -112,6 +114,8 @@ class DaemonConfig:
             raise ValueError(f"page_codec must be one of {CODECS}, got {self.page_codec!r}")
         if not self.lease_timeout_s > 0:
             raise ValueError("lease_timeout_s must be positive")
+        if not self.layout_idle_s > 0:
+            raise ValueError("layout_idle_s must be positive")
         for name in ("max_connections", "max_inflight", "workers", "resolved_max_layouts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncContextManager, AsyncIterator, Awaitable, Callable
 
@@ -165,6 +166,10 @@ class Handlers(LeaseHandlers, OperationHandlers):
                     raise
         else:
             entry = self.layouts.only()
+        if entry is not None:
+            entry.last_bound = time.monotonic()
+            if entry.layout_id not in self.layouts.in_use:  # idle: its memory share back first (shares.py)
+                await self.run(self.layouts.rebalance, self.layouts.in_use | {entry.layout_id})
         conn.entry = entry
         header: dict[str, Any] = {
             "protocol": VERSION, "daemon_pid": os.getpid(), "lease_timeout_s": self.leases.timeout_s,

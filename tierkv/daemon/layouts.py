@@ -10,10 +10,11 @@ on first use, or finds it at start. A layout never changes in place: a store's l
 fixed, so a second model with other KV shapes gets a store of its own.
 
 Budgets. ``device_bytes``, ``host_bytes`` and ``disk_bytes`` are daemon-wide budgets shared
-by the layouts in use: with N layouts open each may use ``budget // N`` of each tier (the one
-layout of a one-model daemon gets the whole budget). A new layout is checked (its page must
-fit its share) and its store opened with limits of 0; only then are the open ones lowered
-to the new share (each evicts down to it through the store's normal eviction,
+by the layouts: the memory tiers among the N in use, ``budget // N`` each, the disk among
+all open ones (shares.py: a layout idle for ``layout_idle_s`` gives its memory share back;
+the one layout of a one-model daemon gets the whole budget). A new layout is checked (its
+page must fit its share) and its store opened with limits of 0; only then are the open ones
+lowered to their new shares (each evicts down to it through the store's normal eviction,
 :meth:`tierkv.Store.set_tier_limits`) and the new one raised to it. At
 most ``max_layouts`` layouts open (CapacityError beyond); ``staging_bytes`` is split as a
 fixed ``1/max_layouts`` per layout (clients write into it; it holds nothing between requests).
@@ -49,7 +50,8 @@ import logging
 import os
 import shutil
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,6 +64,7 @@ from ..store import Store
 from ..tiers.shm import SharedRegion
 from . import regions
 from .leases import StagingSlots
+from .shares import Budget, TierLimits, apply_in_order, check_fits
 
 log = logging.getLogger(__name__)
 LAYOUTS_DIR = "layouts"
@@ -122,32 +125,6 @@ def remove_store_files(home: Path, store_home: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-@dataclass(frozen=True)
-class Budget:
-    """The daemon-wide tier budgets the open layouts share, and the staging each layout
-    gets (bytes)."""
-
-    device_bytes: int
-    host_bytes: int
-    disk_bytes: int
-    staging_bytes: int  # per layout
-    client_staging_bytes: int  # per connection
-
-    def share(self, n: int) -> "TierLimits":
-        """What each of ``n`` open layouts may use."""
-        n = max(1, n)
-        return TierLimits(self.device_bytes // n, self.host_bytes // n, self.disk_bytes // n)
-
-
-@dataclass(frozen=True)
-class TierLimits:
-    """What one layout's tiers may use now (bytes): its share of the budgets."""
-
-    device_bytes: int
-    host_bytes: int
-    disk_bytes: int
-
-
 @dataclass(eq=False)
 class LayoutEntry:
     """One served layout: its store (a Store, or a ClusterNode around one) and the local
@@ -164,6 +141,9 @@ class LayoutEntry:
     staging: StagingSlots
     over_limit: int = 0  # slots still used above its limits (held when they were lowered)
     creator: int | None = None  # the other uid whose HELLO made it (None: the daemon's own)
+    limits: TierLimits = TierLimits(0, 0, 0)  # its share now (shares.py)
+    # When a connection was last seen bound to it (monotonic; server.py): opening counts.
+    last_bound: float = field(default_factory=time.monotonic)
 
     def close(self) -> None:
         self.store.close()
@@ -188,6 +168,7 @@ class Layouts:
         self._home_lock: HomeLock | None = None
         self._root_used = False
         self._removing: set[str] = set()  # taken out by take(), not dropped yet
+        self._in_use: set[str] = set()  # the layouts whose memory shares are not 0 (shares.py)
 
     # ---- opening -----------------------------------------------------------------------
     def start(self, preset: PageLayout | None = None) -> None:
@@ -208,7 +189,9 @@ class Layouts:
             for home, layout in found:
                 entry = self._add(home, layout, self.budget.share(n))
                 entry.creator = read_creator(home)
+                entry.limits = self.budget.share(n)
                 self._entries[entry.layout_id] = entry
+                self._in_use.add(entry.layout_id)  # until the daemon's loop finds it idle
             if preset is not None:
                 self.open(preset)
         except BaseException:
@@ -247,13 +230,13 @@ class Layouts:
             home = self.home if not self._root_used else self.home / LAYOUTS_DIR / lid
             fresh = home != self.home and not home.exists()  # removed again if the open fails
             log.info("opening a store for layout %s at %s", lid, home)
-            before = self.entries()
-            share = self.budget.share(len(before) + 1)
-            self._check_fits(layout, share)  # before anything is evicted or written (issue 34, items 2-3)
+            before = {e.layout_id: e for e in self.entries()}
+            target = self.budget.plan([*before, lid], self._in_use | {lid})  # it is in use: a HELLO asks
+            check_fits(lid, layout, target[lid])  # before anything is evicted or written (issue 34, items 2-3)
             # The new store opens with limits of 0 (it is new: start() opened every store the
             # home holds, so it holds nothing and touches no memory at 0); only once it and
-            # its staging exist do the open layouts evict down to the new share, and then it
-            # gets its share, so the budgets hold at every moment. Rejected: lowering the
+            # its staging exist do the open layouts evict down to their new shares, and then
+            # it gets its share, so the budgets hold at every moment. Rejected: lowering the
             # open layouts first and raising them back if the open failed (what this
             # replaced): a refused layout had already deleted their disk blocks, 1,472 of
             # 1,760 in issue 34, item 3.
@@ -267,32 +250,49 @@ class Layouts:
                 if creator is not None:  # before anything gives up room: a restart counts it too
                     (home / CREATOR).write_text(str(creator))
                     entry.creator = creator
-                self._set_limits(before, share)
-                self._set_limits([entry], share)
+                self._apply({**before, lid: entry}, target)
             except BaseException:
                 entry.close()
                 (home / CREATOR).unlink(missing_ok=True)
                 raise
+            self._in_use.add(lid)
             self._entries[entry.layout_id] = entry  # served only with its share
             self._root_used = True
             return entry
 
-    @staticmethod
-    def _check_fits(layout: PageLayout, share: TierLimits) -> None:
-        """CapacityError when the share ``layout`` would get holds no page of it (device) or
-        no slot (disk, when there is one): a store that can hold nothing is refused, not built."""
-        if share.device_bytes < layout.page_bytes or 0 < share.disk_bytes < layout.slot_bytes:
-            raise CapacityError(
-                f"a page of layout {layout_id(layout)} is {layout.page_bytes} bytes; its share of the daemon's "
-                f"budgets would be {share.device_bytes} bytes of device tier and {share.disk_bytes} of disk",
-                hint="declare a smaller block_size, or restart the daemon with larger --device-bytes/--disk-bytes")
-
-    def _set_limits(self, entries: list[LayoutEntry], limits: TierLimits) -> None:
-        for e in entries:
+    def _apply(self, entries: dict[str, LayoutEntry], target: dict[str, TierLimits]) -> None:
+        """Give ``entries`` their ``target`` limits, every lowering first (shares.py)."""
+        def set_limits(lid: str, limits: TierLimits) -> None:
+            e = entries[lid]
             e.over_limit = e.local.set_tier_limits(limits.device_bytes, limits.host_bytes, limits.disk_bytes)
+            e.limits = limits
             if e.over_limit:
                 log.warning("layout %s: %d slots stay above its new limits until their leases, reads or pins "
                             "end", e.layout_id, e.over_limit)
+
+        apply_in_order({lid: e.limits for lid, e in entries.items()}, target, set_limits)
+
+    @property
+    def in_use(self) -> frozenset[str]:
+        return frozenset(self._in_use)
+
+    def rebalance(self, in_use: set[str], as_of: float | None = None) -> None:
+        """Share the memory tiers among the layouts ``in_use`` (the daemon's loop, when one
+        turns idle; a HELLO, when an idle one is wanted again); a no-op when that is how
+        they are shared already. Runs in a worker thread (lowering a limit evicts). The
+        loop's set was seen at ``as_of``: a layout a HELLO bound since stays in use (its
+        rebalance may have run first)."""
+        with self._lock:
+            entries = {e.layout_id: e for e in self.entries()}
+            in_use = set(in_use) & set(entries)
+            if as_of is not None:
+                in_use |= {lid for lid, e in entries.items() if e.last_bound >= as_of}
+            if in_use == self._in_use:
+                return
+            log.info("layouts in use: %s (idle: %s)", ", ".join(sorted(in_use)) or "none",
+                     ", ".join(sorted(set(entries) - in_use)) or "none")
+            self._apply(entries, self.budget.plan(entries, in_use))
+            self._in_use = in_use
 
     def retrim(self) -> int:
         """Evict again what stayed above a lowered limit (its holders may be gone); returns
@@ -341,8 +341,9 @@ class Layouts:
                 if entry.home == self.home:  # the next new layout opens at the root
                     self._root_used = False  # (the daemon kept the LOCK: it lent it)
                 remove_store_files(self.home, entry.home)
-                rest = self.entries()
-                self._set_limits(rest, self.budget.share(len(rest)))
+                rest = {e.layout_id: e for e in self.entries()}
+                self._in_use.discard(entry.layout_id)
+                self._apply(rest, self.budget.plan(rest, self._in_use))
             finally:
                 self._removing.discard(entry.layout_id)
 

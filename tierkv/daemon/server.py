@@ -56,7 +56,8 @@ from .connection import Connection
 from .fast_path import FastPath, FastProtocol
 from .gc_pauses import GcPauses, freeze_startup_heap
 from .handlers import Handlers
-from .layouts import Budget, Layouts, TierLimits
+from .layouts import Layouts
+from .shares import Budget, TierLimits
 from .metrics import DaemonMetrics
 from .reload import Reload
 from .remote_keeper import RemoteKeeper
@@ -260,6 +261,20 @@ class Daemon(Serving, RemoteKeeper, Reload):
             await self.handlers.expire_leases()
             if self.layouts is not None and any(e.over_limit for e in self.layouts.entries()):
                 await self.handlers.run(self.layouts.retrim)  # blocks held when a limit was lowered
+            if self.layouts is not None and len(self.layouts) > 1:
+                await self._share_among_layouts_in_use()
+
+    async def _share_among_layouts_in_use(self) -> None:
+        """Give the memory share of a layout no connection used for ``layout_idle_s`` to
+        those in use (shares.py); a HELLO takes it back (Handlers.hello)."""
+        assert self.handlers is not None and self.layouts is not None
+        now = time.monotonic()
+        for c in self.connections.values():
+            if c.entry is not None:
+                c.entry.last_bound = now
+        in_use = {e.layout_id for e in self.layouts.entries() if now - e.last_bound < self.config.layout_idle_s}
+        if in_use and in_use != self.layouts.in_use:
+            await self.handlers.run(self.layouts.rebalance, in_use, now)
 
     def check_integrity(self) -> None:
         """Cross-check the daemon's lease table, every layout's staging table and store, and
