@@ -198,3 +198,26 @@ def test_removing_the_root_layout_through_a_daemon_keeps_the_home_locked(llama_d
     # Both found again (16 too: the fixture's daemon has it as its --layout), 64 at the root.
     assert sorted(r["block_size"] for r in run_json("layouts", *sock)["layouts"]) == [16, 32, 64]
     assert tierkv.home_layout(cfg.home).block_size == 64
+
+
+def test_invalidate_and_gc_of_a_model_through_a_daemon_serving_several_layouts(llama_dir, repo, daemon):
+    """`invalidate --model M --socket S` and `gc --keep-model M --socket S` failed ("holds
+    no tierkv store") when the daemon served several layouts: the model's version was taken
+    under the local default home's layout. It is taken under every layout the daemon
+    serves: the model's blocks under each are found, kept or removed."""
+    start, stop, cfg = daemon
+    start()
+    sock = ("--socket", cfg.socket)
+    run("materialize", repo, "--model", llama_dir, *sock, "--name", "b16", "--no-progress")
+    run("materialize", repo, "--model", llama_dir, *sock, "--name", "b32", "--no-progress", "--block-size", "32",
+        "--new-layout")
+    per = run_json("stats", *sock)["layouts"]
+    blocks = {lid: s["blocks"] for lid, s in per.items()}
+    assert len(blocks) == 2 and all(blocks.values())
+    kept = run_json("gc", "--keep-model", llama_dir, "--dry-run", *sock)
+    assert kept["removed_blocks"] == 0 and len(kept["kept_model_versions"]) == 2
+    dry = run_json("invalidate", "--model", llama_dir, "--dry-run", *sock)
+    assert dry["removed_blocks"] == sum(blocks.values()) and len(dry["model_versions"]) == 2
+    done = run_json("invalidate", "--model", llama_dir, *sock)
+    assert done["removed_blocks"] == sum(blocks.values())
+    assert all(s["blocks"] == 0 for s in run_json("stats", *sock)["layouts"].values())

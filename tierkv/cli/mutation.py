@@ -7,7 +7,7 @@ import click
 
 from ..blocks import Priority
 from .common import emit, fmt_bytes, print_columns, print_table, warn
-from .targets import check_model_version, model_version_of, short, target, target_options
+from .targets import check_model_version, model_versions_of, short, target, target_options
 
 
 # ---- invalidate ------------------------------------------------------------------------
@@ -29,14 +29,16 @@ def invalidate(model_dir: Path | None, model_version: str | None, namespace: str
         raise click.UsageError("pass --model DIR, --model-version HEX or --namespace NS")
     model_version = check_model_version(model_version)
     with target(home, socket_path) as store:
-        if model_dir is not None:
-            model_version = model_version_of(model_dir, home, store)
-        r = store.invalidate(model_version=model_version, namespace=namespace, dry_run=dry_run)
-    out = {"model_version": model_version, "namespace": namespace, "removed_blocks": r.removed_blocks,
-           "freed_bytes": r.freed_bytes, "dry_run": r.dry_run}
-    emit(as_json, out, [("model version", model_version or "(any)"), ("namespace", namespace or "(any)"),
-                        ("blocks to remove" if dry_run else "blocks removed", r.removed_blocks),
-                        ("bytes to free" if dry_run else "bytes freed", fmt_bytes(r.freed_bytes))])
+        # A model directory: its version under each layout served (its blocks may be under any).
+        versions = model_versions_of(model_dir, home, store) if model_dir is not None else [model_version]
+        results = [store.invalidate(model_version=v, namespace=namespace, dry_run=dry_run) for v in versions]
+    removed, freed = sum(r.removed_blocks for r in results), sum(r.freed_bytes for r in results)
+    out = {"model_version": versions[0] if len(versions) == 1 else None, "model_versions": [v for v in versions if v],
+           "namespace": namespace, "removed_blocks": removed, "freed_bytes": freed, "dry_run": dry_run}
+    emit(as_json, out, [("model version", ", ".join(v for v in versions if v) or "(any)"),
+                        ("namespace", namespace or "(any)"),
+                        ("blocks to remove" if dry_run else "blocks removed", removed),
+                        ("bytes to free" if dry_run else "bytes freed", fmt_bytes(freed))])
 
 
 # ---- pin / unpin -----------------------------------------------------------------------
@@ -94,7 +96,7 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
 
     versions = [v for v in (check_model_version(v) for v in keep_versions) if v]
     with target(home, socket_path) as store:
-        versions += [model_version_of(d, home, store) for d in keep_models]
+        versions += [v for d in keep_models for v in model_versions_of(d, home, store)]
         r = collect(store, versions, keep_namespaces, dry_run=dry_run)
     out = {
         "dry_run": dry_run, "removed_blocks": r.removed_blocks, "freed_bytes": r.freed_bytes,
