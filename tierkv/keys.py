@@ -87,9 +87,9 @@ def check_keyring(directory: Path) -> None:
         else:
             fixes.append(f"chmod {'600' if path.name == 'signing.key' else 'go-w'} {path}")
     raise KeyringPermissionError(
-        "refusing the keyring: another user could change which bundles it trusts: "
+        "refusing the keyring: another user could add a trusted key or sign as you: "
         + "; ".join(f"{p} {w}" for p, w in problems),
-        hint="; ".join(fixes) + " (check that every trusted key is one you added: `tierkv keys list`)")
+        hint="; ".join(fixes) + "; then check with `tierkv keys list` that every trusted key is one you added")
 
 
 @dataclass(frozen=True)
