@@ -122,11 +122,15 @@ def home_layout(home: Path, headers: list[tuple[int, Path, SegmentHeader]]) -> t
 
     found = Counter((h.layout.to_json(), h.page_codec) for _, _, h in headers)
     seen = ", ".join(f"{n} segment(s) of {lo} codec {c}" for (lo, c), n in found.most_common()) or "none"
-    recorded = _recorded_meta(home, "layout")
+    raw = _recorded_meta(home, "layout")
+    try:
+        recorded = None if raw is None else PageLayout.from_dict(json.loads(raw))
+    except (ValueError, TypeError, KeyError):  # damage inside the record: no record
+        recorded = None
     codec = _recorded_meta(home, "page_codec") if recorded is not None else None
     by_name = home.name if home.parent.name == LAYOUTS_DIR else None
     if recorded is not None:
-        layout, source = PageLayout.from_dict(json.loads(recorded)), "the index's recorded layout"
+        layout, source = recorded, "the index's recorded layout"
         if by_name is not None and layout_id(layout) != by_name:
             raise LayoutMismatchError(f"{home}: its index records layout {layout_id(layout)} but its directory "
                                       f"is named for {by_name}", hint="move the store to HOME/layouts/"
