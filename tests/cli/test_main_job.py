@@ -125,7 +125,7 @@ def test_generate_shows_the_prefill_progress_on_stderr(llama_dir, repo, tmp_path
 def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
     """Issue #37, item 5: a repeated `materialize --name X` without --pin unpinned X."""
     import tierkv
-    from tierkv.cli.home_stores import store_home
+    from tierkv.home_stores import store_home
     from tierkv.hf import load_model, version_of
     from tierkv.materialize import document_tokens
     from tierkv.store import Priority

@@ -259,7 +259,7 @@ class TwoLayoutTwins(Twins):
 def twins2(llama_dir, monkeypatch, tmp_path):
     """A home holding the model's layout at its root and OTHER under layouts/<id> (made
     here, as a daemon would), and a daemon serving both on a home of its own."""
-    from tierkv.cli.home_stores import store_home
+    from tierkv.home_stores import store_home
     from tierkv.hf import version_of
 
     monkeypatch.delenv("TIERKV_SOCKET", raising=False)

@@ -7,16 +7,22 @@ overwrote other users' manifests, and ``invalidate`` without a namespace removed
 user's blocks."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 
 import torch
+from click.testing import CliRunner
 
 import tierkv
+from tierkv import Priority, Scope, block_keys
+from tierkv.cli import main
 from tierkv.errors import NotFoundError
+from tierkv.cli.common import OPS_STORE_OPTIONS
+from tierkv.home_stores import HomeStores
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt
+from daemon_helpers import LAYOUT, SCOPE, DaemonThread, make_config, pages_for, prompt
 
 OTHER = NOBODY - 1  # an uid the daemon does not admit
 
@@ -229,5 +235,125 @@ def test_a_tenant_maps_only_its_own_memory_and_cannot_spoil_another_s_pages(work
         with tierkv.connect(d.config.socket) as c:
             with c.acquire(mine, SCOPE) as lease:
                 assert lease.num_blocks == 4 and torch.equal(lease.pages(), marker)
+    finally:
+        d.stop()
+
+
+# ---- gc keeps every tenant's named prefixes (issue #34, item 5) ------------------------------
+def _named_manifest(tokens, namespace: str) -> dict:
+    """What materialize saves for a prefix (its keys computed by the client, under the
+    namespace as the client names it)."""
+    keys = block_keys(tokens, Scope(SCOPE.model_version, namespace), LAYOUT.block_size)
+    return {"kind": "prefix", "model_version": SCOPE.model_version, "namespace": namespace, "pinned": True,
+            "last_block_key": keys[-1].hex(), "blocks": len(keys), "tokens": len(tokens), "layout": LAYOUT.to_dict()}
+
+
+NAMED, JUNK, LEGACY = prompt(64, seed=21), prompt(32, seed=22), prompt(32, seed=23)  # 4, 2 and 2 blocks
+
+
+def _tenants_store_prefixes(sock) -> dict:
+    """The daemon's own uid (a tenant too: uid0/) and uid 65534 each store a pinned named
+    prefix in "default" and unnamed blocks in "scratch"; 65534 also 2 blocks in "older"."""
+    with tierkv.connect(sock) as c:
+        c.put(NAMED, pages_for(4, 1), Scope(SCOPE.model_version, "default"), priority=Priority.PINNED)
+        c.save_manifest("docs", _named_manifest(NAMED, "default"))
+        c.put(JUNK, pages_for(2, 2), Scope(SCOPE.model_version, "scratch"))
+        c.get_manifest("docs"), c.list_manifests(), c.lookup(NAMED, SCOPE)
+
+    def tenant() -> dict:
+        with tierkv.connect(sock) as t:
+            t.put(NAMED, pages_for(4, 3), Scope(SCOPE.model_version, "default"), priority=Priority.PINNED)
+            t.save_manifest("docs", _named_manifest(NAMED, "default"))
+            t.put(JUNK, pages_for(2, 4), Scope(SCOPE.model_version, "scratch"))
+            t.put(LEGACY, pages_for(2, 5), Scope(SCOPE.model_version, "older"))
+            out = {"namespace_seen": t.get_manifest("docs")["namespace"]}
+            try:
+                t.gc(dry_run=True)
+                out["gc"] = "ran"
+            except tierkv.TierKVError as e:
+                out["gc"] = type(e).__name__
+        return out
+
+    got = run_as(NOBODY, tenant)
+    assert "ok" in got, got
+    return got["ok"]
+
+
+def _served_to_tenant(sock) -> dict:
+    def tenant() -> dict:
+        with tierkv.connect(sock) as t:
+            return {"named": t.lookup(NAMED, Scope(SCOPE.model_version, "default")).tokens_matched,
+                    "junk": t.lookup(JUNK, Scope(SCOPE.model_version, "scratch")).tokens_matched,
+                    "legacy": t.lookup(LEGACY, Scope(SCOPE.model_version, "older")).tokens_matched,
+                    "manifests": sorted(t.list_manifests())}
+
+    got = run_as(NOBODY, tenant)
+    assert "ok" in got, got
+    return got["ok"]
+
+
+def test_gc_home_keeps_every_tenant_s_named_prefix(workdir):
+    """`gc --home` removed uid 65534's pinned named prefix and deleted its manifest: the
+    manifest said `default`, its blocks lived under `uid65534/default`."""
+    need_root()
+    os.chmod(workdir, 0o711)
+    cfg = make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,))
+    d = DaemonThread(cfg).start()
+    try:
+        seen = _tenants_store_prefixes(cfg.socket)
+        assert seen["namespace_seen"] == "default"  # the tenant sees its namespace as it named it
+    finally:
+        d.stop()
+    # A manifest saved before the daemon recorded the effective namespace (as sent: "older"),
+    # but naming a stored chain: the chain says where its blocks are.
+    legacy_key = block_keys(LEGACY, Scope(SCOPE.model_version, f"uid{NOBODY}/older"), LAYOUT.block_size)[-1]
+    with HomeStores.open(cfg.home, **OPS_STORE_OPTIONS) as h:
+        h.save_manifest(f"uid{NOBODY}:legacy", {"model_version": SCOPE.model_version, "namespace": "older",
+                                                "last_block_key": legacy_key.hex()})
+    r = CliRunner().invoke(main, ["gc", "--home", str(cfg.home), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["removed_blocks"] == 4 and out["deleted_manifests"] == []  # both uids' scratch, nothing named
+    kept = {k["name"]: k["namespace"] for k in out["kept_prefixes"]}
+    assert kept == {"uid0:docs": "uid0/default", f"uid{NOBODY}:docs": f"uid{NOBODY}/default",
+                    f"uid{NOBODY}:legacy": f"uid{NOBODY}/older"}
+    assert next(k["blocks"] for k in out["kept_prefixes"] if k["name"].endswith(":legacy")) == 2
+    human = CliRunner().invoke(main, ["gc", "--home", str(cfg.home), "--dry-run"])
+    assert human.exit_code == 0 and f"uid{NOBODY}:docs" in human.output and "prefixes kept" in human.output
+    d = DaemonThread(cfg).start()
+    try:
+        assert _served_to_tenant(cfg.socket) == {"named": 64, "junk": 0, "legacy": 32, "manifests": ["docs", "legacy"]}
+        with tierkv.connect(cfg.socket) as c:
+            assert c.lookup(NAMED, Scope(SCOPE.model_version, "default")).tokens_matched == 64
+        d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()
+    with HomeStores.open(cfg.home, **OPS_STORE_OPTIONS) as h:  # the daemon records where the blocks are
+        assert h.get_manifest(f"uid{NOBODY}:docs")["namespace"] == f"uid{NOBODY}/default"
+
+
+def test_gc_socket_keeps_every_tenant_s_named_prefix_and_is_the_daemon_user_s(workdir):
+    """`gc --socket` from the daemon's own uid removed nothing and said nothing (its
+    connection saw only its own tenant's namespaces, and no model version). Now the daemon
+    runs it over every store: the same rule and result as `gc --home`; a tenant may not."""
+    need_root()
+    os.chmod(workdir, 0o711)
+    cfg = make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,))
+    d = DaemonThread(cfg).start()
+    try:
+        seen = _tenants_store_prefixes(cfg.socket)
+        assert seen["gc"] == "NotPermittedError"  # another tenant's blocks are not a tenant's to remove
+        r = CliRunner().invoke(main, ["gc", "--socket", str(cfg.socket), "--json"])
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["removed_blocks"] == 6 and out["deleted_manifests"] == []  # scratch of both, 65534's older
+        assert {(x["namespace"], x["blocks"]) for x in out["removed"]} == {
+            ("uid0/scratch", 2), (f"uid{NOBODY}/scratch", 2), (f"uid{NOBODY}/older", 2)}
+        kept = {k["name"]: k["namespace"] for k in out["kept_prefixes"]}
+        assert kept == {"uid0:docs": "uid0/default", f"uid{NOBODY}:docs": f"uid{NOBODY}/default"}
+        human = CliRunner().invoke(main, ["gc", "--socket", str(cfg.socket), "--dry-run"])
+        assert human.exit_code == 0 and f"uid{NOBODY}:docs" in human.output, human.output
+        assert _served_to_tenant(cfg.socket) == {"named": 64, "junk": 0, "legacy": 0, "manifests": ["docs"]}
+        d.call(d.daemon.check_integrity)
     finally:
         d.stop()

@@ -25,7 +25,7 @@ def _layout_of_prefix(store: "StoreAPI", name: str, socket_path: Path | None) ->
     the layout its manifest names (a client of the daemon declaring that layout)."""
     from ..layout import PageLayout
     from .common import connect_daemon
-    from .home_stores import HomeStores
+    from ..home_stores import HomeStores
 
     if store.layout is not None:
         yield store

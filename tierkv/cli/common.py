@@ -112,7 +112,7 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     tierkv/cli/layouts.py."""
     import tierkv
 
-    from .home_stores import store_home
+    from ..home_stores import store_home
 
     require_layout(home, socket_path, layout, new_layout)
     if socket_path is not None:
@@ -165,12 +165,12 @@ OPS_STORE_OPTIONS: dict[str, Any] = {"device": "cpu", "host_bytes": 0}
 
 def open_target(home: Path, socket_path: Path | None, **options: Any) -> "StoreAPI":
     """Every store of ``home`` (each page layout it holds, opened here as one target:
-    :class:`~tierkv.cli.home_stores.HomeStores`), or, with ``socket_path``, a client of the
+    :class:`~tierkv.home_stores.HomeStores`), or, with ``socket_path``, a client of the
     daemon serving it; both answer the same across layouts. ``options`` are StoreConfig
     fields for a home opened here. Raises NotFoundError for a home without a store,
     DaemonOwnsHomeError when a daemon holds the home, DaemonUnavailableError when the
     daemon cannot be reached."""
-    from .home_stores import HomeStores
+    from ..home_stores import HomeStores
 
     if socket_path is not None:
         return connect_daemon(socket_path)

@@ -91,20 +91,21 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
 
     A block is kept when its (model version, namespace) is a named prefix's, or its model
     version or namespace is given with --keep-*. Everything else goes, so pass
-    --keep-model for the model you serve."""
+    --keep-model for the model you serve. Every named prefix kept is listed. With --socket
+    the daemon runs it over every store it serves (every tenant's prefixes are kept; under
+    namespace_per_uid only the daemon's user may run it)."""
     from ..gc import collect
 
     versions = [v for v in (check_model_version(v) for v in keep_versions) if v]
     with target(home, socket_path) as store:
         versions += [v for d in keep_models for v in model_versions_of(d, home, store)]
-        r = collect(store, versions, keep_namespaces, dry_run=dry_run)
-    out = {
-        "dry_run": dry_run, "removed_blocks": r.removed_blocks, "freed_bytes": r.freed_bytes,
-        "removed": [{"model_version": x.model_version, "namespace": x.namespace, "blocks": x.blocks,
-                     "freed_bytes": x.freed_bytes} for x in r.removed],
-        "deleted_manifests": list(r.deleted_manifests), "kept_model_versions": sorted(set(versions)),
-        "kept_namespaces": sorted(keep_namespaces), "kept_scopes": [list(s) for s in r.kept_scopes],
-    }
+        if socket_path is not None:
+            # In the daemon, not here: a connection sees only its own tenant's manifests and
+            # namespaces, so gc through it kept and removed nothing (issue #34, item 5).
+            r = store.gc(versions, keep_namespaces, dry_run=dry_run)  # type: ignore[attr-defined]
+        else:
+            r = collect(store, versions, keep_namespaces, dry_run=dry_run)
+    out = {**r.as_dict(), "kept_model_versions": sorted(set(versions)), "kept_namespaces": sorted(keep_namespaces)}
     if as_json:
         emit(True, out)
         return
@@ -113,6 +114,11 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
                       [[short(x.model_version), x.namespace or "(all)", x.blocks, fmt_bytes(x.freed_bytes)]
                        for x in r.removed])
         click.echo("")
+    if r.kept:
+        print_columns(["prefix kept", "model version", "namespace", "blocks stored"],
+                      [[k.name, short(k.model_version), k.namespace, k.blocks] for k in r.kept])
+        click.echo("")
     print_table([("blocks to remove" if dry_run else "blocks removed", r.removed_blocks),
                  ("bytes to free" if dry_run else "bytes freed", fmt_bytes(r.freed_bytes)),
+                 ("prefixes kept", len(r.kept)),
                  (f"prefixes {'to delete' if dry_run else 'deleted'}", ", ".join(r.deleted_manifests) or "none")])

@@ -37,6 +37,7 @@ from ..blocks import Priority
 from ..errors import (
     CapacityError, ConfigError, DaemonUnavailableError, LeaseError, NotPermittedError, ProtocolError,
 )
+from ..gc import GcResult
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import (
@@ -316,6 +317,17 @@ class Client(StoreAPI, ClientTransport):
                    dry_run: bool = False) -> InvalidateResult:
         r = self._call(Op.INVALIDATE, m.Invalidate(model_version, namespace, dry_run))
         return InvalidateResult(int(r["removed_blocks"]), int(r["freed_bytes"]), bool(r["dry_run"]))
+
+    def gc(self, keep_model_versions: Sequence[str] = (), keep_namespaces: Sequence[str] = (),
+           dry_run: bool = False) -> GcResult:
+        """``tierkv.gc.collect`` run by the daemon over every store it serves (GC): every
+        tenant's named prefixes are kept. NotPermittedError for a tenant under
+        ``namespace_per_uid``."""
+        f = self._call_frame(Op.GC, m.Gc(tuple(keep_model_versions), tuple(keep_namespaces), dry_run))
+        try:
+            return GcResult.from_dict(json.loads(f.payload))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProtocolError(f"gc reply is malformed: {e}") from None
 
     def verify(self, repair: bool = False) -> VerifyResult:
         r = self._call(Op.VERIFY, m.Verify(repair))

@@ -99,7 +99,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
             Op.CHECK_INTEGRITY: (m.Empty, self.check_integrity),
             Op.CHAIN_TOKENS: (m.ChainRef, self.chain_tokens), Op.CHAIN_RESIDENCY: (m.ChainRef, self.chain_residency),
             Op.SET_PRIORITY_FROM: (m.ChainRef, self.set_priority_from),
-            Op.REMOVE_LAYOUT: (m.LayoutRef, self.remove_layout),
+            Op.REMOVE_LAYOUT: (m.LayoutRef, self.remove_layout), Op.GC: (m.Gc, self.gc),
         }
         # opcode -> the handler's synchronous form, tried first as the request is read: the
         # reply, or None when it must wait (then the handler above runs in a task).

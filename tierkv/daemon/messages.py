@@ -5,8 +5,6 @@ checks and shared wire forms are in fields.py.
 """
 from __future__ import annotations
 
-import functools
-import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -15,8 +13,8 @@ import numpy as np
 from ..errors import ProtocolError
 from ..identity import KEY_BYTES, Scope
 from ..layout import PageLayout
-from .fields import (MAX_LIST, MAX_PAGE_BYTES, MIN_PAGE_BYTES, MAX_STR, Header, _get, _int, _ints, extra_from_wire,
-                     extra_to_wire, tokens_from, tokens_payload)
+from .fields import (MAX_LIST, MAX_PAGE_BYTES, MIN_PAGE_BYTES, MAX_STR, Header, _get, _int, _ints,
+                     _strs, extra_from_wire, extra_to_wire, split_keys, tokens_from, tokens_payload)
 from .protocol import MAX_TOKENS
 
 
@@ -257,6 +255,23 @@ class Invalidate:
 
 
 @dataclass(frozen=True)
+class Gc:
+    """GC: tierkv.gc's rule, run by the daemon over every store it serves."""
+
+    keep_model_versions: tuple[str, ...] = ()
+    keep_namespaces: tuple[str, ...] = ()
+    dry_run: bool = False
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"keep_model_versions": list(self.keep_model_versions), "keep_namespaces": list(self.keep_namespaces),
+                "dry_run": self.dry_run}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Gc":
+        return cls(_strs(h, "keep_model_versions"), _strs(h, "keep_namespaces"), _get(h, "dry_run", bool, False))
+
+
+@dataclass(frozen=True)
 class Verify:
     repair: bool = False
 
@@ -324,23 +339,6 @@ class Reply:
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "Reply":
         return cls(h)
-
-
-SPLIT_STRUCT_MAX = 4096  # keys split by one cached struct up to this many (a reply of a long prompt)
-
-
-@functools.lru_cache(maxsize=32)
-def _keys_struct(n: int) -> struct.Struct:
-    return struct.Struct(f"{KEY_BYTES}s" * n)
-
-
-def split_keys(payload: bytes, n: int) -> tuple[bytes, ...]:
-    """The first ``n`` keys of ``payload`` (``KEY_BYTES`` each), as bytes: one struct unpack
-    for a reply of up to SPLIT_STRUCT_MAX keys (a fifth of the cost of slicing them in
-    Python, paid on every acquire a client makes)."""
-    if n <= SPLIT_STRUCT_MAX:
-        return _keys_struct(n).unpack_from(payload)
-    return tuple([payload[i : i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)])
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,14 @@ sees only its own:
 
 * block requests (lookup, acquire, put, prefetch, priority) key under its namespaces, so it
   can neither hit nor probe another tenant's blocks;
-* manifests: save, get, list and delete see only its names;
+* manifests: save, get, list and delete see only its names; a manifest's namespace is stored
+  as the effective one (where its blocks are) and shown without the prefix;
 * ``stats`` lists only its namespaces (and no per-model-version counts, which would show
   which models other tenants serve); tier occupancy stays global;
 * ``invalidate`` without a namespace removes only its blocks;
 * ``verify`` (a full read of every disk page, with repair a quarantine across tenants)
-  is the daemon's own uid's.
+  and ``gc`` (which removes blocks of every tenant no named prefix keeps) are the daemon's
+  own uid's.
 
 Without ``namespace_per_uid`` the admitted peers share one store and nothing is rewritten.
 """
@@ -61,6 +63,16 @@ class Tenancy:
     def visible_manifests(self, uid: int, manifests: dict[str, dict]) -> dict[str, dict]:
         prefix = self.manifest_prefix(uid)
         return {k[len(prefix):]: v for k, v in manifests.items() if k.startswith(prefix)}
+
+    def stored_manifest(self, uid: int, manifest: dict) -> dict:
+        """A manifest as the daemon stores it: its namespace the effective one, where the
+        tenant's blocks live (issue #34, item 5: kept as sent, ``gc --home`` looked for the
+        blocks under ``default`` and removed the tenant's pinned prefix). The inverse of
+        :meth:`visible_manifest`."""
+        ns = manifest.get("namespace")
+        if self.per_uid and isinstance(ns, str):
+            return {**manifest, "namespace": self.namespace(uid, ns)}
+        return manifest
 
     def visible_manifest(self, uid: int, manifest: dict) -> dict:
         """A manifest as its owner sees it: its namespace without the tenant prefix."""

@@ -9,6 +9,10 @@ get with ``--home``, so that they reach every page layout of a home a daemon mad
 daemon's shape (sums, with ``layouts``: each store's own figures). Like a daemon client
 that declared no layout, it stores and reads pages only when the home holds one layout.
 
+The daemon builds one over the stores it serves to run ``tierkv gc`` (GC; tierkv/gc.py) where
+every tenant's blocks and manifests are, so ``gc --socket`` runs the very rule of ``gc
+--home`` on the same view (issue #34, item 5).
+
 Rejected: a command looping over the stores itself (each command would re-implement the
 daemon's rules, and ``--home`` and ``--socket`` would drift apart again); opening only the
 layout a command names (stats, ls, gc and verify name none).
@@ -22,19 +26,19 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..api import StoreAPI
-from ..blocks import Priority
-from ..daemon.layout_stats import merge_stats
-from ..daemon.layouts import LAYOUTS_DIR, find_layouts, layout_id, remove_store_files
-from ..errors import ConfigError, NotFoundError
-from ..home import HomeLock
-from ..identity import Scope
-from ..layout import PageLayout
-from ..results import (
+from .api import StoreAPI
+from .blocks import Priority
+from .daemon.layout_stats import merge_stats
+from .daemon.layouts import LAYOUTS_DIR, find_layouts, layout_id, remove_store_files
+from .errors import ConfigError, NotFoundError
+from .home import HomeLock
+from .identity import Scope
+from .layout import PageLayout
+from .results import (
     ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, RemoveLayoutResult, Residency, StoreStats, VerifyResult,
     namespace_page,
 )
-from ..store import Store
+from .store import Store
 
 
 def store_home(home: Path, layout: PageLayout) -> Path:
@@ -245,6 +249,6 @@ class HomeStores(StoreAPI):
 
 
 def _config(home: Path, layout: PageLayout, options: dict[str, Any]) -> Any:
-    from ..config import StoreConfig
+    from .config import StoreConfig
 
     return StoreConfig(home=home, layout=layout, **options)
