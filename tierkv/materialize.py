@@ -97,9 +97,13 @@ class MaterializeResult:
 
 
 def build_manifest(lm: LoadedModel, prefix: PrefixTokens, roots: Sequence[str | os.PathLike[str]],
-                   options: DocumentOptions, max_tokens: int | None, pin: bool, namespace: str = "default") -> dict:
-    """The manifest of a materialised prefix (see the module docstring for why no token ids)."""
-    keys = block_keys(prefix.tokens, lm.scope(namespace), lm.layout.block_size)
+                   options: DocumentOptions, max_tokens: int | None, pin: bool, namespace: str = "default",
+                   keys: list[bytes] | None = None) -> dict:
+    """The manifest of a materialised prefix (see the module docstring for why no token ids);
+    ``keys``: the blocks' keys as the store keeps them (StoreAPI.block_keys; default: the
+    scope's own)."""
+    if keys is None:
+        keys = block_keys(prefix.tokens, lm.scope(namespace), lm.layout.block_size)
     return {
         "kind": MANIFEST_KIND,
         "format": MANIFEST_FORMAT,
@@ -167,7 +171,8 @@ def materialize(
         store.set_priority(prefix.tokens, scope, priority)
     manifest = None
     if name is not None:
-        manifest = build_manifest(lm, prefix, paths, options, max_tokens, pin, namespace)
+        manifest = build_manifest(lm, prefix, paths, options, max_tokens, pin, namespace,
+                                  keys=store.block_keys(prefix.tokens, scope))
         if previous and all(previous.get(k) == manifest[k] for k in ("tokens_sha256", "model_version", "namespace")):
             manifest["created_at"] = previous.get("created_at", manifest["created_at"])  # the same prefix
         store.save_manifest(name, manifest)

@@ -100,15 +100,16 @@ def export_prefix(store: "StoreAPI", name: str, path: Path, signer: Signer | Non
     tokens, mv, ns = store.chain_tokens(last)
     layout: PageLayout = store.layout
     scope = Scope(mv, ns, tuple(manifest.get("extra_keys", ())))
-    keys = block_keys(tokens, scope, layout.block_size)
+    keys = store.block_keys(tokens, scope)  # as stored (a tenant's namespaces are the daemon's)
     if not keys or keys[-1] != last:
         raise NotFoundError(
             f"prefix {name!r} is not fully stored (a block before its last one is gone)",
             hint=f"run `tierkv materialize ... --name {name}` again, then export",
         )
     n = len(keys)
+    portable = block_keys(tokens, scope, layout.block_size)[-1].hex()  # of the scope the bundle names
     header = BundleHeader(
-        layout=layout, model_version=mv, namespace=ns, tokens=len(tokens), blocks=n, last_block_key=last_hex,
+        layout=layout, model_version=mv, namespace=ns, tokens=len(tokens), blocks=n, last_block_key=portable,
         tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest(), name=name, manifest=manifest,
         extra_keys=scope.extra_keys,
         created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -219,12 +220,15 @@ def import_bundle(store: "StoreAPI", path: Path, *, name: str | None = None, for
     check_name(name)  # before anything is stored ('/' gave a traceback after the pages)
     check_trust(verified, trust)
     replaced = False
+    # The chain's last key as this store keeps it (a tenant's namespaces are the daemon's);
+    # the bundle's is of the scope it names.
+    stored_last = store.block_keys(verified.tokens, header.scope)[-1].hex()
     try:
         existing = store.get_manifest(name)
     except NotFoundError:
         existing = None
     if existing is not None:
-        if existing.get("last_block_key") != header.last_block_key and not force:
+        if existing.get("last_block_key") != stored_last and not force:
             raise BundleError(f"a different prefix is already named {name!r}",
                               hint="pass --name NEW, or --force to replace it")
         replaced = True
@@ -242,14 +246,14 @@ def import_bundle(store: "StoreAPI", path: Path, *, name: str | None = None, for
             stored += res.stored
             skipped += res.skipped
     warnings: list[str] = []
-    resident = store.chain_residency(bytes.fromhex(header.last_block_key))
+    resident = store.chain_residency(bytes.fromhex(stored_last))
     durable = resident.blocks == header.blocks and resident.disk == header.blocks
     if not durable:
         warnings.append(f"only {resident.disk} of {header.blocks} blocks are on the disk tier")
     # The manifest goes last: it must never name blocks that were not stored.
     manifest = dict(header.manifest)
     manifest.update(
-        last_block_key=header.last_block_key, model_version=header.model_version, namespace=header.namespace,
+        last_block_key=stored_last, model_version=header.model_version, namespace=header.namespace,
         pinned=pinned,
         imported={"from": str(Path(path).resolve()), "name": header.name, "created_at": header.created_at},
     )

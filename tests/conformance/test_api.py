@@ -143,6 +143,9 @@ def test_chain_tokens_and_residency(api):
     assert res.blocks == 5 and res.disk == 5 and res.device + res.host >= 1
     assert api.chain_residency(keys[2]).blocks == 3
     assert api.chain_residency(b"\x01" * 32) == Residency()
+    # The keys the store keeps the chain under (here, with no namespace rewriting: the
+    # scope's own), whole or the first n.
+    assert api.block_keys(t, SCOPE) == keys and api.block_keys(t, SCOPE, 2) == keys[:2]
 
 
 def test_manifests(api):

@@ -209,6 +209,10 @@ class ClusterNode(StoreAPI):
     def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
         return self.store.set_priority_from(last_key, priority)
 
+    def block_keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, n_blocks: int | None = None,
+                   block_extra: Sequence[Sequence[str | bytes]] | None = None) -> list[bytes]:
+        return self.store.block_keys(tokens, scope, n_blocks, block_extra)
+
     def chain_tokens(self, last_key: bytes) -> ChainTokens:
         return self.store.chain_tokens(last_key)
 

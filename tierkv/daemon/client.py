@@ -49,7 +49,7 @@ from . import messages as m
 from .client_transport import ClientTransport, Waiter, daemon_gone
 from .protocol import VERSION, Op, close_fds
 from .security import check_listener
-from .remote_lease import RemoteLease, cuda_pool, pool_view
+from .remote_lease import RemoteLease, map_pools
 
 
 class Client(StoreAPI, ClientTransport):
@@ -112,6 +112,7 @@ class Client(StoreAPI, ClientTransport):
         self.daemon_pid = int(hello["daemon_pid"])
         self.lease_timeout_s = float(hello["lease_timeout_s"])
         self.layouts = tuple(str(x) for x in hello.get("layouts", ()))  # the daemon's, at connect
+        self.namespace_prefix = str(hello.get("namespace_prefix") or "")  # namespace_per_uid: "uid<N>/"
         self.layout: PageLayout | None = None
         self.device_pool = self.host_pool = self.staging_pool = None  # type: ignore[assignment]
         self.stage_quota = 0
@@ -119,27 +120,7 @@ class Client(StoreAPI, ClientTransport):
             return  # no layout declared, and the daemon serves none or several: operations only
         self.layout = PageLayout.from_dict(hello["layout"])
         self.stage_quota = int(hello["stage_quota"])
-        regions = {}
-        for name in ("device", "host", "staging"):
-            info = hello.get(name)
-            if info:
-                # Map the descriptor the daemon sent with the reply, never a path it names:
-                # a fake listener could name any file this client may write.
-                k = info.get("fd")
-                if not isinstance(k, int) or not 0 <= k < len(fds) or fds[k] < 0:
-                    raise ProtocolError(f"the daemon sent no descriptor for its {name} region")
-                fd, fds[k] = fds[k], -1
-                r = SharedRegion.attach_fd(fd, int(info["nbytes"]), name)
-                self._regions.append(r)
-                regions[name] = pool_view(r, self.layout, int(info["slots"]), int(info["stride_bytes"]))
-        if "device" in regions:
-            self.device_pool = regions["device"]
-        elif hello.get("device_ipc"):
-            self.device_pool = cuda_pool(hello["device_ipc"], self.layout)
-        else:
-            raise ProtocolError("the daemon shares no device pool this client can map")
-        self.host_pool = regions.get("host")
-        self.staging_pool = regions["staging"]
+        self._regions, self.device_pool, self.host_pool, self.staging_pool = map_pools(hello, fds, self.layout)
 
     def _need_layout(self) -> PageLayout:
         if self.layout is None:
@@ -205,6 +186,17 @@ class Client(StoreAPI, ClientTransport):
         """Restart the lease's idle timeout."""
         self._call(Op.RENEW, m.LeaseRef(lease.lease_id))
         lease.renewed_at = time.monotonic()
+
+    def block_keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, n_blocks: int | None = None,
+                   block_extra: Sequence[Sequence[str | bytes]] | None = None) -> list[bytes]:
+        """The keys the daemon keeps these blocks under: under ``namespace_per_uid`` it puts
+        this peer's prefix (HELLO) before the namespace, so keys of the namespace as sent
+        named nothing (a tenant's named prefix could not be pinned, exported or listed)."""
+        if self.layout is None:
+            raise ConfigError("block keys need a page layout", hint="connect with layout=...")
+        if self.namespace_prefix:
+            scope = Scope(scope.model_version, self.namespace_prefix + scope.namespace, scope.extra_keys)
+        return super().block_keys(tokens, scope, n_blocks, block_extra)
 
     def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
             start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,

@@ -175,6 +175,9 @@ class Handlers(LeaseHandlers, OperationHandlers):
             "protocol": VERSION, "daemon_pid": os.getpid(), "lease_timeout_s": self.leases.timeout_s,
             "idle_timeout_s": self.config.quotas.idle_timeout_s,
             "namespace_per_uid": self.config.namespace_per_uid, "layouts": [e.layout_id for e in self.layouts.entries()],
+            # What the daemon puts before this peer's namespaces (from SO_PEERCRED): the
+            # client keys its manifests' chains as stored (Client.block_keys).
+            "namespace_prefix": self.tenancy.namespace_prefix(conn.creds.uid),
             "layout": None,
         }
         fds: list[int] = []
