@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import torch
 
 from ..blocks import Priority
-from ..errors import CapacityError, ConfigError, ProtocolError
+from ..errors import CapacityError, ConfigError, ProtocolError, StagingExpiredError
 from ..identity import Scope
 from . import messages as m
 from .config import shown
@@ -225,7 +225,11 @@ class Handlers(LeaseHandlers, OperationHandlers):
         entry = self.entry(conn)
         staging, staging_pool = self.staging_of(conn)
         if not staging.owns(conn.id, msg.slots):
+            if staging.expired(conn.id, msg.slots):
+                raise StagingExpiredError(f"staging slots of this commit were held over staging_timeout_s = "
+                                          f"{self.config.staging_timeout_s:g} s and were taken back; nothing stored")
             raise ProtocolError("commit names staging slots this connection does not hold")
+        staging.begin_commit(conn.id, msg.slots)  # no longer expire: this commit copies them
         if msg.priority == Priority.PINNED:
             try:
                 await self._check_pinned(conn, entry.store, self.namespace_for(conn, msg.scope.namespace), len(msg.slots))
@@ -242,6 +246,17 @@ class Handlers(LeaseHandlers, OperationHandlers):
         finally:
             staging.free(conn.id, msg.slots)
         return {"stored": r.stored, "skipped": r.skipped, "durable": r.durable}, b""
+
+    def expire_staging(self, tenant_staging: list[Any]) -> int:
+        """Take back staging slots held over ``staging_timeout_s`` (leases.py, StagingSlots):
+        the shared regions' and ``tenant_staging``, the tenants' own. Returns how many."""
+        timeout, n = self.config.staging_timeout_s, 0
+        for staging in [e.staging for e in self.layouts.entries()] + tenant_staging:
+            for conn_id, slots in staging.take_expired(timeout).items():
+                n += len(slots)
+                log.warning("connection %d held %d staging slots over %.0f s without commit; taken back",
+                            conn_id, len(slots), timeout)
+        return n
 
     async def prefetch(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
         fut = await self.run(self.entry(conn).store.prefetch, msg.tokens, self.scope(conn, msg.scope), msg.block_extra)

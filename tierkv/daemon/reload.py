@@ -38,7 +38,8 @@ class Reload:
             if getattr(new, name) != getattr(old, name):
                 log.warning("SIGHUP: %s changed (%s -> %s); it applies when the daemon restarts",
                             name, getattr(old, name), getattr(new, name))
-        self.config = replace(old, lease_timeout_s=new.lease_timeout_s, client_staging_bytes=new.client_staging_bytes,
+        self.config = replace(old, lease_timeout_s=new.lease_timeout_s, staging_timeout_s=new.staging_timeout_s,
+                              client_staging_bytes=new.client_staging_bytes,
                               allowed_uids=new.allowed_uids, max_connections=new.max_connections,
                               max_inflight=new.max_inflight)
         if self.handlers is not None:

@@ -256,8 +256,9 @@ class Daemon(Serving, RemoteKeeper, Reload):
     async def _sweep_leases(self) -> None:
         assert self.handlers is not None
         while True:
-            await asyncio.sleep(min(1.0, self.handlers.leases.timeout_s / 4))
+            await asyncio.sleep(min(1.0, self.handlers.leases.timeout_s / 4, self.config.staging_timeout_s / 4))
             await self.handlers.expire_leases()
+            self.handlers.expire_staging([c.tenant.staging for c in self.connections.values() if c.tenant is not None])
             if self.layouts is not None and any(e.over_limit for e in self.layouts.entries()):
                 await self.handlers.run(self.layouts.retrim)  # blocks held when a limit was lowered
 

@@ -110,9 +110,12 @@ class Serving:
         return idle is None or time.monotonic() - conn.fast_at >= idle
 
     def _holds_nothing(self, conn: Connection) -> bool:
+        """No request in flight, reply unsent or lease held. Staging slots do not count
+        (issue #34, item 10: two silent connections holding staging kept it forever):
+        a client between STAGE and COMMIT is busy writing pages, not silent for the idle
+        timeout, and its slots expire anyway (staging_timeout_s)."""
         assert self.handlers is not None
-        return (conn.holds_nothing() and self.handlers.leases.count(conn.id) == 0
-                and not any(e.staging.held_by([conn.id]) for e in self.handlers.layouts.entries()))
+        return conn.holds_nothing() and self.handlers.leases.count(conn.id) == 0
 
     async def _serve_connection(self, conn: Connection, reader: asyncio.StreamReader) -> None:
         q = self.config.quotas
