@@ -17,6 +17,8 @@ puts publish by the policy), sets ``MC_TCP_BIND_ADDRESS`` before any Mooncake cl
 exists, and connects the remote tier from a keeper thread: a master that is absent or
 fails never stops the daemon, which serves locally meanwhile (docs/cluster.md; remote_keeper.py).
 
+Accepting: gate.py reads the listening socket; a peer whose uid is not admitted is refused
+there with one cheap close (no task, nothing read), refusals logged at most once per 10 s.
 Per connection: frames are read in order; each request runs as its own task (at most
 ``max_inflight`` per connection) and replies carry the request id, so a slow put does not
 hold up a lookup. Two kinds are served as they are read, without a task: a one-way
@@ -54,6 +56,7 @@ from . import security
 from .config import DaemonConfig
 from .connection import Connection
 from .fast_path import FastPath, FastProtocol
+from .gate import Gate, admit_with
 from .gc_pauses import GcPauses, freeze_startup_heap
 from .handlers import Handlers
 from .layouts import Budget, Layouts, TierLimits
@@ -81,6 +84,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
         self._reload = reload
         self._install_signals = install_signals
         self._ids = itertools.count(1)
+        self._uid = os.getuid()
         self.connections: dict[int, Connection] = {}
         self.ready = threading.Event()
         self.metrics_port: int | None = None
@@ -89,6 +93,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
         self.layouts: Layouts | None = None
         self.handlers: Handlers | None = None
         self.metrics: DaemonMetrics | None = None
+        self.gate: Gate | None = None
 
     # ---- opening and closing -----------------------------------------------------------
     @property
@@ -176,7 +181,13 @@ class Daemon(Serving, RemoteKeeper, Reload):
     def _daemon_stats(self) -> dict[str, Any]:
         d = self.handlers.daemon_stats() if self.handlers else {}
         d["connections"] = len(self.connections)
+        d["refused_peers"] = self.gate.refused if self.gate is not None else 0
         return d
+
+    def _admitted(self, uid: int) -> bool:
+        """The gate's test: the daemon's own uid or one of ``allowed_uids`` (read live:
+        SIGHUP changes it)."""
+        return uid == self._uid or uid in self.config.allowed_uids
 
     def run(self) -> None:
         """Open, serve until stopped, close. Blocks; call from the main thread to get
@@ -209,7 +220,12 @@ class Daemon(Serving, RemoteKeeper, Reload):
         def connection() -> FastProtocol:  # = asyncio.start_unix_server's, with the fast path
             return FastProtocol(asyncio.StreamReader(loop=loop), self._on_connect, loop, fast)
 
-        server = await loop.create_unix_server(connection, sock=sock)
+        # Accepting is the gate's (gate.py): a peer not admitted costs one cheap close.
+        setting_up: set[asyncio.Task] = set()
+        refusals = self.metrics.rejected.labels("uid") if self.metrics else None
+        gate = self.gate = Gate(sock, loop, self._admitted, admit_with(loop, connection, setting_up),
+                                on_refuse=refusals.inc if refusals is not None else None)
+        gate.start()
         if self._install_signals:
             self._loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             self._loop.add_signal_handler(signal.SIGINT, self._stop.set)
@@ -225,10 +241,11 @@ class Daemon(Serving, RemoteKeeper, Reload):
             await self._stop.wait()
         finally:
             log.info("stopping: finishing in-flight requests")
-            server.close()
+            gate.close()
             sweeper.cancel()
+            if setting_up:
+                await asyncio.wait(list(setting_up))
             await self._drain()
-            await server.wait_closed()
             await self.handlers.settle_releases()  # one-way releases still queued
             self.handlers.executor.shutdown(wait=True)
             self._stop_remote_keeper()

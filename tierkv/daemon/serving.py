@@ -45,6 +45,8 @@ class Serving:
                           send_timeout_s=self.config.quotas.send_timeout_s)
         reason = None
         assert self.handlers is not None
+        # The gate (gate.py) refused other uids at accept; checked again here for a uid that
+        # a reload removed from allowed_uids between the accept and this task.
         if not security.peer_allowed(creds, self.config.allowed_uids):
             reason = "uid"
             err: TierKVError = security.PeerRejectedError(f"peer uid {creds.uid} (pid {creds.pid}) may not use this daemon")
