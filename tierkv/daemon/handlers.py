@@ -83,6 +83,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
         self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
         self.bound: Callable[[], list[LayoutEntry | None]] = lambda: []  # each connection's layout; server sets it
         self.gc_stats: Callable[[], dict[str, Any]] = lambda: {}  # the process's GC pauses (gc_pauses.py); server sets it
+        self.reload_stats: Callable[[], dict[str, Any] | None] = lambda: None  # the last SIGHUP's result (reload.py)
         # opcode -> (message class with decode(header, payload), handler)
         self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
             Op.HELLO: (m.Hello, self.hello), Op.LOOKUP: (m.PrefixRequest, self.lookup),
@@ -160,7 +161,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
         conn.entry = entry
         header: dict[str, Any] = {
             "protocol": VERSION, "daemon_pid": os.getpid(), "lease_timeout_s": self.leases.timeout_s,
-            "idle_timeout_s": self.config.quotas.idle_timeout_s,
+            "idle_timeout_s": conn.idle_timeout_s,
             "namespace_per_uid": self.config.namespace_per_uid, "layouts": [e.layout_id for e in self.layouts.entries()],
             "layout": None,
         }
@@ -293,5 +294,5 @@ class Handlers(LeaseHandlers, OperationHandlers):
                             "disk_bytes": self.layouts.budget.disk_bytes},
                 "over_limit_slots": {e.layout_id: e.over_limit for e in entries if e.over_limit},
                 "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.acquires),
-                "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats(),
+                "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats(), "reload": self.reload_stats(),
                 "config": shown(self.config)}  # each setting and where it came from (`tierkv config show`)

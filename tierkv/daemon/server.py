@@ -7,9 +7,10 @@ daemon opens a store per layout on first use), binds the socket (security.py), w
 pid file, starts the metrics endpoint, and serves until SIGTERM/SIGINT (or
 :meth:`request_stop`). Stopping: no new connections, requests already received finish (a
 put that was read is stored and acknowledged), every lease is released, the stores are
-closed (which flushes write-back blocks), the socket and pid file are removed. SIGHUP re-reads the config file: lease
-timeout, staging quota, allowed uids and limits apply at once; tier capacities cannot be
-resized live and apply at the next start (logged).
+closed (which flushes write-back blocks), the socket and pid file are removed. SIGHUP re-reads the config file (reload.py): every
+setting that can change live is applied (timeouts, quotas, limits, allowed uids: a uid
+removed is cut off at once); the others (tier capacities, namespace_per_uid, ...) are
+refused with a WARNING naming each, and apply at the next start.
 
 Cluster: with ``remote_master`` set the daemon wraps each layout's store in a
 :class:`~tierkv.cluster.ClusterNode` (lookups count the remote tier, acquires pull from it,
@@ -61,7 +62,7 @@ from .gc_pauses import GcPauses, freeze_startup_heap
 from .handlers import Handlers
 from .layouts import Budget, Layouts, TierLimits
 from .metrics import DaemonMetrics
-from .reload import Reload
+from .reload import Reload, ReloadResult
 from .remote_keeper import RemoteKeeper
 from .serving import OP_NAMES, Serving
 
@@ -94,6 +95,8 @@ class Daemon(Serving, RemoteKeeper, Reload):
         self.handlers: Handlers | None = None
         self.metrics: DaemonMetrics | None = None
         self.gate: Gate | None = None
+        self.fast: FastPath | None = None
+        self.last_reload: ReloadResult | None = None
 
     # ---- opening and closing -----------------------------------------------------------
     @property
@@ -154,6 +157,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
             self.handlers.peers = lambda: [(c.id, c.creds.uid) for c in self.connections.values()]
             self.handlers.bound = lambda: [c.entry for c in self.connections.values()]
             self.handlers.gc_stats = self.gc_pauses.stats
+            self.handlers.reload_stats = lambda: None if self.last_reload is None else self.last_reload.to_dict()
             refusals = self.metrics.quota_refusals
             self.handlers.quota.on_refuse = lambda quota: refusals.labels(quota).inc()
             sock = security.bind_private_socket(cfg.socket, shared=bool(cfg.allowed_uids))
@@ -215,7 +219,8 @@ class Daemon(Serving, RemoteKeeper, Reload):
         sock = self._open()
         assert self.handlers is not None and self.layouts is not None
         loop, stop = self._loop, self._stop
-        fast = FastPath(self.handlers, self.config.quotas.unread_reply_bytes, stop.is_set, self.metrics, OP_NAMES)
+        fast = self.fast = FastPath(self.handlers, self.config.quotas.unread_reply_bytes, stop.is_set, self.metrics,
+                                    OP_NAMES)
 
         def connection() -> FastProtocol:  # = asyncio.start_unix_server's, with the fast path
             return FastProtocol(asyncio.StreamReader(loop=loop), self._on_connect, loop, fast)

@@ -42,7 +42,8 @@ class Serving:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         creds = security.peer_credentials(writer.get_extra_info("socket"))
         conn = Connection(next(self._ids), creds, writer, asyncio.Semaphore(self.config.max_inflight),
-                          send_timeout_s=self.config.quotas.send_timeout_s)
+                          send_timeout_s=self.config.quotas.send_timeout_s,
+                          idle_timeout_s=self.config.quotas.idle_timeout_s)
         reason = None
         assert self.handlers is not None
         # The gate (gate.py) refused other uids at accept; checked again here for a uid that
@@ -100,7 +101,7 @@ class Serving:
         q = self.config.quotas
         conn.parked = True
         try:
-            return await read_frame(reader, idle_timeout=q.idle_timeout_s, frame_timeout=q.frame_timeout_s,
+            return await read_frame(reader, idle_timeout=conn.idle_timeout_s, frame_timeout=q.frame_timeout_s,
                                     is_idle=lambda: self._holds_nothing(conn) and self._quiet(conn),
                                     started=conn.unpark)
         finally:
@@ -108,8 +109,7 @@ class Serving:
 
     def _quiet(self, conn: Connection) -> bool:
         """No request served on the fast path for the idle timeout."""
-        idle = self.config.quotas.idle_timeout_s
-        return idle is None or time.monotonic() - conn.fast_at >= idle
+        return time.monotonic() - conn.fast_at >= conn.idle_timeout_s
 
     def _holds_nothing(self, conn: Connection) -> bool:
         """No request in flight, reply unsent or lease held. Staging slots do not count
