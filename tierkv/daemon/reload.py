@@ -131,7 +131,8 @@ class Reload:
         for r in refused:
             log.warning("SIGHUP: %s changed (%s -> %s) but is not applied: %s; it applies when the daemon "
                         "restarts", r.name, r.old, r.new, r.why)
-        self.config = replace(old, **{name: getattr(new, name) for name in LIVE})
+        sources = {**old.sources, **{name: new.sources[name] for name in LIVE if name in new.sources}}
+        self.config = replace(old, **{name: getattr(new, name) for name in LIVE}, sources=sources)
         if self.handlers is not None:
             self.handlers.config = self.config
             self.handlers.leases.timeout_s = new.lease_timeout_s
