@@ -90,19 +90,28 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
     return pred()
 
 
-def spawn_daemon(workdir: Path, *extra: str, env: dict | None = None, layout: str | None = LAYOUT_ARG) -> subprocess.Popen:
+def spawn_daemon(workdir: Path, *extra: str, env: dict | None = None, layout: str | None = LAYOUT_ARG,
+                 log_path: Path | None = None) -> subprocess.Popen:
     """``python -m tierkv serve`` in a subprocess; returns once its socket answers.
-    ``layout=None``: no --layout (clients declare theirs)."""
+    ``layout=None``: no --layout (clients declare theirs). ``log_path``: its stderr (the
+    log) goes to that file instead of a pipe nobody may read while it runs."""
     sock = workdir / "run" / "d.sock"
     cmd = [sys.executable, "-m", "tierkv", "serve", "--home", str(workdir / "home"), "--socket", str(sock),
            *(("--layout", layout) if layout else ()), "--device", "cpu", "--device-bytes", "1MiB", "--host-bytes", "2MiB",
            "--disk-bytes", "8MiB", "--staging-bytes", "256KiB", "--log-level", "WARNING", *extra]
     e = dict(os.environ, **(env or {}), TIERKV_SHM_TEST=str(workdir))
-    proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stderr = open(log_path, "wb") if log_path is not None else subprocess.PIPE
+    try:
+        proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=stderr)
+    finally:
+        if log_path is not None:
+            stderr.close()  # the child has its own descriptor
     from tierkv.daemon.security import socket_is_live
 
     ok = wait_for(lambda: proc.poll() is not None or (sock.exists() and socket_is_live(sock)), timeout=60)
     if proc.poll() is not None or not ok:
         out, err = proc.communicate(timeout=10) if proc.poll() is not None else (b"", b"")
-        raise RuntimeError(f"daemon did not start (rc {proc.poll()}): {err.decode()[-2000:]}")
+        if log_path is not None:
+            err = log_path.read_bytes()
+        raise RuntimeError(f"daemon did not start (rc {proc.poll()}): {(err or b'').decode()[-2000:]}")
     return proc

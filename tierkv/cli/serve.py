@@ -92,6 +92,9 @@ _DAEMON_OPTIONS = [
     click.option("--max-inflight", type=int, default=None, help="Requests in flight per connection (default 32)."),
     click.option("--lease-timeout", "lease_timeout_s", type=float, default=None,
                  help="Seconds a lease may go without renew before the daemon releases it (default 600)."),
+    click.option("--staging-timeout", "staging_timeout_s", type=float, default=None,
+                 help="Seconds a client may hold staging slots before committing them; then they are taken back "
+                      "and its commit is refused (default 60)."),
     click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on PORT (of --metrics-host)."),
     click.option("--metrics-host", default=None,
                  help="Address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 in a container whose port "

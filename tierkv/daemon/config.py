@@ -64,6 +64,9 @@ class DaemonConfig:
     lease_timeout_s: float = 600.0  # a lease not renewed for this long is released
     staging_bytes: int = 256 * MiB  # shared region clients write new pages into
     client_staging_bytes: int = 64 * MiB  # per-connection quota of staging
+    # Staging slots not committed this long after STAGE are taken back (issue #34, item 10):
+    # a client writes a put's pages in milliseconds; a minute leaves room for a loaded host.
+    staging_timeout_s: float = 60.0
     max_connections: int = 256
     max_inflight: int = 32  # concurrent requests per connection
     workers: int = 8  # threads that run store calls (the event loop never does)
@@ -112,10 +115,9 @@ class DaemonConfig:
             raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
         if self.page_codec is not None and self.page_codec not in CODECS:
             raise ValueError(f"page_codec must be one of {CODECS}, got {self.page_codec!r}")
-        if not self.lease_timeout_s > 0:
-            raise ValueError("lease_timeout_s must be positive")
-        if not self.layout_idle_s > 0:
-            raise ValueError("layout_idle_s must be positive")
+        for name in ("lease_timeout_s", "staging_timeout_s", "layout_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
         for name in ("max_connections", "max_inflight", "workers", "resolved_max_layouts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, TierKVError
 from . import messages, security
 from .layouts import LayoutEntry
 from .protocol import FLAG_ERROR, FLAG_REPLY, encode_frame, send_with_fds
@@ -31,6 +31,9 @@ class Connection:
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     unsent: int = 0  # bytes of replies encoded and not yet taken by the peer (quotas.py)
     send_timeout_s: float = 30.0
+    # Told to the client at HELLO, which pings at a third of it: fixed for the connection's
+    # life (a reload's shorter one applies to connections accepted after it).
+    idle_timeout_s: float = 30.0
     # The read loop waits for the first byte of a frame: requests may be served as they
     # arrive (fast_path.py), and ``fast_at`` is when one last was (time.monotonic()).
     parked: bool = False
@@ -123,6 +126,16 @@ class Connection:
         while self.unsent > max_unsent and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         return self.unsent <= max_unsent
+
+    def cut_off(self, reason: TierKVError) -> None:
+        """End this connection now (its uid was revoked): ``reason`` as an error frame about
+        the connection when nothing else is being sent, then the socket is aborted. The read
+        loop ends and the daemon ends the connection's leases, staging and tenant regions."""
+        transport = self.writer.transport
+        if not transport.is_closing() and not self.write_lock.locked() and not transport.get_write_buffer_size():
+            header, _ = messages.ErrorReply(type(reason).__name__, reason.message, reason.hint).encode()
+            transport.write(encode_frame(0, 0, header, b"", FLAG_REPLY | FLAG_ERROR))  # taken by the kernel, or lost
+        transport.abort()
 
     def holds_nothing(self) -> bool:
         """No request in flight and no reply waiting (leases and staging are checked by

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, AsyncContextManager, AsyncIterator, Await
 import torch
 
 from ..blocks import Priority
-from ..errors import CapacityError, ConfigError, ProtocolError, QuotaExceededError
+from ..errors import CapacityError, ConfigError, ProtocolError, QuotaExceededError, StagingExpiredError
 from ..identity import Scope
 from . import messages as m
 from .config import shown
@@ -86,6 +86,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
         self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
         self.bound: Callable[[], list[LayoutEntry | None]] = lambda: []  # each connection's layout; server sets it
         self.gc_stats: Callable[[], dict[str, Any]] = lambda: {}  # the process's GC pauses (gc_pauses.py); server sets it
+        self.reload_stats: Callable[[], dict[str, Any] | None] = lambda: None  # the last SIGHUP's result (reload.py)
         # opcode -> (message class with decode(header, payload), handler)
         self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
             Op.HELLO: (m.Hello, self.hello), Op.LOOKUP: (m.PrefixRequest, self.lookup),
@@ -173,7 +174,7 @@ class Handlers(LeaseHandlers, OperationHandlers):
         conn.entry = entry
         header: dict[str, Any] = {
             "protocol": VERSION, "daemon_pid": os.getpid(), "lease_timeout_s": self.leases.timeout_s,
-            "idle_timeout_s": self.config.quotas.idle_timeout_s,
+            "idle_timeout_s": conn.idle_timeout_s,
             "namespace_per_uid": self.config.namespace_per_uid, "layouts": [e.layout_id for e in self.layouts.entries()],
             # What the daemon puts before this peer's namespaces (from SO_PEERCRED): the
             # client keys its manifests' chains as stored (Client.block_keys).
@@ -241,7 +242,11 @@ class Handlers(LeaseHandlers, OperationHandlers):
         entry = self.entry(conn)
         staging, staging_pool = self.staging_of(conn)
         if not staging.owns(conn.id, msg.slots):
+            if staging.expired(conn.id, msg.slots):
+                raise StagingExpiredError(f"staging slots of this commit were held over staging_timeout_s = "
+                                          f"{self.config.staging_timeout_s:g} s and were taken back; nothing stored")
             raise ProtocolError("commit names staging slots this connection does not hold")
+        staging.begin_commit(conn.id, msg.slots)  # no longer expire: this commit copies them
         try:
             async with self.pin_guard(conn, entry.store, msg.priority, len(msg.slots)):
                 idx = torch.tensor(msg.slots, dtype=torch.long)
@@ -254,6 +259,17 @@ class Handlers(LeaseHandlers, OperationHandlers):
         finally:
             staging.free(conn.id, msg.slots)
         return {"stored": r.stored, "skipped": r.skipped, "durable": r.durable}, b""
+
+    def expire_staging(self, tenant_staging: list[Any]) -> int:
+        """Take back staging slots held over ``staging_timeout_s`` (leases.py, StagingSlots):
+        the shared regions' and ``tenant_staging``, the tenants' own. Returns how many."""
+        timeout, n = self.config.staging_timeout_s, 0
+        for staging in [e.staging for e in self.layouts.entries()] + tenant_staging:
+            for conn_id, slots in staging.take_expired(timeout).items():
+                n += len(slots)
+                log.warning("connection %d held %d staging slots over %.0f s without commit; taken back",
+                            conn_id, len(slots), timeout)
+        return n
 
     async def prefetch(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
         fut = await self.run(self.entry(conn).store.prefetch, msg.tokens, self.scope(conn, msg.scope), msg.block_extra)
@@ -303,5 +319,5 @@ class Handlers(LeaseHandlers, OperationHandlers):
                             "disk_bytes": self.layouts.budget.disk_bytes},
                 "over_limit_slots": {e.layout_id: e.over_limit for e in entries if e.over_limit},
                 "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.acquires),
-                "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats(),
+                "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats(), "reload": self.reload_stats(),
                 "config": shown(self.config)}  # each setting and where it came from (`tierkv config show`)

@@ -9,9 +9,11 @@ concurrent acquires passed it together (4,123 granted).
 The limits (defaults in :class:`Quotas`, documented in docs/operations.md):
 
 * connections per uid (``connections_per_uid``), beside the daemon-wide ``max_connections``;
-* a connection holding nothing (no lease, no staging slot, no request in flight) that
-  sends nothing for ``idle_timeout_s`` is closed; once a frame's first byte arrived, the
-  rest must arrive within ``frame_timeout_s`` (a half-sent frame holds a reader forever);
+* a connection holding nothing (no lease, no request in flight; staging slots do not count,
+  issue #34 item 10) that sends nothing for ``idle_timeout_s`` is closed; once a frame's
+  first byte arrived, the rest must arrive within ``frame_timeout_s`` (a half-sent frame
+  holds a reader forever); staging slots not committed within the daemon's
+  ``staging_timeout_s`` are taken back (leases.py, StagingSlots);
 * leases: at most ``leases_per_connection``, counted with the acquires in flight (a
   reservation is taken before the store call, so concurrent acquires cannot pass the cap
   together); and while other uids are connected no uid may lease more than its fair share

@@ -7,9 +7,10 @@ daemon opens a store per layout on first use), binds the socket (security.py), w
 pid file, starts the metrics endpoint, and serves until SIGTERM/SIGINT (or
 :meth:`request_stop`). Stopping: no new connections, requests already received finish (a
 put that was read is stored and acknowledged), every lease is released, the stores are
-closed (which flushes write-back blocks), the socket and pid file are removed. SIGHUP re-reads the config file: lease
-timeout, staging quota, allowed uids and limits apply at once; tier capacities cannot be
-resized live and apply at the next start (logged).
+closed (which flushes write-back blocks), the socket and pid file are removed. SIGHUP re-reads the config file (reload.py): every
+setting that can change live is applied (timeouts, quotas, limits, allowed uids: a uid
+removed is cut off at once); the others (tier capacities, namespace_per_uid, ...) are
+refused with a WARNING naming each, and apply at the next start.
 
 Cluster: with ``remote_master`` set the daemon wraps each layout's store in a
 :class:`~tierkv.cluster.ClusterNode` (lookups count the remote tier, acquires pull from it,
@@ -17,6 +18,8 @@ puts publish by the policy), sets ``MC_TCP_BIND_ADDRESS`` before any Mooncake cl
 exists, and connects the remote tier from a keeper thread: a master that is absent or
 fails never stops the daemon, which serves locally meanwhile (docs/cluster.md; remote_keeper.py).
 
+Accepting: gate.py reads the listening socket; a peer whose uid is not admitted is refused
+there with one cheap close (no task, nothing read), refusals logged at most once per 10 s.
 Per connection: frames are read in order; each request runs as its own task (at most
 ``max_inflight`` per connection) and replies carry the request id, so a slow put does not
 hold up a lookup. Two kinds are served as they are read, without a task: a one-way
@@ -54,12 +57,13 @@ from . import security
 from .config import DaemonConfig
 from .connection import Connection
 from .fast_path import FastPath, FastProtocol
+from .gate import Gate, admit_with
 from .gc_pauses import GcPauses, freeze_startup_heap
 from .handlers import Handlers
 from .layouts import Layouts
 from .shares import Budget, TierLimits
 from .metrics import DaemonMetrics
-from .reload import Reload
+from .reload import Reload, ReloadResult
 from .remote_keeper import RemoteKeeper
 from .serving import OP_NAMES, Serving
 
@@ -82,6 +86,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
         self._reload = reload
         self._install_signals = install_signals
         self._ids = itertools.count(1)
+        self._uid = os.getuid()
         self.connections: dict[int, Connection] = {}
         self.ready = threading.Event()
         self.metrics_port: int | None = None
@@ -90,6 +95,9 @@ class Daemon(Serving, RemoteKeeper, Reload):
         self.layouts: Layouts | None = None
         self.handlers: Handlers | None = None
         self.metrics: DaemonMetrics | None = None
+        self.gate: Gate | None = None
+        self.fast: FastPath | None = None
+        self.last_reload: ReloadResult | None = None
 
     # ---- opening and closing -----------------------------------------------------------
     @property
@@ -150,6 +158,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
             self.handlers.peers = lambda: [(c.id, c.creds.uid) for c in self.connections.values()]
             self.handlers.bound = lambda: [c.entry for c in self.connections.values()]
             self.handlers.gc_stats = self.gc_pauses.stats
+            self.handlers.reload_stats = lambda: None if self.last_reload is None else self.last_reload.to_dict()
             refusals = self.metrics.quota_refusals
             self.handlers.quota.on_refuse = lambda quota: refusals.labels(quota).inc()
             sock = security.bind_private_socket(cfg.socket, shared=bool(cfg.allowed_uids))
@@ -177,7 +186,13 @@ class Daemon(Serving, RemoteKeeper, Reload):
     def _daemon_stats(self) -> dict[str, Any]:
         d = self.handlers.daemon_stats() if self.handlers else {}
         d["connections"] = len(self.connections)
+        d["refused_peers"] = self.gate.refused if self.gate is not None else 0
         return d
+
+    def _admitted(self, uid: int) -> bool:
+        """The gate's test: the daemon's own uid or one of ``allowed_uids`` (read live:
+        SIGHUP changes it)."""
+        return uid == self._uid or uid in self.config.allowed_uids
 
     def run(self) -> None:
         """Open, serve until stopped, close. Blocks; call from the main thread to get
@@ -205,12 +220,18 @@ class Daemon(Serving, RemoteKeeper, Reload):
         sock = self._open()
         assert self.handlers is not None and self.layouts is not None
         loop, stop = self._loop, self._stop
-        fast = FastPath(self.handlers, self.config.quotas.unread_reply_bytes, stop.is_set, self.metrics, OP_NAMES)
+        fast = self.fast = FastPath(self.handlers, self.config.quotas.unread_reply_bytes, stop.is_set, self.metrics,
+                                    OP_NAMES)
 
         def connection() -> FastProtocol:  # = asyncio.start_unix_server's, with the fast path
             return FastProtocol(asyncio.StreamReader(loop=loop), self._on_connect, loop, fast)
 
-        server = await loop.create_unix_server(connection, sock=sock)
+        # Accepting is the gate's (gate.py): a peer not admitted costs one cheap close.
+        setting_up: set[asyncio.Task] = set()
+        refusals = self.metrics.rejected.labels("uid") if self.metrics else None
+        gate = self.gate = Gate(sock, loop, self._admitted, admit_with(loop, connection, setting_up),
+                                on_refuse=refusals.inc if refusals is not None else None)
+        gate.start()
         if self._install_signals:
             self._loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             self._loop.add_signal_handler(signal.SIGINT, self._stop.set)
@@ -226,10 +247,11 @@ class Daemon(Serving, RemoteKeeper, Reload):
             await self._stop.wait()
         finally:
             log.info("stopping: finishing in-flight requests")
-            server.close()
+            gate.close()
             sweeper.cancel()
+            if setting_up:
+                await asyncio.wait(list(setting_up))
             await self._drain()
-            await server.wait_closed()
             await self.handlers.settle_releases()  # one-way releases still queued
             self.handlers.executor.shutdown(wait=True)
             self._stop_remote_keeper()
@@ -257,8 +279,9 @@ class Daemon(Serving, RemoteKeeper, Reload):
     async def _sweep_leases(self) -> None:
         assert self.handlers is not None
         while True:
-            await asyncio.sleep(min(1.0, self.handlers.leases.timeout_s / 4))
+            await asyncio.sleep(min(1.0, self.handlers.leases.timeout_s / 4, self.config.staging_timeout_s / 4))
             await self.handlers.expire_leases()
+            self.handlers.expire_staging([c.tenant.staging for c in self.connections.values() if c.tenant is not None])
             if self.layouts is not None and any(e.over_limit for e in self.layouts.entries()):
                 await self.handlers.run(self.layouts.retrim)  # blocks held when a limit was lowered
             if self.layouts is not None and len(self.layouts) > 1:

@@ -42,9 +42,12 @@ class Serving:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         creds = security.peer_credentials(writer.get_extra_info("socket"))
         conn = Connection(next(self._ids), creds, writer, asyncio.Semaphore(self.config.max_inflight),
-                          send_timeout_s=self.config.quotas.send_timeout_s)
+                          send_timeout_s=self.config.quotas.send_timeout_s,
+                          idle_timeout_s=self.config.quotas.idle_timeout_s)
         reason = None
         assert self.handlers is not None
+        # The gate (gate.py) refused other uids at accept; checked again here for a uid that
+        # a reload removed from allowed_uids between the accept and this task.
         if not security.peer_allowed(creds, self.config.allowed_uids):
             reason = "uid"
             err: TierKVError = security.PeerRejectedError(f"peer uid {creds.uid} (pid {creds.pid}) may not use this daemon")
@@ -98,7 +101,7 @@ class Serving:
         q = self.config.quotas
         conn.parked = True
         try:
-            return await read_frame(reader, idle_timeout=q.idle_timeout_s, frame_timeout=q.frame_timeout_s,
+            return await read_frame(reader, idle_timeout=conn.idle_timeout_s, frame_timeout=q.frame_timeout_s,
                                     is_idle=lambda: self._holds_nothing(conn) and self._quiet(conn),
                                     started=conn.unpark)
         finally:
@@ -106,13 +109,15 @@ class Serving:
 
     def _quiet(self, conn: Connection) -> bool:
         """No request served on the fast path for the idle timeout."""
-        idle = self.config.quotas.idle_timeout_s
-        return idle is None or time.monotonic() - conn.fast_at >= idle
+        return time.monotonic() - conn.fast_at >= conn.idle_timeout_s
 
     def _holds_nothing(self, conn: Connection) -> bool:
+        """No request in flight, reply unsent or lease held. Staging slots do not count
+        (issue #34, item 10: two silent connections holding staging kept it forever):
+        a client between STAGE and COMMIT is busy writing pages, not silent for the idle
+        timeout, and its slots expire anyway (staging_timeout_s)."""
         assert self.handlers is not None
-        return (conn.holds_nothing() and self.handlers.leases.count(conn.id) == 0
-                and not any(e.staging.held_by([conn.id]) for e in self.handlers.layouts.entries()))
+        return conn.holds_nothing() and self.handlers.leases.count(conn.id) == 0
 
     async def _serve_connection(self, conn: Connection, reader: asyncio.StreamReader) -> None:
         q = self.config.quotas
