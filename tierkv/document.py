@@ -46,6 +46,7 @@ class DocumentOptions:
     exclude: tuple[str, ...] = ()
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     gitignore: bool = True
+    order: str = "path"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "include", tuple(self.include))
@@ -55,12 +56,13 @@ class DocumentOptions:
 
     def to_dict(self) -> dict:
         return {"include": list(self.include), "exclude": list(self.exclude),
-                "max_file_bytes": self.max_file_bytes, "gitignore": self.gitignore}
+                "max_file_bytes": self.max_file_bytes, "gitignore": self.gitignore, "order": self.order}
 
     @classmethod
     def from_dict(cls, d: dict) -> "DocumentOptions":
         return cls(tuple(d.get("include", ())), tuple(d.get("exclude", ())),
-                   int(d.get("max_file_bytes", DEFAULT_MAX_FILE_BYTES)), bool(d.get("gitignore", True)))
+                   int(d.get("max_file_bytes", DEFAULT_MAX_FILE_BYTES)), bool(d.get("gitignore", True)),
+                   str(d.get("order", "path")))
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Document:
     text: str
     files: tuple[SourceFile, ...]
     skipped: tuple[SkippedFile, ...] = field(default=())
+    sections: tuple[str, ...] = field(default=())
 
     @property
     def sha256(self) -> str:
@@ -252,7 +255,10 @@ def build_document(
             chosen[rel] = file
     parts: list[str] = []
     files: list[SourceFile] = []
-    for rel in sorted(chosen):
+    names = sorted(chosen)
+    if options.order == "history":
+        names.sort(key=lambda r: chosen[r].stat().st_mtime_ns)
+    for rel in names:
         try:
             text, raw, reason = _read_text(chosen[rel], options.max_file_bytes)
         except OSError as exc:
@@ -271,4 +277,4 @@ def build_document(
             f"no text files to include under {', '.join(map(str, paths))}",
             hint="check the paths, --include/--exclude, --max-file-bytes and .gitignore",
         )
-    return Document("".join(parts), tuple(files), tuple(sorted(skipped, key=lambda s: s.path)))
+    return Document("".join(parts), tuple(files), tuple(sorted(skipped, key=lambda s: s.path)), tuple(parts))

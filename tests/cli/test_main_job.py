@@ -127,6 +127,7 @@ def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
     import tierkv
     from tierkv.home_stores import store_home
     from tierkv.hf import load_model, version_of
+    from tierkv.document import DocumentOptions
     from tierkv.materialize import document_tokens
     from tierkv.store import Priority
 
@@ -140,7 +141,7 @@ def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
     layout, _ = version_of(llama_dir)
     lm = load_model(llama_dir, device="cpu")
     with tierkv.open(store_home(home, layout), layout, device="cpu", host_bytes=0) as store:
-        keys = store.lookup(document_tokens(lm, [repo]).tokens, lm.scope()).keys
+        keys = store.lookup(document_tokens(lm, [repo], DocumentOptions(order="history")).tokens, lm.scope()).keys  # the CLI's order
         assert keys and {store.placement.table.get(k).priority for k in keys} == {Priority.PINNED}
     # `unpin` is how to unpin; a run after it keeps the prefix unpinned.
     run("unpin", "repo", "--home", home)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__, native
-from . import chat, cluster, config_show, doctor, keys, layouts, main_job, ops, serve
+from . import chat, cluster, config_show, doctor, keys, layouts, main_job, materialize, ops, serve
 from .common import TierKVGroup
 
 
@@ -16,7 +16,7 @@ def main() -> None:
     """tierkv: a tiered KV-cache store for LLM serving."""
 
 
-for module in (main_job, ops, layouts, serve, config_show, doctor, cluster, keys, chat):
+for module in (main_job, materialize, ops, layouts, serve, config_show, doctor, cluster, keys, chat):
     module.register(main)
 
 __all__ = ["main"]
