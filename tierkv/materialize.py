@@ -249,9 +249,11 @@ def stored_prefix_tokens(store: "StoreAPI", name: str, manifest: dict[str, Any],
                          block_size: int, on_warning: Callable[[str], None] | None = None) -> list[int]:
     """The token ids of prefix ``name`` read back from its stored chain (``chain_tokens`` of
     its last block): what a bundle carries, so an imported prefix serves without its source
-    tree at the path it had where it was made (issue #37, item 4). Whole blocks only: a
-    prefix whose last tokens fill no block comes back without them (said through
-    ``on_warning``). ConfigError when the chain is not stored whole or is not the prefix's."""
+    tree at the path it had where it was made (issue #37, item 4). With the ids after the
+    last full block that a manifest of format 2 keeps (``tail_tokens``), all of them; before
+    that, whole blocks only: a prefix whose last tokens fill no block comes back without them
+    (said through ``on_warning``). ConfigError when the chain is not stored whole or is not
+    the prefix's."""
     last = manifest.get("last_block_key")
     hint = f"restore {missing[0]}, import the prefix's bundle again, or run `tierkv materialize ... --name {name}`"
     if not last:
@@ -261,7 +263,8 @@ def stored_prefix_tokens(store: "StoreAPI", name: str, manifest: dict[str, Any],
     except NotFoundError:
         raise ConfigError(f"the sources of prefix {name!r} do not exist ({', '.join(missing)}) and its blocks are "
                           "not all stored", hint=hint) from None
-    if tokens_sha256(tokens) == manifest.get("tokens_sha256"):
+    if tokens_sha256(tokens + [int(t) for t in manifest.get("tail_tokens", [])]) == manifest.get("tokens_sha256"):
+        return tokens + [int(t) for t in manifest.get("tail_tokens", [])]  # the tail included (or empty)
         return tokens
     total = int(manifest.get("tokens", 0))
     if len(tokens) != int(manifest.get("blocks", -1)) * block_size or not 0 < total - len(tokens) < block_size:

@@ -237,7 +237,21 @@ def test_an_imported_prefix_serves_without_its_source_tree(llama_dir, repo, tmp_
         warm = run_json("generate", *ask, "--home", home, "--prefix", "repo")
         assert warm["cached_tokens"] == 160 and warm["tokens"] == cold["tokens"]
         assert run_json("generate", *ask, "--home", home, "--prefix", "repo", "--no-cache")["tokens"] == cold["tokens"]
-    # A prefix whose last tokens fill no block: served from its whole blocks, and said so.
+    # A prefix whose last tokens fill no block: its manifest keeps them (format 2), so all
+    # 170 ids come back; a manifest without them (made before) serves its whole blocks and
+    # says so.
+    whole = run("generate", *ask, "--home", b, "--prefix", "tail", "--json")
+    assert "fill no block" not in whole.stderr
+    served = json.loads(whole.stdout.strip().splitlines()[-1])
+    assert served["cached_tokens"] == 160 and served["prompt_tokens"] == cold["prompt_tokens"] + 10
+    import tierkv
+    from tierkv.home_stores import store_home
+
+    layout, _ = version_of(llama_dir)
+    with tierkv.open(store_home(b, layout), layout, device="cpu", host_bytes=0) as store:
+        older = store.get_manifest("tail")
+        del older["tail_tokens"]
+        store.save_manifest("tail", older)
     r = run("generate", *ask, "--home", b, "--prefix", "tail", "--json")
     assert "its last 10 tokens fill no block" in r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["cached_tokens"] == 160
