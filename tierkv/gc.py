@@ -22,7 +22,7 @@ the blocks (it is their record); the recorded namespace is the fallback for a ch
 last block is gone (or whose last key names no stored block), and the daemon now records
 the effective one (``Tenancy.stored_manifest``).
 
-Everything goes through the public store API, so gc works on a home (``HomeStores``) and in
+Everything goes through the public store API, so gc works on a home (``Home``) and in
 the daemon, which runs it over its own stores for ``gc --socket`` (GC), so that it sees every
 tenant's manifests and namespaces (a tenant's view hides the others': gc through it found no
 model version and removed nothing, silently).
@@ -123,7 +123,7 @@ def manifest_scope(store: "StoreAPI", manifest: dict) -> tuple[str, str] | None:
 def collect(store: "StoreAPI", keep_model_versions: Iterable[str] = (), keep_namespaces: Iterable[str] = (),
             dry_run: bool = False) -> GcResult:
     """Remove blocks that are not in use (see the module docstring) from ``store`` (a Store,
-    HomeStores, or the daemon's view of its stores) and delete manifests whose blocks are
+    Home, or the daemon's view of its stores) and delete manifests whose blocks are
     all gone. Through a daemon client it sees only that connection's tenant: the CLI asks
     the daemon to run it instead (``Client.gc``). ``dry_run`` changes
     nothing and reports what would go."""

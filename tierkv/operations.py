@@ -15,6 +15,7 @@ import torch
 from .blocks import TIERS, Block, Priority
 from .checksum import page_checksum
 from .errors import NotFoundError
+from .manifest_names import check_name
 from .identity import as_token_array
 from .placement import Placement
 from .results import (
@@ -71,9 +72,9 @@ class StoreOperations:
         return len(chain)
 
     def save_manifest(self, name: str, manifest: dict) -> None:
-        """Record a named prefix (JSON-able dict) durably."""
-        if not name or "/" in name or len(name) > 200:
-            raise ValueError(f"bad manifest name {name!r}: 1-200 characters, no '/'")
+        """Record a named prefix (JSON-able dict) durably. InvalidNameError for a name
+        tierkv.manifest_names refuses."""
+        check_name(name)
         self.index.put_manifest(name, manifest)
 
     def get_manifest(self, name: str) -> dict:

@@ -39,7 +39,7 @@ from .checksum import page_checksum
 from .config import StoreConfig
 from .codec import DEFAULT_CODEC
 from .errors import CodecMismatchError, IndexDamagedError, IndexReadError, LayoutMismatchError, NotFoundError
-from .home import HomeLock
+from .home.lock import HomeLock
 from .index import BlockRecord, Index, peek_meta
 from .index_check import check_index
 from .layout import PageLayout
@@ -118,7 +118,7 @@ def home_layout(home: Path, headers: list[tuple[int, Path, SegmentHeader]]) -> t
 
     Rejected: always refusing without a record (the common repair, an index lost with only
     the home's own segments, would then need the layout typed in by hand)."""
-    from .daemon.layouts import LAYOUTS_DIR, layout_id
+    from .home.directory import LAYOUTS_DIR, layout_id
 
     found = Counter((h.layout.to_json(), h.page_codec) for _, _, h in headers)
     seen = ", ".join(f"{n} segment(s) of {lo} codec {c}" for (lo, c), n in found.most_common()) or "none"

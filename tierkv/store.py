@@ -29,7 +29,7 @@ from .codec import open_home_codec
 from .config import StoreConfig
 from .errors import ForkedStoreError, LayoutMismatchError, NotFoundError, TierKVError
 from .eviction import EvictedBlock
-from .home import HomeLock, LentLock
+from .home.lock import HomeLock, LentLock
 from .identity import Scope, as_token_array
 from .index import NO_DISK, Index
 from .layout import PageLayout

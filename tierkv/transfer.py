@@ -207,7 +207,7 @@ def import_bundle(store: "StoreAPI", path: Path, *, name: str | None = None, for
     is what :func:`check_bundle` returned for ``path`` when
     the caller already checked the whole file (the first pass is then skipped).
     """
-    from .daemon.tenancy import check_name
+    from .manifest_names import check_name
 
     if name is not None:
         check_name(name)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import tierkv
 from tierkv.cli import main
-from tierkv.daemon.layouts import find_layouts, layout_id
+from tierkv.home.directory import find_layouts, layout_id
 from tierkv.hf import version_of
 
 pytestmark = pytest.mark.usefixtures("private_caches")

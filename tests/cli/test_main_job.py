@@ -125,7 +125,7 @@ def test_generate_shows_the_prefill_progress_on_stderr(llama_dir, repo, tmp_path
 def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
     """Issue #37, item 5: a repeated `materialize --name X` without --pin unpinned X."""
     import tierkv
-    from tierkv.home_stores import store_home
+    from tierkv.home import store_home
     from tierkv.hf import load_model, version_of
     from tierkv.document import DocumentOptions
     from tierkv.materialize import document_tokens
@@ -245,7 +245,7 @@ def test_an_imported_prefix_serves_without_its_source_tree(llama_dir, repo, tmp_
     served = json.loads(whole.stdout.strip().splitlines()[-1])
     assert served["cached_tokens"] == 160 and served["prompt_tokens"] == cold["prompt_tokens"] + 10
     import tierkv
-    from tierkv.home_stores import store_home
+    from tierkv.home import store_home
 
     layout, _ = version_of(llama_dir)
     with tierkv.open(store_home(b, layout), layout, device="cpu", host_bytes=0) as store:

@@ -459,7 +459,7 @@ def test_verify_repair_with_home_rebuilds_a_damaged_index_of_any_layout(tmp_path
     cover both stores, and verify --repair rebuilds the second layout's index too."""
     import os
 
-    from tierkv.home_stores import store_home
+    from tierkv.home import store_home
 
     home, shm = tmp_path / "home", tmp_path / "shm"
     a = PageLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")

@@ -259,7 +259,7 @@ class TwoLayoutTwins(Twins):
 def twins2(llama_dir, monkeypatch, tmp_path):
     """A home holding the model's layout at its root and OTHER under layouts/<id> (made
     here, as a daemon would), and a daemon serving both on a home of its own."""
-    from tierkv.home_stores import store_home
+    from tierkv.home import store_home
     from tierkv.hf import version_of
 
     monkeypatch.delenv("TIERKV_SOCKET", raising=False)
@@ -290,7 +290,7 @@ def twins2(llama_dir, monkeypatch, tmp_path):
 def test_home_commands_reach_every_layout_as_the_daemon_does(twins2):
     """Before: a --home command opened the root store only (the first layout), so stats,
     ls, invalidate, gc and verify missed the other layouts that --socket reaches."""
-    from tierkv.daemon.layouts import layout_id
+    from tierkv.home.directory import layout_id
 
     ids = {layout_id(twins2.layout), layout_id(OTHER)}
     s = twins2.same("stats", ignore=STATS_PER_PROCESS - {"layouts"})

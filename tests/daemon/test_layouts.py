@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import tierkv
 from tierkv import PageLayout, Priority, Scope
 from tierkv.cli import main
-from tierkv.daemon.layouts import LAYOUTS_DIR, layout_id
+from tierkv.home.directory import LAYOUTS_DIR, layout_id
 from tierkv.errors import CapacityError, ConfigError, DaemonOwnsHomeError
 
 from daemon_helpers import LAYOUT, MiB, SCOPE, DaemonThread, make_config, pages_for, prompt

@@ -9,7 +9,7 @@ import pytest
 
 import tierkv
 from tierkv import PageLayout
-from tierkv.daemon.layouts import LAYOUTS_DIR, layout_id
+from tierkv.home.directory import LAYOUTS_DIR, layout_id
 from tierkv.errors import DaemonOwnsHomeError, TierKVError
 from tierkv.home import peek_layout
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import tierkv
 from tierkv import PageLayout, Scope
 from tierkv.cli import main
-from tierkv.daemon.layouts import layout_id
+from tierkv.home.directory import layout_id
 
 from daemon_helpers import LAYOUT, MiB, SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
 

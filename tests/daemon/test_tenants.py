@@ -19,7 +19,7 @@ from tierkv import Priority, Scope, block_keys
 from tierkv.cli import main
 from tierkv.errors import NotFoundError
 from tierkv.cli.common import OPS_STORE_OPTIONS
-from tierkv.home_stores import HomeStores
+from tierkv.home import Home
 
 from as_user import NOBODY, need_root, run_as
 from daemon_helpers import LAYOUT, SCOPE, DaemonThread, make_config, pages_for, prompt
@@ -307,7 +307,7 @@ def test_gc_home_keeps_every_tenant_s_named_prefix(workdir):
     # A manifest saved before the daemon recorded the effective namespace (as sent: "older"),
     # but naming a stored chain: the chain says where its blocks are.
     legacy_key = block_keys(LEGACY, Scope(SCOPE.model_version, f"uid{NOBODY}/older"), LAYOUT.block_size)[-1]
-    with HomeStores.open(cfg.home, **OPS_STORE_OPTIONS) as h:
+    with Home.open(cfg.home, **OPS_STORE_OPTIONS) as h:
         h.save_manifest(f"uid{NOBODY}:legacy", {"model_version": SCOPE.model_version, "namespace": "older",
                                                 "last_block_key": legacy_key.hex()})
     r = CliRunner().invoke(main, ["gc", "--home", str(cfg.home), "--json"])
@@ -328,7 +328,7 @@ def test_gc_home_keeps_every_tenant_s_named_prefix(workdir):
         d.call(d.daemon.check_integrity)
     finally:
         d.stop()
-    with HomeStores.open(cfg.home, **OPS_STORE_OPTIONS) as h:  # the daemon records where the blocks are
+    with Home.open(cfg.home, **OPS_STORE_OPTIONS) as h:  # the daemon records where the blocks are
         assert h.get_manifest(f"uid{NOBODY}:docs")["namespace"] == f"uid{NOBODY}/default"
 
 

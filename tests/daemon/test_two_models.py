@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from helpers import tiny_models
 from tierkv.cli import main
-from tierkv.daemon.layouts import layout_id
+from tierkv.home.directory import layout_id
 from tierkv.hf import version_of
 
 from daemon_helpers import DaemonThread, make_config

@@ -271,7 +271,7 @@ def test_repair_of_a_root_store_without_its_index_refuses_disagreeing_segments(t
 def test_verify_repair_of_a_daemon_layout_takes_it_from_the_directory_name(tmp_path):
     """HOME/layouts/<id> whose index is damaged: its layout is the directory's name."""
     from tierkv.cli import main
-    from tierkv.daemon.layouts import LAYOUTS_DIR, layout_id
+    from tierkv.home.directory import LAYOUTS_DIR, layout_id
 
     home, shm = tmp_path / "home", tmp_path / "shm"
     _one_segment(home, shm, FOREIGN)  # the root store: another layout, as a daemon serving two models makes

@@ -25,7 +25,7 @@ def _layout_of_prefix(store: "StoreAPI", name: str, socket_path: Path | None) ->
     the layout its manifest names (a client of the daemon declaring that layout)."""
     from ..layout import PageLayout
     from .common import connect_daemon
-    from ..home_stores import HomeStores
+    from ..home.home import Home
 
     if store.layout is not None:
         yield store
@@ -35,7 +35,7 @@ def _layout_of_prefix(store: "StoreAPI", name: str, socket_path: Path | None) ->
         raise ConfigError(f"prefix {name!r} names no page layout, and the store holds several",
                           hint="materialise the prefix again (materialize records its layout)")
     layout = PageLayout.from_dict(raw)
-    if isinstance(store, HomeStores):
+    if isinstance(store, Home):
         yield store.store_for(layout)
         return
     assert socket_path is not None
@@ -47,7 +47,7 @@ def _daemon_for(socket_path: Path, layout: "PageLayout") -> "contextlib.Abstract
     """A client of the daemon for a bundle of ``layout``: declaring it when the daemon
     serves it among several, else an operations client (the daemon's only layout, checked
     against the bundle's by import_bundle), as ``--home`` picks the home's store."""
-    from ..daemon.layouts import layout_id
+    from ..home.directory import layout_id
     from .common import connect_daemon
 
     ops = connect_daemon(socket_path)
@@ -61,7 +61,7 @@ def _import_home(home: Path, layout: "PageLayout") -> Path:
     """Where a bundle of ``layout`` goes in ``home``: the store of that layout when the home
     holds one (a home a daemon serving several models made), else the root (checked against
     the root's layout, as always)."""
-    from ..daemon.layouts import find_layouts
+    from ..home.directory import find_layouts
 
     return next((h for h, lo in find_layouts(home) if lo == layout), home)
 

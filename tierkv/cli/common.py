@@ -112,7 +112,7 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     tierkv/cli/layouts.py."""
     import tierkv
 
-    from ..home_stores import store_home
+    from ..home.directory import store_home
 
     require_layout(home, socket_path, layout, new_layout)
     if socket_path is not None:
@@ -131,7 +131,7 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
 def held_layouts(home: Path, socket_path: Path | None) -> list[PageLayout]:
     """The layouts of the stores ``home`` holds (read without opening them), or those the
     daemon at ``socket_path`` serves."""
-    from ..daemon.layouts import find_layouts
+    from ..home.directory import find_layouts
 
     if socket_path is None:
         return [lo for _, lo in find_layouts(home)]
@@ -144,7 +144,7 @@ def require_layout(home: Path, socket_path: Path | None, layout: PageLayout, new
     """Raise LayoutMismatchError when the target holds stores, none of ``layout``, and
     ``new_layout`` is not set; the message names the fields that differ from the closest
     layout held, the hint the options that would match it."""
-    from ..daemon.layouts import layout_id
+    from ..home.directory import layout_id
 
     held = held_layouts(home, socket_path)
     if new_layout or not held or layout in held:
@@ -165,16 +165,16 @@ OPS_STORE_OPTIONS: dict[str, Any] = {"device": "cpu", "host_bytes": 0}
 
 def open_target(home: Path, socket_path: Path | None, **options: Any) -> "StoreAPI":
     """Every store of ``home`` (each page layout it holds, opened here as one target:
-    :class:`~tierkv.home_stores.HomeStores`), or, with ``socket_path``, a client of the
+    :class:`~tierkv.home.Home`), or, with ``socket_path``, a client of the
     daemon serving it; both answer the same across layouts. ``options`` are StoreConfig
     fields for a home opened here. Raises NotFoundError for a home without a store,
     DaemonOwnsHomeError when a daemon holds the home, DaemonUnavailableError when the
     daemon cannot be reached."""
-    from ..home_stores import HomeStores
+    from ..home.home import Home
 
     if socket_path is not None:
         return connect_daemon(socket_path)
-    return HomeStores.open(home, **{**OPS_STORE_OPTIONS, **options})
+    return Home.open(home, **{**OPS_STORE_OPTIONS, **options})
 
 
 def warn(message: str) -> None:

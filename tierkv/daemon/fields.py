@@ -15,7 +15,6 @@ from ..errors import ProtocolError
 from ..identity import KEY_BYTES
 from .protocol import MAX_TOKENS
 
-MAX_NAME = 200
 MAX_STR = 4096
 MAX_LIST = 1 << 16
 MAX_PAGE_BYTES = 1 << 30  # one page (one block of every layer's K and V)

@@ -30,7 +30,8 @@ from ..errors import CapacityError, ConfigError, ProtocolError, QuotaExceededErr
 from ..identity import Scope
 from . import messages as m
 from .config import shown
-from .layouts import LayoutEntry, Layouts, layout_id
+from ..home.directory import layout_id
+from .layouts import LayoutEntry, Layouts
 from .lease_handlers import LeaseHandlers
 from .leases import LeaseTable
 from .operations import OperationHandlers, Reply

@@ -234,7 +234,7 @@ class ManifestRequest:
 
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "ManifestRequest":
-        # The name's rules (length, '/', valid UTF-8) are the handlers' (tenancy.check_name):
+        # The name's rules (length, '/', valid UTF-8) are the handlers' (tierkv.manifest_names.check_name):
         # a bad name is InvalidNameError, a ValueError like the embedded store's.
         return cls(_get(h, "name", str), _get(h, "manifest", (dict, type(None)), None))
 

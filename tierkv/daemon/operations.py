@@ -1,9 +1,11 @@
 """The operations handlers: requests that work across every layout the daemon serves
 rather than on a connection's own pages (chains by their last key, manifests, invalidate,
-verify, stats, ping, check_integrity). :class:`~tierkv.daemon.handlers.Handlers` inherits
-them; it owns the state they use (``layouts``, ``config``, ``tenancy``, ``run``, ``stores``,
-``namespace_for``, ``pin_guard``, ``daemon_stats``). Split out of handlers.py, which keeps
-the hot path (HELLO, lookup, acquire, release, staging, commit) and the lease bookkeeping.
+verify, stats, ping, check_integrity). The rules across layouts are the home's
+(:class:`tierkv.home.Home`, run here on a view of the daemon's stores with the connection's
+own first), so ``--home`` and ``--socket`` answer alike; what is added here is the tenant's
+view (tenancy.py) and the wire. :class:`~tierkv.daemon.handlers.Handlers` inherits them; it
+owns the state they use (``layouts``, ``config``, ``tenancy``, ``run``, ``stores``,
+``namespace_for``, ``pin_guard``, ``daemon_stats``).
 """
 from __future__ import annotations
 
@@ -11,11 +13,10 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ..blocks import Priority
-from ..errors import ConfigError, LayoutInUseError, NotFoundError, ProtocolError
+from ..errors import LayoutInUseError, NotFoundError, ProtocolError
 from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
 from . import messages as m
-from .layout_stats import merge_stats
-from .layouts import layout_id
+from ..home.home import Home
 
 # The largest page of namespaces one stats reply carries, whatever the client asks: at
 # ~100 bytes a name (with each layout's copy) it stays far below the 16 MiB payload limit.
@@ -28,22 +29,16 @@ Reply = tuple[dict[str, Any], bytes]
 
 
 class OperationHandlers:
-    def _chain(self, conn: "Connection", last_key: bytes) -> tuple[Any, Any]:
-        """(store, ChainTokens) of the layout whose store holds the chain ending at
-        ``last_key`` (keys are unique across layouts: the model version names the layout).
-        Runs in a worker thread. NotFoundError when no store holds it."""
-        for st in self.stores(conn):
-            try:
-                return st, st.chain_tokens(last_key)
-            except NotFoundError:
-                continue
-        raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
+    def home_view(self, conn: "Connection") -> Home:
+        """Every store this daemon serves as one home, the connection's own first (where a
+        manifest naming no layout goes, and whose manifest wins a name two stores hold)."""
+        return Home(self.layouts.home, self.stores(conn), own=None if conn.entry is None else conn.entry.store)
 
     async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[Any, Any, str, str]:
         """Store, tokens, model version and namespace (as the client names it) of the chain
         ending at ``last_key``. With ``namespace_per_uid`` a chain of another uid's namespace
         is reported as not stored: a key must not let one tenant read or pin another's."""
-        st, (tokens, mv, ns) = await self.run(self._chain, conn, last_key)
+        st, (tokens, mv, ns) = await self.run(self.home_view(conn).find_chain, last_key)
         if self.config.namespace_per_uid:
             own = self.namespace_for(conn, "")
             if not ns.startswith(own):
@@ -79,37 +74,12 @@ class OperationHandlers:
         uid = conn.creds.uid
         name = self.tenancy.manifest_name(uid, msg.name)
         manifest = self.tenancy.stored_manifest(uid, msg.manifest)  # its namespace: where its blocks are
-        await self.run(self._manifest_store(conn, manifest).save_manifest, name, manifest)
+        await self.run(self.home_view(conn).save_manifest, name, manifest)
         return {}, b""
-
-    def _manifest_store(self, conn: "Connection", manifest: dict) -> Any:
-        """Where a manifest is saved: the store of the layout it names (``layout``, as
-        materialize writes), else the connection's own, else the only one."""
-        raw = manifest.get("layout")
-        if isinstance(raw, dict):
-            try:
-                entry = self.layouts.get(layout_id(m.layout_from_wire(raw)))
-            except ProtocolError:
-                entry = None
-            if entry is not None:
-                return entry.store
-        entry = conn.entry or self.layouts.only()
-        if entry is None:
-            raise ConfigError("the manifest names no layout this daemon serves, and this connection declared none",
-                              hint="connect with tierkv.connect(socket, layout=...) before saving a manifest")
-        return entry.store
-
-    def _all_manifests(self, conn: "Connection") -> dict[str, tuple[Any, dict]]:
-        """Stored name -> (store, manifest) over every layout; the connection's own store wins
-        a name two stores hold. Runs in a worker thread."""
-        out: dict[str, tuple[Any, dict]] = {}
-        for st in reversed(self.stores(conn)):
-            out.update({k: (st, v) for k, v in st.list_manifests().items()})
-        return out
 
     async def get_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
         uid = conn.creds.uid
-        every = await self.run(self._all_manifests, conn)
+        every = await self.run(self.home_view(conn).manifests)
         hit = every.get(self.tenancy.manifest_name(uid, msg.name))
         if hit is None:
             # A tenant learns only its own names.
@@ -119,7 +89,7 @@ class OperationHandlers:
 
     async def list_manifests(self, conn: "Connection", msg: m.Empty) -> Reply:
         uid = conn.creds.uid
-        every = await self.run(self._all_manifests, conn)
+        every = await self.run(self.home_view(conn).manifests)
         mine = self.tenancy.visible_manifests(uid, {k: v for k, (_, v) in every.items()})
         return {"manifests": {k: self.tenancy.visible_manifest(uid, v) for k, v in mine.items()}}, b""
 
@@ -139,35 +109,33 @@ class OperationHandlers:
         removed = freed = 0
         if msg.model_version is None and targets == [None]:
             raise ValueError("invalidate needs model_version or namespace")
-        for st in self.stores(conn):
-            for ns in targets:
-                r: InvalidateResult = await self.run(st.invalidate, model_version=msg.model_version, namespace=ns,
-                                                     dry_run=msg.dry_run)
-                removed += r.removed_blocks
-                freed += r.freed_bytes
+        view = self.home_view(conn)
+        for ns in targets:
+            r: InvalidateResult = await self.run(view.invalidate, model_version=msg.model_version, namespace=ns,
+                                                 dry_run=msg.dry_run)
+            removed += r.removed_blocks
+            freed += r.freed_bytes
         return {"removed_blocks": removed, "freed_bytes": freed, "dry_run": msg.dry_run}, b""
 
     async def gc(self, conn: "Connection", msg: m.Gc) -> Reply:
         """``tierkv gc --socket``: tierkv.gc's rule run here, over every store this daemon
-        serves as one (HomeStores, as ``gc --home`` sees the home), so that it sees every
+        serves as one (Home, as ``gc --home`` sees the home), so that it sees every
         tenant's manifests and namespaces. Through a connection's tenant view it found no
         model version (hidden from tenants) and removed nothing without a word (issue #34,
         item 5). Removing other tenants' blocks is the daemon's uid's (NotPermittedError
         for a tenant under namespace_per_uid). The result (which can list many prefixes)
         travels as JSON in the payload, as stats does."""
         from ..gc import collect
-        from ..home_stores import HomeStores
 
         self.tenancy.check_whole_store(conn.creds.uid, "gc")
-        view = HomeStores(self.layouts.home, self.stores(conn))  # not closed: the stores are the daemon's
-        r = await self.run(collect, view, msg.keep_model_versions, msg.keep_namespaces, msg.dry_run)
+        r = await self.run(collect, self.home_view(conn), msg.keep_model_versions, msg.keep_namespaces, msg.dry_run)
         return {"format": "json"}, json.dumps(r.as_dict()).encode()
 
     async def verify(self, conn: "Connection", msg: m.Verify) -> Reply:
         self.tenancy.check_whole_store(conn.creds.uid, "verify")
-        results: list[VerifyResult] = [await self.run(st.verify, msg.repair) for st in self.stores(conn)]
-        return {"checked": sum(r.checked for r in results), "corrupt": [k for r in results for k in r.corrupt],
-                "repaired": msg.repair, "unreadable": [k for r in results for k in r.unreadable]}, b""
+        r: VerifyResult = await self.run(self.home_view(conn).verify, msg.repair)
+        return {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": msg.repair,
+                "unreadable": list(r.unreadable)}, b""
 
     async def stats(self, conn: "Connection", msg: m.Stats) -> Reply:
         s = await self.run(self.merged_stats)
@@ -193,8 +161,8 @@ class OperationHandlers:
     def merged_stats(self) -> dict[str, Any]:
         """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
         same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
-        per = {e.layout_id: e.store.stats().as_dict() for e in self.layouts.entries()}
-        return merge_stats(per, str(self.layouts.home))
+        entries = self.layouts.entries()
+        return Home(self.layouts.home, [e.store for e in entries]).merged_stats()
 
     async def remove_layout(self, conn: "Connection", msg: m.LayoutRef) -> Reply:
         """Remove a layout's store (``tierkv layouts rm``): refused while a connection is
@@ -219,9 +187,8 @@ class OperationHandlers:
         ``error`` is the first failure's message, or null. What ``tierkv verify`` runs on a
         home it opens, so that ``--socket`` checks as much as ``--home``."""
         self.tenancy.check_whole_store(conn.creds.uid, "check_integrity")
-        for st in self.stores(conn):
-            try:
-                await self.run(st.check_integrity)
-            except AssertionError as e:
-                return {"error": str(e) or "integrity check failed"}, b""
+        try:
+            await self.run(self.home_view(conn).check_integrity)
+        except AssertionError as e:
+            return {"error": str(e) or "integrity check failed"}, b""
         return {"error": None}, b""

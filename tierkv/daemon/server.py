@@ -49,7 +49,7 @@ import torch
 from ..config import StoreConfig
 from ..devices import resolve_device
 from ..errors import ConfigError
-from ..home import LentLock
+from ..home.lock import LentLock
 from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import default_shm_dir

@@ -25,10 +25,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidNameError, NotPermittedError
+from ..errors import NotPermittedError
+from ..manifest_names import MAX_NAME, check_name
 
-MAX_NAME = 200  # the store's manifest-name limit (operations.save_manifest), in characters
-MAX_NAME_BYTES = 400  # as UTF-8; LMDB refuses keys over 511 bytes (raw BadValsizeError before)
 
 
 @dataclass(frozen=True)
@@ -98,17 +97,3 @@ class Tenancy:
         if self.per_uid and uid != self.daemon_uid:
             raise NotPermittedError(f"{what} reads every tenant's blocks; under namespace_per_uid only the "
                                     f"daemon's uid ({self.daemon_uid}) may run it, not uid {uid}")
-
-
-def check_name(name: Any, max_len: int = MAX_NAME) -> None:
-    """InvalidNameError unless ``name`` is 1..max_len characters (at most MAX_NAME_BYTES
-    of UTF-8) without '/'. An empty or over-long name reached LMDB as a raw BadValsizeError
-    and a lone surrogate as a raw UnicodeEncodeError (issue 11, item 11)."""
-    if not isinstance(name, str) or not name or len(name) > max_len or "/" in name:
-        raise InvalidNameError(f"bad name {str(name)[:40]!r}: 1-{max_len} characters, no '/'")
-    try:
-        raw = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidNameError(f"bad name {name[:40]!r}: not valid UTF-8 (a lone surrogate?)") from None
-    if len(raw) > MAX_NAME_BYTES:
-        raise InvalidNameError(f"name of {len(raw)} UTF-8 bytes; at most {MAX_NAME_BYTES}")

@@ -15,8 +15,8 @@ import os
 import socket
 from pathlib import Path
 
-from .errors import DaemonOwnsHomeError, StoreLockedError
-from .layout import PageLayout
+from ..errors import DaemonOwnsHomeError, StoreLockedError
+from ..layout import PageLayout
 
 
 class HomeLock:
@@ -90,7 +90,7 @@ def peek_layout(home: Path) -> PageLayout | None:
     """The page layout recorded in the index under ``home``, read without opening the store
     or taking the home (so it works while another process owns it), or None when ``home``
     holds no store. The one home-layout peek (``tierkv.home_layout``, the daemon's layouts)."""
-    from .index import peek_meta
+    from ..index import peek_meta
 
     raw = peek_meta(Path(home) / "index", "layout")
     return None if raw is None else PageLayout.from_dict(json.loads(raw))
