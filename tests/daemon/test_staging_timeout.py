@@ -56,7 +56,7 @@ def test_a_silent_holder_loses_its_staging_and_its_late_commit_stores_nothing(wo
         theirs = prompt(48, seed=2)
         with tierkv.connect(sock) as c:
             capacity = d.call(lambda: d.daemon.layouts.only().staging.slots.capacity)
-            held = [int(s) for s in c._call(Op.STAGE, m.Stage(capacity))["slots"]]  # the whole region
+            held = [int(s) for s in c._transport.call(Op.STAGE, m.Stage(capacity))["slots"]]  # the whole region
             mine = prompt(16 * capacity, seed=1)
             c._write_staging(held, pages_for(capacity, 1))
             assert used(d) == capacity
@@ -74,7 +74,7 @@ def test_a_silent_holder_loses_its_staging_and_its_late_commit_stores_nothing(wo
             assert "ok" in got, got
             assert got["ok"]["equal"] and got["ok"]["took"] < 6
             with pytest.raises(StagingExpiredError, match="staging_timeout_s"):
-                c._call(Op.COMMIT, m.Commit(m.WireScope.of(SCOPE), mine, tuple(held), 0, None, 1))
+                c._transport.call(Op.COMMIT, m.Commit(m.WireScope.of(SCOPE), mine, tuple(held), 0, None, 1))
             assert c.lookup(mine, SCOPE).tokens_matched == 0  # nothing of the late commit stored
             with c.acquire(theirs, SCOPE) as lease:  # the other uid's put has its own bytes
                 assert torch.equal(lease.pages(), pages_for(3, 2))
