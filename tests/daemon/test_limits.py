@@ -14,7 +14,8 @@ from tierkv.daemon import messages as m
 from tierkv.daemon.protocol import Op, encode_frame, read_frame_sync
 from tierkv.errors import CapacityError, DaemonUnavailableError
 
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import SCOPE, make_config, pages_for, prompt, wait_for
 
 
 def test_one_client_shared_by_threads(daemon):

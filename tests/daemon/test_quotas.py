@@ -21,7 +21,8 @@ from tierkv.daemon.quotas import Quotas
 from tierkv.errors import DaemonUnavailableError, QuotaExceededError
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import SCOPE, make_config, pages_for, prompt, wait_for
 
 
 def raw(d) -> socket.socket:

@@ -20,7 +20,8 @@ from tierkv.daemon.quotas import Quotas
 from tierkv.errors import StagingExpiredError
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import KiB, SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import KiB, SCOPE, make_config, pages_for, prompt, wait_for
 
 
 def used(d) -> int:
