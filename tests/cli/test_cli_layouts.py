@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -105,6 +104,7 @@ def test_removing_the_root_layout_keeps_the_others(llama_dir, repo, tmp_path):
 def daemon(llama_dir):
     """`tierkv serve`'s Daemon from a thread, serving a fresh home with the model's layout;
     yields a function that (re)starts it and the config."""
+    from helpers.daemons import DaemonThread
     from tierkv.daemon.config import DaemonConfig
     from tierkv.daemon.server import Daemon
 
@@ -113,20 +113,14 @@ def daemon(llama_dir):
     cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=layout, device="cpu",
                        device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm",
                        workers=2, max_layouts=4)
-    running: list[tuple[Daemon, threading.Thread]] = []
+    running: list[DaemonThread] = []
 
     def start() -> Daemon:
-        dm = Daemon(cfg, install_signals=False)
-        t = threading.Thread(target=dm.run, daemon=True)
-        t.start()
-        assert dm.ready.wait(30), "daemon did not start"
-        running.append((dm, t))
-        return dm
+        running.append(DaemonThread(cfg).start())
+        return running[-1].daemon
 
     def stop() -> None:
-        dm, t = running.pop()
-        dm.request_stop()
-        t.join(30)
+        running.pop().stop()
 
     try:
         yield start, stop, cfg

@@ -177,22 +177,18 @@ def test_materialize_generate_invalidate_through_a_daemon(llama_dir, repo, tmp_p
     generate warm through it, invalidate after a weight change, see it in `stats`."""
     import shutil
     import tempfile
-    import threading
     from pathlib import Path
 
+    from helpers.daemons import DaemonThread
     from tierkv.daemon.config import DaemonConfig
-    from tierkv.daemon.server import Daemon
-    from tierkv.hf import version_of
 
     layout, version = version_of(llama_dir)
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvmj-"))  # AF_UNIX paths are short
     cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=layout, device="cpu",
                        device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm", workers=2)
-    daemon = Daemon(cfg, install_signals=False)
-    thread = threading.Thread(target=daemon.run, daemon=True)
-    thread.start()
+    daemon = DaemonThread(cfg)
     try:
-        assert daemon.ready.wait(30), "daemon did not start"
+        daemon.start()
         sock = ("--socket", cfg.socket)
         made = run_json("materialize", repo, "--model", llama_dir, *sock, "--name", "repo", "--no-progress")
         assert made["stored_blocks"] == made["tokens"] // 16 > 0
@@ -208,8 +204,7 @@ def test_materialize_generate_invalidate_through_a_daemon(llama_dir, repo, tmp_p
         again = run_json("generate", *ask, *sock, "--prefix", "repo")
         assert again["cached_tokens"] == 0 and again["tokens"] == cold["tokens"]
     finally:
-        daemon.request_stop()
-        thread.join(30)
+        daemon.stop()
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 import tierkv
+from helpers.daemons import DaemonThread
 from tierkv import PageLayout, Scope
 from tierkv.identity import block_keys
 
@@ -51,42 +51,16 @@ def short_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
 
 
-class DaemonRunner:
-    """``tierkv serve`` in a thread of the test process, on its own home."""
+def run_daemon(workdir: Path, layout: PageLayout | None, **sizes: int) -> DaemonThread:
+    """``tierkv serve`` in a thread of the test process, on its own home, serving."""
+    from tierkv.daemon.config import DaemonConfig
 
-    def __init__(self, workdir: Path, layout: PageLayout | None, **sizes: int) -> None:
-        from tierkv.daemon.config import DaemonConfig
-        from tierkv.daemon.server import Daemon
-
-        opts: dict[str, Any] = dict(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
-                                    staging_bytes=256 * layout_slot(layout), client_staging_bytes=64 * layout_slot(layout),
-                                    shm_dir=workdir / "shm", workers=2, **{**SIZES, **sizes})
-        if "max_layouts" in DaemonConfig.__dataclass_fields__:
-            opts["max_layouts"] = 1  # the whole budget to the one layout, as the embedded store has it
-        self.config = DaemonConfig(**opts)
-        self.daemon = Daemon(self.config, install_signals=False)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.daemon.ready.wait(30), "daemon did not start"
-        if self.error is not None:
-            raise self.error
-
-    def _run(self) -> None:
-        try:
-            self.daemon.run()
-        except BaseException as e:  # noqa: BLE001 - surfaced by __init__
-            self.error = e
-            self.daemon.ready.set()
-
-    @property
-    def socket(self) -> Path:
-        return self.config.socket
-
-    def stop(self) -> None:
-        self.daemon.request_stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "daemon did not stop"
+    opts: dict[str, Any] = dict(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
+                                staging_bytes=256 * layout_slot(layout), client_staging_bytes=64 * layout_slot(layout),
+                                shm_dir=workdir / "shm", workers=2, **{**SIZES, **sizes})
+    if "max_layouts" in DaemonConfig.__dataclass_fields__:
+        opts["max_layouts"] = 1  # the whole budget to the one layout, as the embedded store has it
+    return DaemonThread(DaemonConfig(**opts)).start()
 
 
 def layout_slot(layout: PageLayout | None) -> int:
@@ -115,7 +89,7 @@ def open_impl(kind: str, workdir: Path, layout: PageLayout = LAYOUT, **sizes: in
         store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
         return Impl(kind, store, local=store)
     if kind == "daemon":
-        runner = DaemonRunner(workdir, layout, **sizes)
+        runner = run_daemon(workdir, layout, **sizes)
         try:
             client = tierkv.connect(runner.socket)
         except BaseException:

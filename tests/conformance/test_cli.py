@@ -22,7 +22,9 @@ import tierkv
 from tierkv import PageLayout, Scope, block_keys
 from tierkv.cli import main
 
-from .kit import DaemonRunner, pages_for, remove, short_dir
+from helpers.daemons import DaemonThread
+
+from .kit import pages_for, remove, run_daemon, short_dir
 
 pytestmark = pytest.mark.usefixtures("private_caches")
 MV_B = hashlib.sha256(b"conformance cli model b").hexdigest()
@@ -74,7 +76,7 @@ def fill(api: Any, layout: PageLayout, mv: str) -> None:
 @dataclass
 class Twins:
     home: Path
-    runner: DaemonRunner
+    runner: DaemonThread
     model_dir: Path
     layout: PageLayout
     mv: str
@@ -96,7 +98,7 @@ class Twins:
     def restart_daemon(self) -> None:
         workdir = self.runner.config.home.parent
         self.runner.stop()
-        self.runner = DaemonRunner(workdir, self.layout, **SIZES)
+        self.runner = run_daemon(workdir, self.layout, **SIZES)
 
 
 @pytest.fixture
@@ -110,7 +112,7 @@ def twins(llama_dir, monkeypatch, tmp_path):
     home = hdir / "home"
     with tierkv.open(home, layout, device="cpu", shm_dir=hdir / "shm", **SIZES) as s:
         fill(s, layout, mv)
-    runner = DaemonRunner(ddir, layout, **SIZES)
+    runner = run_daemon(ddir, layout, **SIZES)
     t = Twins(home, runner, llama_dir, layout, mv)
     try:
         with tierkv.connect(runner.socket) as c:
@@ -216,26 +218,14 @@ OTHER = PageLayout(num_layers=3, num_kv_heads=1, head_dim=32, block_size=32, dty
 MV_O = hashlib.sha256(b"conformance cli model o").hexdigest()
 
 
-class TwoLayoutDaemon(DaemonRunner):
-    """A daemon that serves two layouts on its home (DaemonRunner gives one layout the
-    whole budget, max_layouts=1)."""
+def run_two_layout_daemon(workdir: Path, layout: PageLayout) -> DaemonThread:
+    """A daemon that serves two layouts on its home (run_daemon gives one layout the whole
+    budget, max_layouts=1)."""
+    from tierkv.daemon.config import DaemonConfig
 
-    def __init__(self, workdir: Path, layout: PageLayout) -> None:
-        import threading
-
-        from tierkv.daemon.config import DaemonConfig
-        from tierkv.daemon.server import Daemon
-
-        self.config = DaemonConfig(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
-                                   staging_bytes=256 * layout.slot_bytes, client_staging_bytes=64 * layout.slot_bytes,
-                                   shm_dir=workdir / "shm", workers=2, max_layouts=2, **SIZES)
-        self.daemon = Daemon(self.config, install_signals=False)
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.daemon.ready.wait(30), "daemon did not start"
-        if self.error is not None:
-            raise self.error
+    return DaemonThread(DaemonConfig(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
+                                     staging_bytes=256 * layout.slot_bytes, client_staging_bytes=64 * layout.slot_bytes,
+                                     shm_dir=workdir / "shm", workers=2, max_layouts=2, **SIZES)).start()
 
 
 def fill_other(api: Any) -> None:
@@ -252,7 +242,7 @@ class TwoLayoutTwins(Twins):
     def restart_daemon(self) -> None:
         workdir = self.runner.config.home.parent
         self.runner.stop()
-        self.runner = TwoLayoutDaemon(workdir, self.layout)
+        self.runner = run_two_layout_daemon(workdir, self.layout)
 
 
 @pytest.fixture
@@ -272,7 +262,7 @@ def twins2(llama_dir, monkeypatch, tmp_path):
     assert store_home(home, OTHER) == home / "layouts" / "bfloat16-l3-h1-d32-b32"
     with tierkv.open(store_home(home, OTHER), OTHER, device="cpu", shm_dir=hdir / "shm", **SIZES) as s:
         fill_other(s)
-    runner = TwoLayoutDaemon(ddir, layout)
+    runner = run_two_layout_daemon(ddir, layout)
     t = TwoLayoutTwins(home, runner, llama_dir, layout, mv)
     try:
         with tierkv.connect(runner.socket, layout=layout) as c:

@@ -17,7 +17,8 @@ from tierkv.daemon.quotas import Quotas
 from tierkv.errors import QuotaExceededError
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import SCOPE, make_config, pages_for, prompt, wait_for
 
 OTHER = NOBODY - 1  # a third user
 

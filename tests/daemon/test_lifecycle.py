@@ -23,7 +23,8 @@ from tierkv.daemon.config import DaemonConfig, merge, read_config_file
 from tierkv.errors import ConfigError, DaemonUnavailableError, DiskWriteError, LayoutMismatchError, TierKVError
 from tierkv.layout import PageLayout
 
-from daemon_helpers import LAYOUT, SCOPE, DaemonThread, make_config, pages_for, prompt, spawn_daemon, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, SCOPE, make_config, pages_for, prompt, spawn_daemon, wait_for
 
 
 def put_until_stopped(sock, acked: list, stop: threading.Event) -> None:

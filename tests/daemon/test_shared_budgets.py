@@ -17,7 +17,8 @@ from tierkv import PageLayout, Scope
 from tierkv.cli import main
 from tierkv.home.directory import layout_id
 
-from daemon_helpers import LAYOUT, MiB, SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, MiB, SCOPE, make_config, pages_for, prompt, wait_for
 
 OTHER = PageLayout(num_layers=3, num_kv_heads=1, head_dim=32, block_size=32, dtype="bfloat16")
 SCOPE_B = Scope("cd" * 32, "tenant-b")

@@ -20,7 +20,8 @@ from tierkv.daemon.quotas import Quotas
 from tierkv.errors import StagingExpiredError
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import KiB, SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import KiB, SCOPE, make_config, pages_for, prompt, wait_for
 
 
 def used(d) -> int:
@@ -56,7 +57,7 @@ def test_a_silent_holder_loses_its_staging_and_its_late_commit_stores_nothing(wo
         theirs = prompt(48, seed=2)
         with tierkv.connect(sock) as c:
             capacity = d.call(lambda: d.daemon.layouts.only().staging.slots.capacity)
-            held = [int(s) for s in c._call(Op.STAGE, m.Stage(capacity))["slots"]]  # the whole region
+            held = [int(s) for s in c._transport.call(Op.STAGE, m.Stage(capacity))["slots"]]  # the whole region
             mine = prompt(16 * capacity, seed=1)
             c._write_staging(held, pages_for(capacity, 1))
             assert used(d) == capacity
@@ -74,7 +75,7 @@ def test_a_silent_holder_loses_its_staging_and_its_late_commit_stores_nothing(wo
             assert "ok" in got, got
             assert got["ok"]["equal"] and got["ok"]["took"] < 6
             with pytest.raises(StagingExpiredError, match="staging_timeout_s"):
-                c._call(Op.COMMIT, m.Commit(m.WireScope.of(SCOPE), mine, tuple(held), 0, None, 1))
+                c._transport.call(Op.COMMIT, m.Commit(m.WireScope.of(SCOPE), mine, tuple(held), 0, None, 1))
             assert c.lookup(mine, SCOPE).tokens_matched == 0  # nothing of the late commit stored
             with c.acquire(theirs, SCOPE) as lease:  # the other uid's put has its own bytes
                 assert torch.equal(lease.pages(), pages_for(3, 2))

@@ -12,7 +12,8 @@ from tierkv import Priority
 from tierkv.transfer import Trust, export_prefix, import_bundle
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt
+from helpers.daemons import DaemonThread
+from daemon_helpers import SCOPE, make_config, pages_for, prompt
 
 
 def every_page(header, tokens, chunks) -> None:

@@ -22,7 +22,8 @@ from tierkv.cli.common import OPS_STORE_OPTIONS
 from tierkv.home import Home
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import LAYOUT, SCOPE, DaemonThread, make_config, pages_for, prompt
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, SCOPE, make_config, pages_for, prompt
 
 OTHER = NOBODY - 1  # an uid the daemon does not admit
 

@@ -14,7 +14,8 @@ from tierkv.cli import main
 from tierkv.home.directory import layout_id
 from tierkv.hf import version_of
 
-from daemon_helpers import DaemonThread, make_config
+from helpers.daemons import DaemonThread
+from daemon_helpers import make_config
 
 pytestmark = pytest.mark.usefixtures("private_caches")
 

@@ -73,7 +73,7 @@ def corrupt_one_page(store, rng: random.Random, acked: list[int], seed: int) -> 
             for key in block_keys(tokens, scope, BS):
                 b = store.placement.table.get(key)
                 if b is not None and set(b.loc) == {TierName.DISK} and not b.leases and not b.busy:
-                    seg, off = store.disk._offset(b.loc[TierName.DISK])[::2]
+                    seg, off = store.disk.files.offset(b.loc[TierName.DISK])[::2]
                     print(f"CORRUPT {i}", flush=True)  # logged first: the chain may be lost now
                     fd = os.open(seg.path, os.O_RDWR)
                     try:
@@ -144,7 +144,7 @@ def mode_torture(shm: str, home: str, seed: str, ops: str, small: str = "0", wb:
 # quarantine. Each is hooked where it is called (the name as its caller looks it up), never
 # process-wide: ``pwrite_all`` as the disk tier looks it up is its page write.
 HOOKS = {
-    "segment-create": ("tierkv.tiers.disk", "create_segment"),  # a new segment file, renamed, dir synced
+    "segment-create": ("tierkv.tiers.disk_files", "create_segment"),  # a new segment file, renamed, dir synced
     "segment-dir-sync": ("tierkv.tiers.segments", "fsync_dir"),  # segment renamed, directory not yet synced
     "page-run-write": ("tierkv.tiers.disk", "pwrite_all"),  # one run of pages, not synced
     "records-write": ("tierkv.tiers.disk", "write_run_records"),  # pages written, records next, nothing synced
@@ -155,7 +155,7 @@ HOOKS = {
     "write-back": ("tierkv.placement.Placement", "_write_back"),
     "index-delete": ("tierkv.index.Index", "delete_blocks"),  # after: deleted, slot not freed
     "slot-free": ("tierkv.tiers.disk.DiskTier", "free"),
-    "record-wipe": ("tierkv.tiers.disk.DiskTier", "_wipe_record"),
+    "record-wipe": ("tierkv.tiers.disk", "wipe_record"),
     "invalidate": ("tierkv.operations.StoreOperations", "invalidate"),  # after: done, not acknowledged
     "retire": ("tierkv.placement.Placement", "retire"),
     "quarantine": ("tierkv.placement.Placement", "quarantine"),

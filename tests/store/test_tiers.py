@@ -424,7 +424,7 @@ def test_disk_reads_leave_no_copy_in_the_page_cache(make_store, home, direct_rea
         assert lease.num_blocks == 6
         assert_lease_exact(lease)
     for loc in locs:
-        seg, _, off = store.disk._offset(loc)
+        seg, _, off = store.disk.files.offset(loc)
         assert _cached_pages(seg.path, off, store.disk.slot_bytes) == 0
 
 
@@ -483,7 +483,7 @@ def test_read_many_reads_runs_in_flight_and_fails_only_after_every_read_has_ende
         ended: list[float] = []
 
         def preadv(fd, bufs_, off):
-            if off == tier._offset(locs[0])[2]:
+            if off == tier.files.offset(locs[0])[2]:
                 raise OSError(5, "EIO")
             _time.sleep(0.05)
             n = real(fd, bufs_, off)

@@ -98,7 +98,6 @@ class DaemonConfig:
     publish_puts: bool = False  # every normal put too
     write_back_evicted: bool = False  # blocks leaving this node's last tier
     local_only_namespaces: tuple[str, ...] = ()  # neither published nor fetched
-    extra: dict[str, str] = field(default_factory=dict, compare=False)
     # Where each field's value came from ("flag", "env TIERKV_X", "file PATH", "default"):
     # resolve() fills it; the daemon reports it in its stats (`tierkv config show --socket`).
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -237,7 +236,7 @@ _PATHS = ("home", "socket", "pid_file", "shm_dir")
 
 
 ENV_PREFIX = "TIERKV_"
-_NOT_IN_ENV = frozenset({"quotas", "extra", "sources"})
+_NOT_IN_ENV = frozenset({"quotas", "sources"})
 _TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
 assert HOME_ENV == ENV_PREFIX + "HOME" and SOCKET_ENV == ENV_PREFIX + "SOCKET"  # the scheme's two oldest
 
@@ -348,7 +347,7 @@ def shown(cfg: DaemonConfig) -> dict[str, dict[str, str]]:
     """Every field as text with its source: what ``tierkv config show`` prints."""
     out: dict[str, dict[str, str]] = {}
     for f in fields(cfg):
-        if f.name in ("extra", "sources"):
+        if f.name == "sources":
             continue
         value = getattr(cfg, f.name)
         if isinstance(value, PageLayout):

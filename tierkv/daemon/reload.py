@@ -63,7 +63,7 @@ AT_RESTART: dict[str, str] = {
                          "(see tierkv/daemon/reload.py)",
     **{name: "the remote tier is joined when the daemon starts" for name in REMOTE_FIELDS},
 }
-NOT_SETTINGS = ("extra", "sources")  # where values came from, not what they are
+NOT_SETTINGS = ("sources",)  # where values came from, not what they are
 
 
 @dataclass(frozen=True)

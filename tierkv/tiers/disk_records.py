@@ -1,6 +1,7 @@
 """Slot records on disk: each page's record (what the index holds for it, segments.py)
-written beside the page, by the disk tier's write (:func:`write_run_records`) and rewritten
-after a priority change (:func:`rewrite_records`). Buffered writes: records are small and
+written beside the page, by the disk tier's write (:func:`write_run_records`), rewritten
+after a priority change (:func:`rewrite_records`) and wiped when the slot is freed
+(:func:`wipe_record`). Buffered writes: records are small and
 not 4 KiB-aligned, so O_DIRECT does not apply."""
 from __future__ import annotations
 
@@ -55,3 +56,19 @@ def rewrite_records(segs: dict[int, Segment], records: Sequence[tuple[int, bytes
                 os.close(fd)
     except OSError as e:
         log.warning("could not rewrite slot records: %s", e)
+
+
+def wipe_record(seg: Segment, index: int) -> None:
+    """Zero a freed slot's record, so that rebuilding the index from the segments does not
+    bring the block back. Not synced and best effort: a crash or an I/O error here at
+    worst lets a rebuild restore a deleted block, whose bytes are still exactly its key's."""
+    if not seg.header.record_bytes:
+        return
+    try:
+        fd = os.open(seg.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, bytes(seg.header.record_bytes), seg.header.record_offset(index))
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("could not wipe the record of a freed slot in %s: %s", seg.path.name, e)
