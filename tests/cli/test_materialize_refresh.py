@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,21 +29,16 @@ def target(request, llama_dir, tmp_path):
     if request.param == "home":
         yield ("--home", str(tmp_path / "home"))
         return
+    from helpers.daemons import DaemonThread
     from tierkv.daemon.config import DaemonConfig
-    from tierkv.daemon.server import Daemon
 
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvrf-"))  # AF_UNIX paths are short
     cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=version_of(llama_dir)[0], device="cpu",
                        device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm", workers=2)
-    daemon = Daemon(cfg, install_signals=False)
-    thread = threading.Thread(target=daemon.run, daemon=True)
-    thread.start()
-    assert daemon.ready.wait(30), "daemon did not start"
     try:
-        yield ("--socket", str(cfg.socket))
+        with DaemonThread(cfg):
+            yield ("--socket", str(cfg.socket))
     finally:
-        daemon.request_stop()
-        thread.join(30)
         shutil.rmtree(d, ignore_errors=True)
 
 
