@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent
 # package would import torch, which the build environment does not have.
 compiled = runpy.run_path(str(ROOT / "tierkv" / "compiled.py"))
 SOURCES = {m: compiled["source"](m) for m in compiled["MODULES"]}  # module -> path from the root
+PLAN = compiled["plan"](sys.argv[1:], os.environ)
 # What this run decided when it did not compile (BuildPy records it): None when it compiles
 # (BuildExt records the outcome) or builds nothing.
 NOT_BUILT: dict | None = None
@@ -45,6 +46,13 @@ NOT_BUILT: dict | None = None
 def warn(message: str) -> None:
     # stderr, which pip shows only with -v: the manifest keeps the outcome for tierkv --version.
     print(f"\ntierkv: WARNING: {message}\n", file=sys.stderr)
+
+
+def read_manifest(package_dir: Path) -> object:
+    try:
+        return json.loads((package_dir / compiled["MANIFEST"]).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def write_manifest(package_dir: Path, manifest: dict) -> None:
@@ -57,7 +65,9 @@ class BuildPy(build_py):
         super().run()
         editable = getattr(self, "editable_mode", False)
         if NOT_BUILT is not None:  # in the source tree for an editable install, else in the wheel
-            write_manifest(ROOT / "tierkv" if editable else Path(self.build_lib) / "tierkv", NOT_BUILT)
+            package_dir = ROOT / "tierkv" if editable else Path(self.build_lib) / "tierkv"
+            if not compiled["keeps_earlier_build"](read_manifest(package_dir), PLAN):
+                write_manifest(package_dir, NOT_BUILT)
         if editable:
             return  # an editable install reads kernels/ in place
         dest = Path(self.build_lib) / "tierkv" / "kernels"
@@ -89,10 +99,9 @@ class BuildExt(build_ext):
 def native_extensions() -> list:
     """mypyc's extensions for this run, or [] with NOT_BUILT set to the reason."""
     global NOT_BUILT
-    plan = compiled["plan"](sys.argv[1:], os.environ)
-    if not plan.compile:
-        if plan.reason != "not a build command":
-            NOT_BUILT = compiled["not_built"](plan.reason, failed=False)
+    if not PLAN.compile:
+        if PLAN.reason != "not a build command":
+            NOT_BUILT = compiled["not_built"](PLAN.reason, failed=False)
         return []
     try:
         from mypyc.build import mypycify

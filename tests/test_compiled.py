@@ -34,6 +34,18 @@ def test_wheels_compile_editable_installs_only_when_asked(argv, env, expected):
     assert tuple(compiled.plan(argv, env)) == expected
 
 
+def test_an_editable_install_that_skips_the_compile_keeps_an_earlier_build():
+    earlier = compiled.built({"tierkv.blocks": "00" * 32})
+    skipped = compiled.plan(["editable_wheel"], {})
+    assert compiled.keeps_earlier_build(earlier, skipped)
+    assert not compiled.keeps_earlier_build(None, skipped)  # nothing built before: record the skip
+    assert not compiled.keeps_earlier_build(compiled.not_built("CompileError: gcc", failed=True), skipped)
+    # Plain Python asked for outright: the earlier build is turned off (native.py then
+    # imports its modules from source).
+    assert not compiled.keeps_earlier_build(earlier, compiled.plan(["editable_wheel"], {"TIERKV_PURE_PYTHON": "1"}))
+    assert not compiled.keeps_earlier_build(earlier, compiled.plan(["bdist_wheel"], {"TIERKV_PURE_PYTHON": "1"}))
+
+
 def _run_setup(monkeypatch, argv: list[str], env: dict[str, str], mypycify=None) -> dict:
     """setup.py's globals after a run with ``argv``, ``setup()`` itself replaced (nothing is
     built): what it would hand setuptools, and the manifest it would record."""

@@ -18,13 +18,14 @@ import sys
 from typing import Mapping, NamedTuple, Sequence
 
 # The modules a put, a lookup and an eviction run through, per block (issue #12's replay,
-# the daemon's requests). Each must pass ``mypy --strict``: the compiled code checks argument
-# and attribute types at run time where plain Python would not. Not placement.py: the crash
-# and fault tests hook its methods (tests/store/child.py), and calls inside a compiled class
-# bypass a hook set on the class.
+# the daemon's requests), and ``faults``, whose unarmed checks they call (a call between
+# compiled modules is a C call). Each must pass ``mypy --strict``: the compiled code checks
+# argument and attribute types at run time where plain Python would not. A compiled class
+# cannot be patched at run time, nor its calls to its own methods hooked: tests make these
+# modules fail or crash at named fault points instead (tierkv/faults.py).
 MODULES: tuple[str, ...] = (
-    "tierkv.blocks", "tierkv.checksum", "tierkv.holds", "tierkv.ingest", "tierkv.leasing", "tierkv.policy",
-    "tierkv.policy_mix", "tierkv.tiers.base",
+    "tierkv.blocks", "tierkv.checksum", "tierkv.faults", "tierkv.holds", "tierkv.ingest", "tierkv.leasing",
+    "tierkv.matching", "tierkv.placement", "tierkv.policy", "tierkv.policy_mix", "tierkv.tiers.base",
 )
 MANIFEST = "_native.json"  # written by setup.py beside the package; read by tierkv/native.py
 
@@ -71,6 +72,15 @@ def plan(argv: Sequence[str], env: Mapping[str, str]) -> BuildPlan:
     if commands & EDITABLE_COMMANDS and not flag(env, "TIERKV_COMPILE"):
         return BuildPlan(False, EDITABLE_SKIPPED)
     return BuildPlan(True, "")
+
+
+def keeps_earlier_build(earlier: object, plan: BuildPlan) -> bool:
+    """Whether a run that does not compile leaves the manifest ``earlier`` of the same tree
+    as it is: an editable install skipping the compile keeps a build made before with
+    TIERKV_COMPILE=1 (tierkv/native.py still checks it against the sources at every
+    import). Else a second editable install of one tree, such as scripts/ci_vllm.sh's venv,
+    would turn the first one's compiled modules off."""
+    return plan.reason == EDITABLE_SKIPPED and isinstance(earlier, dict) and "sources" in earlier
 
 
 def built(digests: Mapping[str, str]) -> dict[str, object]:
