@@ -48,6 +48,11 @@ def warn(message: str) -> None:
     print(f"\ntierkv: WARNING: {message}\n", file=sys.stderr)
 
 
+def short(reason: str, limit: int = 160) -> str:
+    # A compiler's error carries its whole command line: tierkv --version shows one line.
+    return reason if len(reason) <= limit else reason[:limit] + "... (pip install -v shows the rest)"
+
+
 def read_manifest(package_dir: Path) -> object:
     try:
         return json.loads((package_dir / compiled["MANIFEST"]).read_text())
@@ -90,7 +95,7 @@ class BuildExt(build_ext):
             super().run()
         except Exception as exc:  # no compiler, no headers: the pure-Python package still works
             warn(f"compiling the metadata path failed ({exc}); installing it as plain Python")
-            write_manifest(out, compiled["not_built"](f"{type(exc).__name__}: {exc}", failed=True))
+            write_manifest(out, compiled["not_built"](short(f"{type(exc).__name__}: {exc}"), failed=True))
             return
         digests = {m: hashlib.sha256((ROOT / path).read_bytes()).hexdigest() for m, path in SOURCES.items()}
         write_manifest(out, compiled["built"](digests))
@@ -125,7 +130,7 @@ def native_extensions() -> list:
         errors = [line for line in printed.getvalue().splitlines() if ": error:" in line]
         first = errors[0] if errors else repr(exc)
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        NOT_BUILT = compiled["not_built"](f"mypyc: {first}{more}", failed=True)
+        NOT_BUILT = compiled["not_built"](short(f"mypyc: {first}") + more, failed=True)
         warn(f"mypyc refused the metadata path ({first}{more}); installing it as plain Python")
         return []
     finally:
