@@ -17,6 +17,7 @@ from .checksum import page_checksum
 from .errors import NotFoundError
 from .manifest_names import check_name
 from .identity import as_token_array
+from .matching import match_chain
 from .placement import Placement
 from .results import (
     ChainTokens, CounterStats, InvalidateResult, Residency, StoreStats, TierStats, VerifyResult, namespace_page,
@@ -44,7 +45,7 @@ class StoreOperations:
         number of blocks changed. Pinned blocks are written to disk if they are not yet."""
         arr = as_token_array(tokens)
         with self._lock:
-            chain = self.placement.match(arr, scope, None)
+            chain = match_chain(self.placement, arr, scope, None)
             return self._set_priority_blocks(chain, priority)
 
     def set_priority_from(self, last_key: bytes, priority: Priority) -> int:

@@ -33,6 +33,7 @@ from .home.lock import HomeLock, LentLock
 from .identity import Scope, as_token_array
 from .index import NO_DISK, Index
 from .layout import PageLayout
+from .matching import match_chain
 from .ingest import Ingest
 from .operations import StoreOperations
 from .placement import Placement
@@ -189,7 +190,7 @@ class Store(StoreAPI):
         arr = as_token_array(tokens)
         t0 = time.perf_counter()
         with self._lock:
-            chain = self.placement.match(arr, scope, block_extra)
+            chain = match_chain(self.placement, arr, scope, block_extra)
             tiers = tuple(b.top for b in chain)
             self.placement.stats_counters.record_lookup(len(arr) // self.layout.block_size, tiers,
                                                         time.perf_counter() - t0)
