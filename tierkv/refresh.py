@@ -45,18 +45,13 @@ DEFAULT_MAX_STALE = 0.25  # of the document's bytes: past it, an append compacts
 class Arranged:
     """A document to prefill: its token ids and the manifest fields that say how they were
     made (``order``, ``sources``, ``appended``, ``stale_bytes``, ``document_sha256``), so that
-    :func:`prefix_tokens` can make the same ids again."""
+    :func:`tierkv.materialize.load_prefix` can give the same ids back."""
 
     document: Document
     tokens: list[int]
     record: dict[str, Any]
     mode: str  # "new", "unchanged", "append", "reorder" or "compact"
     changes: Changes = field(default_factory=Changes)
-
-
-def fresh(lm: "LoadedModel", document: Document, options: DocumentOptions) -> Arranged:
-    """A document prefilled as it is (a new name, or options that changed)."""
-    return Arranged(document, lm.encode_document(document.text), _record(document, options), "new")
 
 
 def _record(document: Document, options: DocumentOptions, **extra: Any) -> dict[str, Any]:
