@@ -1,6 +1,7 @@
-"""The three implementations of :class:`tierkv.api.StoreAPI` the conformance suite runs
-against: the embedded store, a client of a daemon serving from a thread of this process,
-and a :class:`~tierkv.cluster.ClusterNode` over the in-process fake cluster."""
+"""The implementations of :class:`tierkv.api.StoreAPI` the conformance suite runs against:
+the embedded store, a :class:`~tierkv.home.Home` over it (what ``--home`` commands open), a
+client of a daemon serving from a thread of this process, and a
+:class:`~tierkv.cluster.ClusterNode` over the in-process fake cluster."""
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,7 @@ from helpers.daemons import DaemonThread
 from tierkv import PageLayout, Scope
 from tierkv.identity import block_keys
 
-KINDS = ("embedded", "daemon", "cluster")
+KINDS = ("embedded", "home", "daemon", "cluster")
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 BS = LAYOUT.block_size
 MV_A = hashlib.sha256(b"conformance model a").hexdigest()
@@ -88,6 +89,11 @@ def open_impl(kind: str, workdir: Path, layout: PageLayout = LAYOUT, **sizes: in
     if kind == "embedded":
         store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
         return Impl(kind, store, local=store)
+    if kind == "home":  # a home's stores as one (what --home commands open): here the one layout's
+        from tierkv.home import Home
+
+        store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
+        return Impl(kind, Home(workdir / "home", [store]), local=store)
     if kind == "daemon":
         runner = run_daemon(workdir, layout, **sizes)
         try:

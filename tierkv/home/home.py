@@ -101,6 +101,10 @@ class Home(StoreAPI):
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:
         return self._only().prefetch(tokens, scope, block_extra)
 
+    def block_keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, n_blocks: int | None = None,
+                   block_extra: Sequence[Sequence[str | bytes]] | None = None) -> list[bytes]:
+        return self._only().block_keys(tokens, scope, n_blocks, block_extra)
+
     def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
             start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
             priority: Priority = Priority.NORMAL) -> PutResult:
