@@ -300,6 +300,12 @@ def test_home_commands_reach_every_layout_as_the_daemon_does(twins2):
     assert twins2.same("invalidate", "--model-version", MV_B, "--dry-run")["removed_blocks"] == 6
     assert twins2.same("invalidate", "--namespace", "t2", "--dry-run")["removed_blocks"] == 5
     assert twins2.same("gc", "--dry-run")["removed_blocks"] == 3 + 6
+    # A model directory names its own version under every layout it is served in (issue #32:
+    # both failed through a daemon serving several layouts, "holds no tierkv store").
+    by_model = twins2.same("invalidate", "--model", twins2.model_dir, "--dry-run")
+    assert twins2.mv in by_model["model_versions"] and by_model["removed_blocks"] == s["model_versions"][twins2.mv]
+    kept = twins2.same("gc", "--keep-model", twins2.model_dir, "--dry-run")
+    assert kept["removed_blocks"] < 3 + 6 + 9
     # route picks the model's layout on a node serving two (before: the daemon node could
     # not answer a client that declared none).
     toks = twins2.home.parent / "docs.json"
