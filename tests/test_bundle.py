@@ -18,7 +18,7 @@ from tierkv.bundle import (
     BUNDLE_VERSION, END, MAGIC, BundleError, BundleHeader, BundleReader, page_digest, read_header, verify_bundle,
     write_bundle,
 )
-from tierkv.keys import Keyring
+from tierkv.signing import Keyring
 from tierkv.transfer import Trust, UntrustedBundleError, export_prefix, import_bundle
 from tierkv.errors import CapacityError, LayoutMismatchError, ModelVersionMismatchError
 

@@ -85,7 +85,7 @@ def write_bundle(path: Path, header: BundleHeader, tokens: np.ndarray, pages: It
                  signer: Signer | None = None) -> int:
     """Write a bundle to ``path`` (via a temp file, fsynced, then renamed, so a failed
     export never leaves a half bundle under the final name), signed by ``signer`` when one
-    is given (:meth:`tierkv.keys.Keyring.sign`). Returns the file size."""
+    is given (:meth:`tierkv.signing.Keyring.sign`). Returns the file size."""
     _check_byteorder()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -268,7 +268,7 @@ class BundleReader:
             return  # unsigned
         if extra or got != len(trailer) or trailer[:8] != SIG or self.version < 2:
             raise BundleError(f"{self.path} has data after its end marker that is not a signature")
-        from .keys import verify_signature
+        from .signing import verify_signature
 
         public, signature = bytes(trailer[8:40]), bytes(trailer[40:])
         if not verify_signature(public, signature, SIGNED_DOMAIN + content):

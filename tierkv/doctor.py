@@ -193,8 +193,8 @@ def check_socket(cfg: DaemonConfig) -> Check:
 def check_keyring(keys_dir: Path) -> Check:
     """The keyring decides which bundles ``import`` trusts: another user able to write it
     could add a trusted key; one able to read ``signing.key`` could sign as this user. The
-    rule is tierkv.keys's, which every read and write of the keyring enforces too."""
-    from .keys import keyring_problems
+    rule is tierkv.signing's, which every read and write of the keyring enforces too."""
+    from .signing import keyring_problems
 
     if not keys_dir.exists():
         return Check("keyring", OK, f"{keys_dir}: no keyring yet (made 0700 on the first `tierkv keys generate`)")

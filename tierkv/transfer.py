@@ -89,7 +89,7 @@ class ImportResult:
 
 def export_prefix(store: "StoreAPI", name: str, path: Path, signer: Signer | None = None) -> ExportResult:
     """Write the prefix named ``name`` (a manifest) from ``store`` (a Store or a Client) to
-    ``path``, signed by ``signer`` (:meth:`tierkv.keys.Keyring.sign`) when given. Raises
+    ``path``, signed by ``signer`` (:meth:`tierkv.signing.Keyring.sign`) when given. Raises
     NotFoundError when the manifest is unknown or its chain is not fully stored,
     CapacityError when the device tier cannot lease the whole prefix."""
     manifest = store.get_manifest(name)

@@ -214,7 +214,7 @@ def test_slot_allocator_hands_out_the_lowest_free_slot_whatever_the_free_order()
 
 
 def test_disk_slots_go_where_the_old_scan_put_them(tmp_path):
-    """DiskTier.alloc finds its slot through heaps (tierkv/tiers/disk_rooms.py); it must give
+    """DiskTier.alloc finds its slot through heaps (tierkv/tiers/free_slots.py); it must give
     exactly what sorting every segment and scanning its slots gave: the lowest segment of
     the model version with room below the limit, its lowest free slot, else a new segment
     at the lowest free id. Random allocs and frees of two model versions, a lowered and a

@@ -76,7 +76,7 @@ def _import_home(home: Path, layout: "PageLayout") -> Path:
 def export_cmd(name: str, output: Path, keys_dir: Path, home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Write the prefix NAME (token ids, pages, checksums, manifest) to a portable bundle,
     signed with this user's key (created on first use; see `tierkv keys`)."""
-    from ..keys import Keyring
+    from ..signing import Keyring
     from ..transfer import export_prefix
 
     if not output.resolve().parent.is_dir():
@@ -114,7 +114,7 @@ def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bo
     import tierkv
 
     from ..bundle import check_bundle, read_header
-    from ..keys import Keyring
+    from ..signing import Keyring
     from ..transfer import Trust, check_compatible, check_trust, import_bundle, model_checker
     from ..model_version import model_version
 

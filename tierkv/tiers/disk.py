@@ -41,7 +41,7 @@ from ..layout import PageLayout
 from .base import TierName
 from .disk_files import SEG_RE, SEG_SHIFT, SegmentFiles, location, split_location  # SEG_*: re-exported
 from .disk_reads import DiskReads
-from .disk_rooms import SegmentRooms
+from .free_slots import SegmentRooms
 from .disk_records import rewrite_records, wipe_record, write_run_records
 from .diskio import BounceBuffer, probe_odirect, pwrite_all
 from .segments import SegmentHeader
@@ -155,7 +155,7 @@ class DiskTier:
     def alloc(self, model_version: str) -> int | None:
         """A free slot in a segment of ``model_version``; creates or retags a segment when
         needed. None when the tier is full. Raises DiskWriteError if a segment cannot be made."""
-        found = self._rooms.take(model_version, self.segment_limit)  # tierkv/tiers/disk_rooms.py
+        found = self._rooms.take(model_version, self.segment_limit)  # tierkv/tiers/free_slots.py
         if found is not None:
             return location(*found)
         header = SegmentHeader(self.layout, model_version, self.segment_pages, page_codec=self.codec.name)
