@@ -160,7 +160,7 @@ class DaemonConfig:
         )
 
     def publish_policy(self) -> Any:
-        from ..cluster.publish import PublishPolicy
+        from ..cluster.publish_policy import PublishPolicy
 
         return PublishPolicy(publish_pinned=self.publish_pinned, publish_materialised=self.publish_materialised,
                              publish_puts=self.publish_puts, write_back_evicted=self.write_back_evicted,
