@@ -1,5 +1,6 @@
 """The implementations of :class:`tierkv.api.StoreAPI` the conformance suite runs against:
 the embedded store, a :class:`~tierkv.home.Home` over it (what ``--home`` commands open), a
+:class:`~tierkv.home.tenant.TenantView` of that home (one uid under ``namespace_per_uid``), a
 client of a daemon serving from a thread of this process, and a
 :class:`~tierkv.cluster.ClusterNode` over the in-process fake cluster."""
 from __future__ import annotations
@@ -20,7 +21,7 @@ from helpers.daemons import DaemonThread
 from tierkv import PageLayout, Scope
 from tierkv.identity import block_keys
 
-KINDS = ("embedded", "home", "daemon", "cluster")
+KINDS = ("embedded", "home", "tenant", "daemon", "cluster")
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 BS = LAYOUT.block_size
 MV_A = hashlib.sha256(b"conformance model a").hexdigest()
@@ -94,6 +95,16 @@ def open_impl(kind: str, workdir: Path, layout: PageLayout = LAYOUT, **sizes: in
 
         store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
         return Impl(kind, Home(workdir / "home", [store]), local=store)
+    if kind == "tenant":  # the home as one uid sees it under namespace_per_uid (every name rewritten)
+        import os
+
+        from tierkv.home import Home
+        from tierkv.home.tenancy import Tenancy
+        from tierkv.home.tenant import TenantView
+
+        store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
+        return Impl(kind, TenantView(Home(workdir / "home", [store]), Tenancy(per_uid=True), os.getuid()),
+                    [store.close], local=store)
     if kind == "daemon":
         runner = run_daemon(workdir, layout, **sizes)
         try:

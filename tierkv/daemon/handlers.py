@@ -36,7 +36,7 @@ from .lease_handlers import LeaseHandlers
 from .leases import LeaseTable
 from .operations import OperationHandlers, Reply
 from .quotas import PinnedCounts, QuotaRules
-from .tenancy import Tenancy
+from ..home.tenancy import Tenancy
 from .tenant_regions import TenantRegions
 from .protocol import VERSION, Op
 

@@ -3,7 +3,7 @@ rather than on a connection's own pages (chains by their last key, manifests, in
 verify, stats, ping, check_integrity). The rules across layouts are the home's
 (:class:`tierkv.home.Home`, run here on a view of the daemon's stores with the connection's
 own first), so ``--home`` and ``--socket`` answer alike; what is added here is the tenant's
-view (tenancy.py) and the wire. :class:`~tierkv.daemon.handlers.Handlers` inherits them; it
+view (tierkv/home/tenancy.py) and the wire. :class:`~tierkv.daemon.handlers.Handlers` inherits them; it
 owns the state they use (``layouts``, ``config``, ``tenancy``, ``run``, ``stores``,
 ``namespace_for``, ``pin_guard``, ``daemon_stats``).
 """

@@ -29,7 +29,6 @@ from ..errors import NotPermittedError
 from ..manifest_names import MAX_NAME, check_name
 
 
-
 @dataclass(frozen=True)
 class Tenancy:
     per_uid: bool
