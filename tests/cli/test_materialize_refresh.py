@@ -108,10 +108,11 @@ def test_watch_refreshes_on_each_change(llama_dir, repo, target):
         line = json.loads(_read_line(proc, 60))
         assert line["added"] == ["repo/docs/new.py"] and line["changed"] == []
     finally:
-        proc.send_signal(signal.SIGINT)
+        # SIGTERM, as a supervisor stops it (a SIGINT may be ignored: a background job's is).
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    assert proc.returncode == 0
+    assert proc.returncode == 0 and "stopped watching" in proc.stderr.read()

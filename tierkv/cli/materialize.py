@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -46,7 +48,8 @@ DEFAULT_DEBOUNCE_MS = 1600  # editors write a file in several steps; one refresh
               help="With append: the share of the document's bytes that older versions may take before a "
                    "refresh compacts it (reorder).")
 @click.option("--watch", is_flag=True,
-              help="Then refresh whenever the files change (debounced), one line per refresh; Ctrl-C stops.")
+              help="Then refresh whenever the files change (debounced), one line per refresh; Ctrl-C or SIGTERM "
+                   "stops (after the refresh in progress).")
 @click.option("--debounce-ms", type=click.IntRange(min=1), default=DEFAULT_DEBOUNCE_MS, show_default=True,
               help="With --watch: wait this long after a change for more changes before refreshing.")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=DEFAULT_CHUNK_TOKENS, show_default=True,
@@ -160,19 +163,27 @@ def _watch(store: "StoreAPI", lm: LoadedModel, name: str, debounce_ms: int, as_j
     from ..errors import TierKVError
 
     roots = [r for r in store.get_manifest(name)["roots"] if os.path.exists(r)]
+    stop = threading.Event()
+    # SIGTERM (a supervisor) and Ctrl-C stop the watch once the refresh in progress is done
+    # (what it stored stays stored either way; the manifest is saved after the blocks). A
+    # SIGINT the shell set to be ignored (a background job) stays ignored.
+    catch = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) != signal.SIG_IGN else [])
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in catch}
     click.echo(f"watching {', '.join(roots)} (Ctrl-C stops)", err=True)
     try:
-        for _ in watch(*roots, debounce=debounce_ms, raise_interrupt=False):
+        for _ in watch(*roots, debounce=debounce_ms, stop_event=stop, raise_interrupt=False):
             try:
                 done = refresh_prefix(store, lm, name, on_warning=warn, **refresh)
             except TierKVError as exc:  # a file half-written, a document left empty: retry at the next change
                 warn(f"refresh of {name!r} failed: {exc}")
                 continue
-            if done.mode == "unchanged":
-                continue  # only ignored files changed
-            click.echo(json.dumps({"name": name, **done.as_dict()}, sort_keys=True) if as_json else done.line(name))
-    except KeyboardInterrupt:
-        pass  # Ctrl-C during a refresh: what it stored stays stored, the manifest is saved after the blocks
+            if done.mode != "unchanged":  # unchanged: only ignored files changed
+                click.echo(json.dumps({"name": name, **done.as_dict()}, sort_keys=True) if as_json else done.line(name))
+            if stop.is_set():
+                break
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     click.echo("stopped watching", err=True)
 
 
