@@ -1,50 +1,86 @@
 """The operations handlers: requests that work across every layout the daemon serves
 rather than on a connection's own pages (chains by their last key, manifests, invalidate,
-verify, stats, ping, check_integrity). The rules across layouts are the home's
-(:class:`tierkv.home.Home`, run here on a view of the daemon's stores with the connection's
-own first), so ``--home`` and ``--socket`` answer alike; what is added here is the tenant's
-view (tenancy.py) and the wire. :class:`~tierkv.daemon.handlers.Handlers` inherits them; it
-owns the state they use (``layouts``, ``config``, ``tenancy``, ``run``, ``stores``,
-``namespace_for``, ``pin_guard``, ``daemon_stats``).
+verify, gc, stats, ping, check_integrity, remove_layout). The rules across layouts are the
+home's (:class:`tierkv.home.Home`, run here on a view of the daemon's stores with the
+connection's own first), so ``--home`` and ``--socket`` answer alike; what is added here is
+the tenant's view (tenancy.py) and the wire.
+
+:class:`OperationHandlers` is a part of :class:`~tierkv.daemon.handlers.Handlers`, which
+hands it the layouts, the tenancy and the services it shares with the other handlers; it
+holds no state of its own.
 """
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Awaitable, Callable
 
+from ..api import StoreAPI
 from ..blocks import Priority
 from ..errors import LayoutInUseError, NotFoundError, ProtocolError
-from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
-from . import messages as m
 from ..home.home import Home
+from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
+from ..store import Store
+from . import messages as m
+from .layouts import LayoutEntry, Layouts
+from .messages import Reply
+from .tenancy import Tenancy
+
+if TYPE_CHECKING:
+    from .connection import Connection
 
 # The largest page of namespaces one stats reply carries, whatever the client asks: at
 # ~100 bytes a name (with each layout's copy) it stays far below the 16 MiB payload limit.
 MAX_STATS_NAMESPACES = 10_000
 
-if TYPE_CHECKING:
-    from .connection import Connection
 
-Reply = tuple[dict[str, Any], bytes]
+def merged_stats(layouts: Layouts) -> dict[str, Any]:
+    """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
+    same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
+    return Home(layouts.home, [e.store for e in layouts.entries()]).merged_stats()
 
 
 class OperationHandlers:
+    """The handlers of the requests across every layout."""
+
+    def __init__(self, layouts: Layouts, tenancy: Tenancy, *, run: Callable[..., Awaitable[Any]],
+                 namespace_for: Callable[["Connection", str], str],
+                 pin_guard: Callable[["Connection", Store, int, int], AsyncContextManager[None]],
+                 daemon_stats: Callable[[], dict[str, Any]],
+                 bound: Callable[[], list[LayoutEntry | None]]) -> None:
+        """``run``: a call in a worker thread; ``namespace_for``: the namespace the store
+        sees for a connection's; ``pin_guard``: the pinned quota around a call that may pin;
+        ``daemon_stats``: the daemon's own figures; ``bound``: each connection's layout."""
+        self.layouts = layouts
+        self.tenancy = tenancy
+        self.run = run
+        self.namespace_for = namespace_for
+        self.pin_guard = pin_guard
+        self.daemon_stats = daemon_stats
+        self.bound = bound
+
+    def stores(self, conn: "Connection") -> list[StoreAPI]:
+        """Every layout's store, the connection's own first (where its manifests go)."""
+        entries = self.layouts.entries()
+        if conn.entry is not None:
+            entries.sort(key=lambda e: e is not conn.entry)
+        return [e.store for e in entries]
+
     def home_view(self, conn: "Connection") -> Home:
         """Every store this daemon serves as one home, the connection's own first (where a
         manifest naming no layout goes, and whose manifest wins a name two stores hold)."""
         return Home(self.layouts.home, self.stores(conn), own=None if conn.entry is None else conn.entry.store)
 
-    async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[Any, Any, str, str]:
-        """Store, tokens, model version and namespace (as the client names it) of the chain
-        ending at ``last_key``. With ``namespace_per_uid`` a chain of another uid's namespace
-        is reported as not stored: a key must not let one tenant read or pin another's."""
+    async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[LayoutEntry, Any, str, str]:
+        """The layout, tokens, model version and namespace (as the client names it) of the
+        chain ending at ``last_key``. With ``namespace_per_uid`` a chain of another uid's
+        namespace is reported as not stored: a key must not let one tenant read or pin another's."""
         st, (tokens, mv, ns) = await self.run(self.home_view(conn).find_chain, last_key)
-        if self.config.namespace_per_uid:
+        if self.tenancy.per_uid:
             own = self.namespace_for(conn, "")
             if not ns.startswith(own):
                 raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
             ns = ns[len(own):]
-        return st, tokens, mv, ns
+        return self.layouts.entry_of(st), tokens, mv, ns
 
     async def chain_tokens(self, conn: "Connection", msg: m.ChainRef) -> Reply:
         _, tokens, mv, ns = await self._own_chain(conn, msg.last_key)
@@ -52,21 +88,21 @@ class OperationHandlers:
 
     async def chain_residency(self, conn: "Connection", msg: m.ChainRef) -> Reply:
         try:
-            st, *_ = await self._own_chain(conn, msg.last_key)
+            entry, *_ = await self._own_chain(conn, msg.last_key)
         except NotFoundError:
             return {"residency": {"blocks": 0, "device": 0, "host": 0, "disk": 0}}, b""
-        r = await self.run(st.chain_residency, msg.last_key)
+        r = await self.run(entry.store.chain_residency, msg.last_key)
         return {"residency": r.as_dict()}, b""
 
     async def set_priority_from(self, conn: "Connection", msg: m.ChainRef) -> Reply:
         if msg.priority is None:
             raise ProtocolError("set_priority_from needs a priority")
         try:
-            st, tokens, *_ = await self._own_chain(conn, msg.last_key)
+            entry, tokens, *_ = await self._own_chain(conn, msg.last_key)
         except NotFoundError:
             return {"count": 0}, b""
-        async with self.pin_guard(conn, st, msg.priority, len(tokens) // st.layout.block_size):
-            return {"count": await self.run(st.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
+        async with self.pin_guard(conn, entry.local, msg.priority, len(tokens) // entry.layout.block_size):
+            return {"count": await self.run(entry.store.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
 
     async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
         if msg.manifest is None:
@@ -99,7 +135,7 @@ class OperationHandlers:
         return {"deleted": any(deleted)}, b""
 
     async def invalidate(self, conn: "Connection", msg: m.Invalidate) -> Reply:
-        if msg.namespace is not None or not self.config.namespace_per_uid:
+        if msg.namespace is not None or not self.tenancy.per_uid:
             targets = [None if msg.namespace is None else self.namespace_for(conn, msg.namespace)]
         else:  # "every namespace" of a tenant is every namespace of its own, never another's
             if msg.model_version is None:
@@ -138,7 +174,7 @@ class OperationHandlers:
                 "unreadable": list(r.unreadable)}, b""
 
     async def stats(self, conn: "Connection", msg: m.Stats) -> Reply:
-        s = await self.run(self.merged_stats)
+        s = await self.run(merged_stats, self.layouts)
         s["daemon"] = self.daemon_stats()
         # JSON in the payload (16 MiB), not the header (64 KiB): 3,000 namespaces overflowed
         # the header and stats failed for everyone (issue 11, item 9). And a page of the
@@ -157,12 +193,6 @@ class OperationHandlers:
             layouts[lid] = {**ls, "namespaces": page}
         out["layouts"] = layouts
         return {"format": "json"}, json.dumps(out).encode()
-
-    def merged_stats(self) -> dict[str, Any]:
-        """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
-        same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
-        entries = self.layouts.entries()
-        return Home(self.layouts.home, [e.store for e in entries]).merged_stats()
 
     async def remove_layout(self, conn: "Connection", msg: m.LayoutRef) -> Reply:
         """Remove a layout's store (``tierkv layouts rm``): refused while a connection is
