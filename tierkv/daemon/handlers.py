@@ -75,6 +75,8 @@ def cuda_ipc_info(tier: MemoryTier) -> dict[str, Any] | None:
 
 
 class Handlers:
+    """The request handlers, by opcode (:attr:`table`, :attr:`now`)."""
+
     def __init__(self, layouts: Layouts, config: "DaemonConfig", *, peers: Callable[[], list[tuple[int, int]]],
                  bound: Callable[[], list[LayoutEntry | None]], gc_stats: Callable[[], dict[str, Any]],
                  reload_stats: Callable[[], dict[str, Any] | None],
@@ -99,7 +101,7 @@ class Handlers:
         self._scopes: dict[tuple[str, str, tuple[str, ...]], Scope] = {}
         self.lease_ops = LeaseHandlers(layouts, self.leases, self.quota, self.workers, entry=self.entry,
                                        scope=self.scope, peers=peers)
-        self.operations = OperationHandlers(layouts, self.tenancy, run=self.workers.run,
+        self.operations = OperationHandlers(layouts, self.tenancy, run=self.run,
                                             namespace_for=self.namespace_for, pin_guard=self.pin_guard,
                                             daemon_stats=self.daemon_stats, bound=bound)
         lease, ops = self.lease_ops, self.operations

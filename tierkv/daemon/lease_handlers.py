@@ -19,6 +19,7 @@ from .messages import Reply
 from .layouts import LayoutEntry, Layouts, ServedStore
 from .leases import LeaseTable
 from .quotas import QuotaRules
+from .tenant_regions import TenantRegions
 from .workers import Workers
 
 if TYPE_CHECKING:
@@ -28,9 +29,10 @@ log = logging.getLogger("tierkv.daemon.handlers")  # the request handlers' log
 INLINE_MAX_BLOCKS = 1024  # longer prompts are acquired in a worker even when resident
 
 
-def _acquire(store: ServedStore, *args: object) -> Lease:
-    """``store.acquire``; a miss (no blocks) is released at once, so it holds nothing."""
-    lease = store.acquire(*args)  # type: ignore[arg-type]
+def _acquire(store: ServedStore, msg: m.PrefixRequest, scope: Scope, max_blocks: int | None) -> Lease:
+    """``store.acquire`` of ``msg``'s prefix; a miss (no blocks) is released at once, so it
+    holds nothing."""
+    lease = store.acquire(msg.tokens, scope, msg.block_extra, max_blocks, msg.start_block)
     if not lease.keys:
         store.release(lease)
     return lease
@@ -82,10 +84,9 @@ class LeaseHandlers:
             if conn.tenant is not None:  # no longer than its read window has room for
                 room = conn.tenant.read_free
                 max_blocks = room if max_blocks is None else min(max_blocks, room)
-            lease = await self.run(_acquire, entry.store, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
-                                   max_blocks, msg.start_block)
+            lease = await self.run(_acquire, entry.store, msg, self.scope(conn, msg.scope), max_blocks)
             if conn.tenant is not None and lease.keys:
-                return await self._tenant_lease_reply(conn, uid, tier, entry, lease)
+                return await self._tenant_lease_reply(conn, conn.tenant, uid, tier, entry, lease)
             return self._lease_reply(conn, uid, [u for _, u in self.peers()], tier, lease)
         finally:
             self.leases.unreserve(reservation)
@@ -111,18 +112,18 @@ class LeaseHandlers:
         lease_id = self.leases.add(conn.id, lease, uid).lease_id if lease.keys else 0
         return m.KeysReply(lease.keys, {"lease_id": lease_id}, tuple(lease.slots)).encode()
 
-    async def _tenant_lease_reply(self, conn: "Connection", uid: int, tier: int, entry: LayoutEntry, lease: Lease) -> Reply:
+    async def _tenant_lease_reply(self, conn: "Connection", tenant: TenantRegions, uid: int, tier: int,
+                                  entry: LayoutEntry, lease: Lease) -> Reply:
         """A tenant's lease: its pages copied into the connection's read window (by a worker:
         up to its size of memory), and the reply naming those slots; they are freed when the
         lease ends, however it ends (LeaseTable's ``on_end``)."""
         try:
             self.quota.check_leased_blocks(uid, [u for _, u in self.peers()], self.leases.blocks_of(uid),
                                            lease.num_blocks, tier)
-            window = await self.run(conn.tenant.copy_in, entry.local.device.pool, lease.slots)
+            window = await self.run(tenant.copy_in, entry.local.device.pool, lease.slots)
         except BaseException:
             self.workers.release_later([lease])
             raise
-        tenant = conn.tenant
         held = self.leases.add(conn.id, lease, uid, on_end=lambda: tenant.free(window))
         return m.KeysReply(lease.keys, {"lease_id": held.lease_id}, tuple(window)).encode()
 
