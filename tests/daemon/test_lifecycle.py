@@ -205,10 +205,10 @@ def test_sighup_reload_applies_limits_now_and_capacities_at_restart(workdir, cap
     cfg = make_config(workdir)
     d = DaemonThread(cfg).start()
     try:
-        d.daemon._reload = lambda: DaemonConfig(**{**cfg.__dict__, "lease_timeout_s": 5.0, "host_bytes": 4 << 20,
+        d.daemon.reload.read = lambda: DaemonConfig(**{**cfg.__dict__, "lease_timeout_s": 5.0, "host_bytes": 4 << 20,
                                                      "client_staging_bytes": 16 << 10})
         with caplog.at_level(logging.INFO, logger="tierkv.daemon.server"):
-            d.call(d.daemon._on_sighup)
+            d.call(d.daemon.reload.on_sighup)
         assert d.daemon.handlers.leases.timeout_s == 5.0 and d.daemon.layouts.only().staging.quota == 2
         assert any("host_bytes" in r.message and "restart" in r.message for r in caplog.records)
         with tierkv.connect(cfg.socket) as c:

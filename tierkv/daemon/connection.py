@@ -1,7 +1,7 @@
 """One client connection as the daemon sees it: the peer's credentials, the requests in
 flight (at most ``max_inflight``), and the replies it is sent, in order under a write lock,
-with a send timeout that cuts off a peer that reads nothing. Split out of server.py, which
-accepts connections and runs their read loop.
+with a send timeout that cuts off a peer that reads nothing. Connections are accepted and
+read by serving.py.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import ProtocolError, TierKVError
 from . import messages, security
 from .layouts import LayoutEntry
+from .tenant_regions import TenantRegions
 from .protocol import FLAG_ERROR, FLAG_REPLY, encode_frame, send_with_fds
 
 
@@ -26,7 +27,7 @@ class Connection:
     entry: LayoutEntry | None = None  # the layout bound at HELLO (None: operations only)
     # Another uid's connection under namespace_per_uid: its own read window and staging
     # (tenant_regions.py; closed when the connection ends). None: the tiers are mapped.
-    tenant: Any = None
+    tenant: TenantRegions | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     unsent: int = 0  # bytes of replies encoded and not yet taken by the peer (quotas.py)
@@ -143,9 +144,11 @@ class Connection:
         return not self.tasks and self.unsent == 0
 
     async def send_error(self, opcode: int, request_id: int, exc: BaseException) -> None:
-        name, hint = type(exc).__name__, getattr(exc, "hint", "") or ""
-        message = getattr(exc, "message", None) or str(exc)
-        header, _ = messages.ErrorReply(name, message, hint).encode()
+        if isinstance(exc, TierKVError):
+            message, hint = exc.message or str(exc), exc.hint or ""
+        else:  # ValueError, OSError, ...: no hint to pass on
+            message, hint = str(exc), ""
+        header, _ = messages.ErrorReply(type(exc).__name__, message, hint).encode()
         try:
             await self.send(opcode & 0xFF, request_id, header, flags=FLAG_REPLY | FLAG_ERROR)
         except (ConnectionError, OSError):

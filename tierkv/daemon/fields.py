@@ -1,7 +1,7 @@
 """The checks every message field goes through when decoded (type, length, bound; a
 failure is a ProtocolError), and the wire forms shared by several messages: token ids as
-the payload (int32 LE), block keys in a reply's payload and ``block_extra``. Split out of messages.py, which holds the
-message dataclasses themselves.
+the payload (int32 LE), block keys in a reply's payload and ``block_extra``. The message
+dataclasses themselves are in messages.py.
 """
 from __future__ import annotations
 

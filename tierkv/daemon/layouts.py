@@ -52,10 +52,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 
+from ..api import StoreAPI
 from ..errors import CapacityError, ConfigError, LayoutInUseError, NotFoundError, QuotaExceededError
 from ..home.lock import HomeLock, LentLock
 from ..home.directory import CREATOR, LAYOUTS_DIR, find_layouts, layout_id, read_creator, remove_store_files
@@ -66,7 +67,22 @@ from . import regions
 from .leases import StagingSlots
 from .shares import Budget, TierLimits, apply_in_order, check_fits
 
+if TYPE_CHECKING:
+    from ..cluster.node import ClusterNode
+
 log = logging.getLogger(__name__)
+# What a layout is served by: its Store, or a ClusterNode around it when the remote tier is
+# on. Both are StoreAPIs; the daemon also reaches the local Store for what only it has
+# (the memory tiers clients map, limits, resident acquires, pinned counts).
+ServedStore = Union[Store, "ClusterNode"]
+OpenStore = Callable[[Path, PageLayout, TierLimits, LentLock | None], tuple[ServedStore, Store]]
+
+
+def local_of(store: ServedStore) -> Store:
+    """The local Store of a served store (a ClusterNode wraps one)."""
+    return store if isinstance(store, Store) else store.store
+
+
 @dataclass(eq=False)
 class LayoutEntry:
     """One served layout: its store (a Store, or a ClusterNode around one) and the local
@@ -76,7 +92,7 @@ class LayoutEntry:
     layout_id: str
     layout: PageLayout
     home: Path
-    store: Any
+    store: ServedStore
     local: Store
     staging_region: SharedRegion
     staging_pool: torch.Tensor
@@ -98,7 +114,7 @@ class Layouts:
     plain dict reads, safe from the event loop while another thread opens a layout."""
 
     def __init__(self, home: Path, socket_path: str, max_layouts: int, budget: Budget, shm_dir: Path,
-                 open_store: Callable[[Path, PageLayout, TierLimits, LentLock | None], tuple[Any, Store]]) -> None:
+                 open_store: OpenStore) -> None:
         self.home = home
         self.socket_path = socket_path
         self.max_layouts = max_layouts
@@ -299,6 +315,15 @@ class Layouts:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def entry_of(self, store: StoreAPI) -> LayoutEntry:
+        """The entry serving ``store`` (one of a Home view over the served stores);
+        NotFoundError when its layout was removed meanwhile."""
+        for e in self.entries():
+            if e.store is store:
+                return e
+        raise NotFoundError("the layout of this chain is no longer served (removed meanwhile)",
+                            hint="list the daemon's layouts with `tierkv layouts`")
 
     def only(self) -> LayoutEntry | None:
         """The entry when exactly one layout is open (what a client that declares none gets)."""

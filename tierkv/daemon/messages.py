@@ -17,6 +17,10 @@ from .fields import (MAX_LIST, MAX_PAGE_BYTES, MIN_PAGE_BYTES, MAX_STR, Header, 
                      _strs, extra_from_wire, extra_to_wire, split_keys, tokens_from, tokens_payload)
 from .protocol import MAX_TOKENS
 
+# What a daemon handler answers: the reply's header and payload (HELLO adds the descriptors
+# sent with it). Not ``Reply`` below, the decoded reply a client reads.
+Answer = tuple[Header, bytes]
+
 
 @dataclass(frozen=True)
 class WireScope:

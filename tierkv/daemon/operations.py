@@ -1,74 +1,110 @@
 """The operations handlers: requests that work across every layout the daemon serves
 rather than on a connection's own pages (chains by their last key, manifests, invalidate,
-verify, stats, ping, check_integrity). The rules across layouts are the home's
-(:class:`tierkv.home.Home`, run here on a view of the daemon's stores with the connection's
-own first), so ``--home`` and ``--socket`` answer alike; what is added here is the tenant's
-view (tierkv/home/tenancy.py) and the wire. :class:`~tierkv.daemon.handlers.Handlers` inherits them; it
-owns the state they use (``layouts``, ``config``, ``tenancy``, ``run``, ``stores``,
-``namespace_for``, ``pin_guard``, ``daemon_stats``).
+verify, gc, stats, ping, check_integrity, remove_layout). The rules across layouts are the
+home's (:class:`tierkv.home.Home`, run here on a view of the daemon's stores with the
+connection's own first), so ``--home`` and ``--socket`` answer alike; what is added here is
+the tenant's view (tierkv/home/tenancy.py) and the wire.
+
+:class:`OperationHandlers` is a part of :class:`~tierkv.daemon.handlers.Handlers`, which
+hands it the layouts, the tenancy and the services it shares with the other handlers; it
+holds no state of its own.
 """
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Awaitable, Callable
 
+from ..api import StoreAPI
 from ..blocks import Priority
 from ..errors import LayoutInUseError, NotFoundError, ProtocolError
-from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
-from . import messages as m
 from ..home.home import Home
+from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
+from ..store import Store
+from . import messages as m
+from .layouts import LayoutEntry, Layouts
+from .messages import Answer
+from ..home.tenancy import Tenancy
+
+if TYPE_CHECKING:
+    from .connection import Connection
 
 # The largest page of namespaces one stats reply carries, whatever the client asks: at
 # ~100 bytes a name (with each layout's copy) it stays far below the 16 MiB payload limit.
 MAX_STATS_NAMESPACES = 10_000
 
-if TYPE_CHECKING:
-    from .connection import Connection
 
-Reply = tuple[dict[str, Any], bytes]
+def merged_stats(layouts: Layouts) -> dict[str, Any]:
+    """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
+    same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
+    return Home(layouts.home, [e.store for e in layouts.entries()]).merged_stats()
 
 
 class OperationHandlers:
+    """The handlers of the requests across every layout."""
+
+    def __init__(self, layouts: Layouts, tenancy: Tenancy, *, run: Callable[..., Awaitable[Any]],
+                 namespace_for: Callable[["Connection", str], str],
+                 pin_guard: Callable[["Connection", Store, int, int], AsyncContextManager[None]],
+                 daemon_stats: Callable[[], dict[str, Any]],
+                 bound: Callable[[], list[LayoutEntry | None]]) -> None:
+        """``run``: a call in a worker thread; ``namespace_for``: the namespace the store
+        sees for a connection's; ``pin_guard``: the pinned quota around a call that may pin;
+        ``daemon_stats``: the daemon's own figures; ``bound``: each connection's layout."""
+        self.layouts = layouts
+        self.tenancy = tenancy
+        self.run = run
+        self.namespace_for = namespace_for
+        self.pin_guard = pin_guard
+        self.daemon_stats = daemon_stats
+        self.bound = bound
+
+    def stores(self, conn: "Connection") -> list[StoreAPI]:
+        """Every layout's store, the connection's own first (where its manifests go)."""
+        entries = self.layouts.entries()
+        if conn.entry is not None:
+            entries.sort(key=lambda e: e is not conn.entry)
+        return [e.store for e in entries]
+
     def home_view(self, conn: "Connection") -> Home:
         """Every store this daemon serves as one home, the connection's own first (where a
         manifest naming no layout goes, and whose manifest wins a name two stores hold)."""
         return Home(self.layouts.home, self.stores(conn), own=None if conn.entry is None else conn.entry.store)
 
-    async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[Any, Any, str, str]:
-        """Store, tokens, model version and namespace (as the client names it) of the chain
-        ending at ``last_key``. With ``namespace_per_uid`` a chain of another uid's namespace
-        is reported as not stored: a key must not let one tenant read or pin another's."""
+    async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[LayoutEntry, Any, str, str]:
+        """The layout, tokens, model version and namespace (as the client names it) of the
+        chain ending at ``last_key``. With ``namespace_per_uid`` a chain of another uid's
+        namespace is reported as not stored: a key must not let one tenant read or pin another's."""
         st, (tokens, mv, ns) = await self.run(self.home_view(conn).find_chain, last_key)
-        if self.config.namespace_per_uid:
+        if self.tenancy.per_uid:
             own = self.namespace_for(conn, "")
             if not ns.startswith(own):
                 raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
             ns = ns[len(own):]
-        return st, tokens, mv, ns
+        return self.layouts.entry_of(st), tokens, mv, ns
 
-    async def chain_tokens(self, conn: "Connection", msg: m.ChainRef) -> Reply:
+    async def chain_tokens(self, conn: "Connection", msg: m.ChainRef) -> Answer:
         _, tokens, mv, ns = await self._own_chain(conn, msg.last_key)
         return {"model_version": mv, "namespace": ns}, m.tokens_payload(tokens)
 
-    async def chain_residency(self, conn: "Connection", msg: m.ChainRef) -> Reply:
+    async def chain_residency(self, conn: "Connection", msg: m.ChainRef) -> Answer:
         try:
-            st, *_ = await self._own_chain(conn, msg.last_key)
+            entry, *_ = await self._own_chain(conn, msg.last_key)
         except NotFoundError:
             return {"residency": {"blocks": 0, "device": 0, "host": 0, "disk": 0}}, b""
-        r = await self.run(st.chain_residency, msg.last_key)
+        r = await self.run(entry.store.chain_residency, msg.last_key)
         return {"residency": r.as_dict()}, b""
 
-    async def set_priority_from(self, conn: "Connection", msg: m.ChainRef) -> Reply:
+    async def set_priority_from(self, conn: "Connection", msg: m.ChainRef) -> Answer:
         if msg.priority is None:
             raise ProtocolError("set_priority_from needs a priority")
         try:
-            st, tokens, *_ = await self._own_chain(conn, msg.last_key)
+            entry, tokens, *_ = await self._own_chain(conn, msg.last_key)
         except NotFoundError:
             return {"count": 0}, b""
-        async with self.pin_guard(conn, st, msg.priority, len(tokens) // st.layout.block_size):
-            return {"count": await self.run(st.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
+        async with self.pin_guard(conn, entry.local, msg.priority, len(tokens) // entry.layout.block_size):
+            return {"count": await self.run(entry.store.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
 
-    async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
+    async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
         if msg.manifest is None:
             raise ProtocolError("save_manifest needs a manifest object")
         uid = conn.creds.uid
@@ -77,7 +113,7 @@ class OperationHandlers:
         await self.run(self.home_view(conn).save_manifest, name, manifest)
         return {}, b""
 
-    async def get_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
+    async def get_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
         uid = conn.creds.uid
         every = await self.run(self.home_view(conn).manifests)
         hit = every.get(self.tenancy.manifest_name(uid, msg.name))
@@ -87,19 +123,19 @@ class OperationHandlers:
             raise NotFoundError(f"no prefix named {msg.name!r} (known: {', '.join(sorted(mine)) or 'none'})")
         return {"manifest": self.tenancy.visible_manifest(uid, hit[1])}, b""
 
-    async def list_manifests(self, conn: "Connection", msg: m.Empty) -> Reply:
+    async def list_manifests(self, conn: "Connection", msg: m.Empty) -> Answer:
         uid = conn.creds.uid
         every = await self.run(self.home_view(conn).manifests)
         mine = self.tenancy.visible_manifests(uid, {k: v for k, (_, v) in every.items()})
         return {"manifests": {k: self.tenancy.visible_manifest(uid, v) for k, v in mine.items()}}, b""
 
-    async def delete_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
+    async def delete_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
         name = self.tenancy.manifest_name(conn.creds.uid, msg.name)
         deleted = [await self.run(st.delete_manifest, name) for st in self.stores(conn)]
         return {"deleted": any(deleted)}, b""
 
-    async def invalidate(self, conn: "Connection", msg: m.Invalidate) -> Reply:
-        if msg.namespace is not None or not self.config.namespace_per_uid:
+    async def invalidate(self, conn: "Connection", msg: m.Invalidate) -> Answer:
+        if msg.namespace is not None or not self.tenancy.per_uid:
             targets = [None if msg.namespace is None else self.namespace_for(conn, msg.namespace)]
         else:  # "every namespace" of a tenant is every namespace of its own, never another's
             if msg.model_version is None:
@@ -117,7 +153,7 @@ class OperationHandlers:
             freed += r.freed_bytes
         return {"removed_blocks": removed, "freed_bytes": freed, "dry_run": msg.dry_run}, b""
 
-    async def gc(self, conn: "Connection", msg: m.Gc) -> Reply:
+    async def gc(self, conn: "Connection", msg: m.Gc) -> Answer:
         """``tierkv gc --socket``: tierkv.gc's rule run here, over every store this daemon
         serves as one (Home, as ``gc --home`` sees the home), so that it sees every
         tenant's manifests and namespaces. Through a connection's tenant view it found no
@@ -131,14 +167,14 @@ class OperationHandlers:
         r = await self.run(collect, self.home_view(conn), msg.keep_model_versions, msg.keep_namespaces, msg.dry_run)
         return {"format": "json"}, json.dumps(r.as_dict()).encode()
 
-    async def verify(self, conn: "Connection", msg: m.Verify) -> Reply:
+    async def verify(self, conn: "Connection", msg: m.Verify) -> Answer:
         self.tenancy.check_whole_store(conn.creds.uid, "verify")
         r: VerifyResult = await self.run(self.home_view(conn).verify, msg.repair)
         return {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": msg.repair,
                 "unreadable": list(r.unreadable)}, b""
 
-    async def stats(self, conn: "Connection", msg: m.Stats) -> Reply:
-        s = await self.run(self.merged_stats)
+    async def stats(self, conn: "Connection", msg: m.Stats) -> Answer:
+        s = await self.run(merged_stats, self.layouts)
         s["daemon"] = self.daemon_stats()
         # JSON in the payload (16 MiB), not the header (64 KiB): 3,000 namespaces overflowed
         # the header and stats failed for everyone (issue 11, item 9). And a page of the
@@ -158,13 +194,7 @@ class OperationHandlers:
         out["layouts"] = layouts
         return {"format": "json"}, json.dumps(out).encode()
 
-    def merged_stats(self) -> dict[str, Any]:
-        """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
-        same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
-        entries = self.layouts.entries()
-        return Home(self.layouts.home, [e.store for e in entries]).merged_stats()
-
-    async def remove_layout(self, conn: "Connection", msg: m.LayoutRef) -> Reply:
+    async def remove_layout(self, conn: "Connection", msg: m.LayoutRef) -> Answer:
         """Remove a layout's store (``tierkv layouts rm``): refused while a connection is
         bound to it (its clients may hold leases and staging slots). The check and taking it
         out happen on the event loop with no await between, so no HELLO binds it meanwhile;
@@ -179,10 +209,10 @@ class OperationHandlers:
         await self.run(self.layouts.drop, entry)
         return {"removed_blocks": stats["blocks"], "freed_bytes": stats["tiers"]["disk"]["used_bytes"]}, b""
 
-    async def ping(self, conn: "Connection", msg: m.Empty) -> Reply:
+    async def ping(self, conn: "Connection", msg: m.Empty) -> Answer:
         return {}, b""
 
-    async def check_integrity(self, conn: "Connection", msg: m.Empty) -> Reply:
+    async def check_integrity(self, conn: "Connection", msg: m.Empty) -> Answer:
         """Every store's ``check_integrity`` (index against tiers, allocators, block table):
         ``error`` is the first failure's message, or null. What ``tierkv verify`` runs on a
         home it opens, so that ``--socket`` checks as much as ``--home``."""

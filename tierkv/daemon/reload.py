@@ -9,11 +9,12 @@ a WARNING line naming it and why, and is listed as refused in the reload's resul
 (:class:`ReloadResult`, logged and reported in ``stats()["daemon"]["reload"]``); it applies
 when the daemon restarts. Removing a uid from ``allowed_uids`` revokes it: its connections
 are closed at once (an error frame naming the reason, then the socket), which ends their
-leases, frees their staging and closes their tenant regions (Handlers.end_connection), and
+leases, frees their staging and closes their tenant regions (LeaseHandlers.end_connection), and
 the gate refuses its new connects.
 
-:class:`~tierkv.daemon.server.Daemon` inherits these methods and owns the state they use
-(``config``, ``_reload``, ``handlers``, ``layouts``, ``connections``, ``fast``).
+:class:`Reload` is a part of :class:`~tierkv.daemon.server.Daemon`: it holds the settings
+in force (the only thing that changes them) and the last result; the daemon hands in how
+to push new settings to its other parts and how to cut off a uid's connections.
 """
 from __future__ import annotations
 
@@ -21,19 +22,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..errors import TierKVError
 from .config import REMOTE_FIELDS, DaemonConfig
 from .security import PeerRejectedError
 
-if TYPE_CHECKING:
-    from .connection import Connection
-    from .fast_path import FastPath
-    from .handlers import Handlers
-    from .layouts import Layouts
-
-log = logging.getLogger("tierkv.daemon.server")  # the daemon's log, as before the split
+log = logging.getLogger("tierkv.daemon.server")  # the daemon's log (operators and tests filter on it)
 
 # Applied by a reload. ``max_inflight`` and ``client_staging_bytes`` (a tenant's own
 # regions) bound connections made after it; the quotas' ``idle_timeout_s`` too: a client
@@ -97,29 +92,37 @@ class ReloadResult:
 
 
 class Reload:
-    """The reload methods of :class:`~tierkv.daemon.server.Daemon`."""
+    """The daemon's settings in force, and SIGHUP's re-reading of them."""
 
-    config: DaemonConfig
-    _reload: Callable[[], DaemonConfig] | None
-    handlers: "Handlers | None"
-    layouts: "Layouts | None"
-    connections: dict[int, "Connection"]
-    fast: "FastPath | None"
-    last_reload: ReloadResult | None
+    def __init__(self, config: DaemonConfig, read: Callable[[], DaemonConfig] | None,
+                 apply: Callable[[DaemonConfig], None],
+                 cut_off: Callable[[tuple[int, ...], Callable[[int], TierKVError]], int]) -> None:
+        """``read``: the config file read again (None: there is none); ``apply``: puts new
+        settings in force in the daemon's parts; ``cut_off``: closes every connection of
+        the uids given, each told the reason made for its uid; returns how many it closed."""
+        self.config = config
+        self.read = read
+        self._apply = apply
+        self._cut_off = cut_off
+        self.last: ReloadResult | None = None
 
-    def _on_sighup(self) -> None:
-        if self._reload is None:
+    def last_dict(self) -> dict[str, Any] | None:
+        """The last reload's result as reported in ``stats()["daemon"]["reload"]``."""
+        return None if self.last is None else self.last.to_dict()
+
+    def on_sighup(self) -> None:
+        if self.read is None:
             log.warning("SIGHUP: no config file to reload")
             return
         try:
-            new = self._reload()
+            new = self.read()
         except (TierKVError, ValueError, OSError) as e:
             log.error("SIGHUP: config not reloaded, nothing changed: %s", e)
-            self.last_reload = ReloadResult(error=str(e))
+            self.last = ReloadResult(error=str(e))
             return
-        self.apply_reload(new)
+        self.apply(new)
 
-    def apply_reload(self, new: DaemonConfig) -> ReloadResult:
+    def apply(self, new: DaemonConfig) -> ReloadResult:
         """Apply every changed setting of :data:`LIVE`, revoke the uids no longer allowed,
         and refuse (log at WARNING, list in the result) every changed one of
         :data:`AT_RESTART`. Runs on the loop thread."""
@@ -133,21 +136,12 @@ class Reload:
                         "restarts", r.name, r.old, r.new, r.why)
         sources = {**old.sources, **{name: new.sources[name] for name in LIVE if name in new.sources}}
         self.config = replace(old, **{name: getattr(new, name) for name in LIVE}, sources=sources)
-        if self.handlers is not None:
-            self.handlers.config = self.config
-            self.handlers.leases.timeout_s = new.lease_timeout_s
-            self.handlers.quota.quotas = new.quotas
-            assert self.layouts is not None
-            self.layouts.set_client_quota(min(new.client_staging_bytes, self.layouts.budget.staging_bytes))
-        if self.fast is not None:
-            self.fast.unread_reply_bytes = new.quotas.unread_reply_bytes
-        for conn in self.connections.values():
-            conn.send_timeout_s = new.quotas.send_timeout_s
+        self._apply(self.config)
         revoked = tuple(sorted(set(old.allowed_uids) - set(new.allowed_uids) - {os.getuid()}))
         closed, warnings = self._revoke(revoked) if revoked else (0, ())
         result = ReloadResult(applied=tuple(n for n in changed if n in LIVE), refused=refused,
                               revoked_uids=revoked, closed_connections=closed, warnings=warnings)
-        self.last_reload = result
+        self.last = result
         log.info("SIGHUP: reloaded (applied: %s; refused until restart: %s)", ", ".join(result.applied) or "nothing",
                  ", ".join(r.name for r in refused) or "nothing")
         return result
@@ -156,11 +150,8 @@ class Reload:
         """Close every connection of ``uids`` now; their leases, staging and tenant regions
         end with the connection. Returns how many were closed, and the warning about
         mappings it cannot take back, if any."""
-        closed = 0
-        for conn in list(self.connections.values()):
-            if conn.creds.uid in uids:
-                conn.cut_off(PeerRejectedError(f"uid {conn.creds.uid} was removed from the daemon's allowed_uids"))
-                closed += 1
+        closed = self._cut_off(uids, lambda uid: PeerRejectedError(f"uid {uid} was removed from the daemon's "
+                                                                   f"allowed_uids"))
         log.warning("SIGHUP: uid %s removed from allowed_uids: %d of its connections closed (their leases are "
                     "released, their staging freed, their tenant regions closed)", ", ".join(map(str, uids)), closed)
         if self.config.namespace_per_uid:
