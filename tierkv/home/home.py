@@ -1,17 +1,16 @@
-"""Every store of a home, opened in this process as one target: what the operations commands
-get with ``--home``, so that they reach every page layout of a home a daemon made
-(``HOME/layouts/<id>/``) exactly as ``--socket`` reaches them through the daemon.
+"""Every store of a home as one :class:`~tierkv.api.StoreAPI`: what the ``--home``
+commands open, so that they reach every page layout of a home a daemon made
+(``HOME/layouts/<id>/``), and what the daemon's cross-layout operations run on (a view over
+the stores it serves, the connection's own first: tierkv/daemon/operations.py), so that
+``--home`` and ``--socket`` answer by the same rules.
 
-:class:`Home` answers as the daemon's operations do across its layouts
-(tierkv/daemon/operations.py): chains and manifests are found in whichever store holds them
-(a manifest naming its ``layout`` is saved in that layout's store), ``invalidate``,
-``verify``, ``check_integrity`` and ``stats`` cover every store, and ``stats`` has the
-daemon's shape (sums, with ``layouts``: each store's own figures). Like a daemon client
-that declared no layout, it stores and reads pages only when the home holds one layout.
-
-The daemon builds one over the stores it serves to run ``tierkv gc`` (GC; tierkv/gc.py) where
-every tenant's blocks and manifests are, so ``gc --socket`` runs the very rule of ``gc
---home`` on the same view (issue #34, item 5).
+Chains and manifests are found in whichever store holds them (a manifest naming its
+``layout`` is saved in that layout's store), ``invalidate``, ``verify``,
+``check_integrity`` and ``stats`` cover every store, and ``stats`` has the daemon's shape
+(sums, with ``layouts``: each store's own figures). Like a daemon client that declared no
+layout, it stores and reads pages only when the home holds one layout. ``tierkv gc`` runs
+its rule (tierkv/gc.py) on a Home whether through ``--home`` or the daemon's GC, so both see
+every tenant's blocks and manifests (issue #34, item 5).
 
 Rejected: a command looping over the stores itself (each command would re-implement the
 daemon's rules, and ``--home`` and ``--socket`` would drift apart again); opening only the
