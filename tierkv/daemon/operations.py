@@ -24,6 +24,7 @@ from . import messages as m
 from .layouts import LayoutEntry, Layouts
 from .messages import Answer
 from ..home.tenancy import Tenancy
+from ..home.tenant import TenantView
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -104,54 +105,29 @@ class OperationHandlers:
         async with self.pin_guard(conn, entry.local, msg.priority, len(tokens) // entry.layout.block_size):
             return {"count": await self.run(entry.store.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
 
+    def tenant_view(self, conn: "Connection") -> TenantView:
+        """The home as this connection's uid sees it (its namespaces, its manifest names)."""
+        return TenantView(self.home_view(conn), self.tenancy, conn.creds.uid)
+
     async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
         if msg.manifest is None:
             raise ProtocolError("save_manifest needs a manifest object")
-        uid = conn.creds.uid
-        name = self.tenancy.manifest_name(uid, msg.name)
-        manifest = self.tenancy.stored_manifest(uid, msg.manifest)  # its namespace: where its blocks are
-        await self.run(self.home_view(conn).save_manifest, name, manifest)
+        await self.run(self.tenant_view(conn).save_manifest, msg.name, msg.manifest)
         return {}, b""
 
     async def get_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
-        uid = conn.creds.uid
-        every = await self.run(self.home_view(conn).manifests)
-        hit = every.get(self.tenancy.manifest_name(uid, msg.name))
-        if hit is None:
-            # A tenant learns only its own names.
-            mine = self.tenancy.visible_manifests(uid, {k: v for k, (_, v) in every.items()})
-            raise NotFoundError(f"no prefix named {msg.name!r} (known: {', '.join(sorted(mine)) or 'none'})")
-        return {"manifest": self.tenancy.visible_manifest(uid, hit[1])}, b""
+        return {"manifest": await self.run(self.tenant_view(conn).get_manifest, msg.name)}, b""
 
     async def list_manifests(self, conn: "Connection", msg: m.Empty) -> Answer:
-        uid = conn.creds.uid
-        every = await self.run(self.home_view(conn).manifests)
-        mine = self.tenancy.visible_manifests(uid, {k: v for k, (_, v) in every.items()})
-        return {"manifests": {k: self.tenancy.visible_manifest(uid, v) for k, v in mine.items()}}, b""
+        return {"manifests": await self.run(self.tenant_view(conn).list_manifests)}, b""
 
     async def delete_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
-        name = self.tenancy.manifest_name(conn.creds.uid, msg.name)
-        deleted = [await self.run(st.delete_manifest, name) for st in self.stores(conn)]
-        return {"deleted": any(deleted)}, b""
+        return {"deleted": await self.run(self.tenant_view(conn).delete_manifest, msg.name)}, b""
 
     async def invalidate(self, conn: "Connection", msg: m.Invalidate) -> Answer:
-        if msg.namespace is not None or not self.tenancy.per_uid:
-            targets = [None if msg.namespace is None else self.namespace_for(conn, msg.namespace)]
-        else:  # "every namespace" of a tenant is every namespace of its own, never another's
-            if msg.model_version is None:
-                raise ValueError("invalidate needs model_version or namespace")
-            stored = {ns for st in self.stores(conn) for ns in (await self.run(st.stats))["namespaces"]}
-            targets = self.tenancy.own_namespaces(conn.creds.uid, stored)  # type: ignore[assignment]
-        removed = freed = 0
-        if msg.model_version is None and targets == [None]:
-            raise ValueError("invalidate needs model_version or namespace")
-        view = self.home_view(conn)
-        for ns in targets:
-            r: InvalidateResult = await self.run(view.invalidate, model_version=msg.model_version, namespace=ns,
-                                                 dry_run=msg.dry_run)
-            removed += r.removed_blocks
-            freed += r.freed_bytes
-        return {"removed_blocks": removed, "freed_bytes": freed, "dry_run": msg.dry_run}, b""
+        r: InvalidateResult = await self.run(lambda: self.tenant_view(conn).invalidate(
+            model_version=msg.model_version, namespace=msg.namespace, dry_run=msg.dry_run))
+        return {"removed_blocks": r.removed_blocks, "freed_bytes": r.freed_bytes, "dry_run": msg.dry_run}, b""
 
     async def gc(self, conn: "Connection", msg: m.Gc) -> Answer:
         """``tierkv gc --socket``: tierkv.gc's rule run here, over every store this daemon
