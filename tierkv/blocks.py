@@ -2,9 +2,9 @@
 
 :class:`BlockTable` is the one owner of a block's locations: only :meth:`place` and
 :meth:`unplace` change them (and keep the per-tier LRU lists in step). Leases and in-flight
-I/O are counted on the block and changed only through the table's paired methods that check
-each transition (tierkv/holds.py: ``lease``/``unlease``, ``busy``/``unbusy``, and ``held`` for
-a scope); :meth:`victim` never returns a block that is leased, busy,
+I/O are counted on the block and changed only through the paired methods of the table's
+``holds`` part, which check each transition (tierkv/holds.py: ``lease``/``unlease``,
+``busy``/``unbusy``, and ``held`` for a scope); :meth:`victim` never returns a block that is leased, busy,
 pinned, or that still has a child block in the same tier (leaf first: a block without its
 prefix is useless, so prefixes outlive their extensions).
 """
@@ -98,13 +98,16 @@ class Block:
         self.top = ""
 
 
-class BlockTable(Holds):
-    """(Leases and busy counts: :class:`tierkv.holds.Holds`, a part of this class.)"""
+class BlockTable:
+    """Blocks, their locations and victim choice; leases and busy counts through
+    ``self.holds`` (:class:`tierkv.holds.Holds`, a part this table owns)."""
 
     def __init__(self, policy: str = DEFAULT_POLICY, capacities: dict[TierName, int] | None = None) -> None:
         """``policy`` names the eviction order of every tier (see :mod:`tierkv.policy`);
         ``capacities`` (slots per tier) bound the policies' ghost lists."""
         self.blocks: dict[bytes, Block] = {}
+        # The paired lease and busy methods (the counts themselves are on each block).
+        self.holds = Holds()
         # Children whose parent is not in the table, by parent key (a dict of keys, as
         # Block.children): an extension can be stored before its prefix (put with
         # start_block > 0) or outlive it in another tier; when the prefix arrives it must

@@ -1,9 +1,12 @@
 """Holds on stored blocks: leases (a reader owns the pages) and busy counts (I/O in flight).
 
-:class:`Holds` is part of :class:`tierkv.blocks.BlockTable` (a mixin: the table owns the
-counts, kept on each block, and only these methods change them). Paired and asserting: a
-count never goes below zero, and a caller cannot forget the second half of a pair inside a
-scope (``held``). "Unheld" (what ``unlease`` and ``unbusy`` return) means no lease and no
+:class:`Holds` is a part of :class:`tierkv.blocks.BlockTable`, which owns one as
+``table.holds`` (composition, issue #32: no class shares state through a base class). It
+keeps no state of its own: the counts live on each block, where the table's victim search
+reads them, and only these methods change them; so the part needs nothing passed in, and a
+call through ``table.holds`` costs one attribute load more than the mixin's did, no
+allocation. Paired and asserting: a count never goes below zero, and a caller cannot forget
+the second half of a pair inside a scope (``held``). "Unheld" (what ``unlease`` and ``unbusy`` return) means no lease and no
 I/O: a dead block may then be freed by its owner. The table's victim search never returns a
 held block.
 """
@@ -21,7 +24,8 @@ if TYPE_CHECKING:
 
 
 class Holds:
-    """Lease and busy counts of the table's blocks (see the module docstring)."""
+    """Lease and busy counts of the table's blocks (see the module docstring): one per
+    :class:`tierkv.blocks.BlockTable`, as its ``holds``."""
 
     @staticmethod
     def lease(block: Block) -> None:

@@ -280,7 +280,7 @@ class Ingest:
         self.table.add_new(new)
         chain = [blk for blk in map(get, keys) if blk is not None]
         try:
-            self.table.hold(chain)  # = placement.held(chain), without a context manager per put
+            self.table.holds.hold(chain)  # = placement.held(chain), without a context manager per put
             try:
                 if reserved:
                     place = self.table.place

@@ -73,13 +73,14 @@ class Leasing:
                 max_blocks: int | None, start_block: int, promote: bool = True) -> Lease:
         """:meth:`tierkv.store.Store.acquire` of validated token ids ``arr``."""
         placement, promotion, table = self.placement, self.promotion, self.table
+        holds = table.holds
         with self._lock:
             chain = self.window(arr, scope, block_extra, max_blocks, start_block)
             table.touch_chain(chain)
             through = not promote and self.read_through.wants(chain)
             if through:  # read into the lease's own buffer (tierkv/read_through.py)
                 for b in chain:
-                    table.lease(b)  # before any read: nothing evicts or frees these disk slots
+                    holds.lease(b)  # before any read: nothing evicts or frees these disk slots
             else:
                 plan: list[PlannedRead] = []
                 waits: list[tuple[int, threading.Event]] = []
@@ -87,7 +88,7 @@ class Leasing:
                 # for them); from the first that is not, block by block: blocks further along
                 # the chain are not leased yet, so making room may evict them; the lease stops
                 # where the device tier is full.
-                resident = table.lease_resident(chain, DEVICE)
+                resident = holds.lease_resident(chain, DEVICE)
                 leased = len(resident)
                 try:
                     for i in range(leased, len(chain)):
@@ -96,7 +97,7 @@ class Leasing:
                             # Making room for an earlier block evicted this one from every tier.
                             chain = chain[:i]
                             break
-                        table.lease(b)
+                        holds.lease(b)
                         leased = i + 1
                         if DEVICE_KEY in b.loc:
                             continue
@@ -152,9 +153,9 @@ class Leasing:
         try:
             chain = self.window(arr, scope, block_extra, max_blocks, start_block)
             table = self.table
-            slots = table.lease_resident(chain, DEVICE)
+            slots = table.holds.lease_resident(chain, DEVICE)
             if len(slots) != len(chain):  # a block to read or to wait for: not now
-                table.unlease_many(chain[: len(slots)])  # none is dead (lease_resident stops there)
+                table.holds.unlease_many(chain[: len(slots)])  # none is dead (lease_resident stops there)
                 return None
             table.touch_chain(chain)
             self.placement.stats_counters.record_acquire_resident(len(chain), self.asked(arr, max_blocks, start_block))

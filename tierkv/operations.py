@@ -155,7 +155,7 @@ class StoreOperations:
         with self._lock:
             targets = [(b, b.loc[DISK]) for b in self.table.blocks.values() if DISK in b.loc]
             for b, _ in targets:
-                self.table.busy(b)
+                self.table.holds.busy(b)
         bad: list[Block] = []
         unreadable: list[tuple[Block, OSError]] = []
         try:

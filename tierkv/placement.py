@@ -157,7 +157,7 @@ class Placement:
                 table.remove(b)
             fault_point("placement.evict:after")
             return
-        with self.table.held([b]):  # the nested evictions a move triggers never pick b
+        with self.table.holds.held([b]):  # the nested evictions a move triggers never pick b
             if (t == DEVICE and HOST not in b.loc and self.host.slots.capacity
                     and (DISK not in b.loc or b.priority != EPHEMERAL)):
                 self._demote(b, DEVICE, HOST)
@@ -288,14 +288,14 @@ class Placement:
     def held(self, blocks: Sequence[Block]) -> "AbstractContextManager[list[Block]]":
         """``with self.held(blocks):`` keeps them busy for the scope; blocks retired
         meanwhile are freed at its end if nothing else holds them."""
-        return self.table.held(blocks, self._free_if_unheld)
+        return self.table.holds.held(blocks, self._free_if_unheld)
 
     def unhold(self, blocks: list[Block]) -> None:
-        self.table.unhold(blocks, self._free_if_unheld)
+        self.table.holds.unhold(blocks, self._free_if_unheld)
 
     def unbusy(self, b: Block) -> None:
         """End an in-flight read of ``b``; a retired block is freed now if nothing holds it."""
-        if self.table.unbusy(b):
+        if self.table.holds.unbusy(b):
             self._free_if_unheld(b)
 
     def _free_if_unheld(self, b: Block) -> None:
@@ -307,7 +307,7 @@ class Placement:
         """Drop one lease from each block; free retired blocks whose last lease this was;
         drop ephemeral blocks when their lease ends (``ended=False``: the lease was never
         handed out, as when acquire stops short, so ephemeral blocks stay)."""
-        for b in self.table.unlease_many(blocks):
+        for b in self.table.holds.unlease_many(blocks):
             if b.dead:
                 self._free_if_unheld(b)
             elif b.priority == EPHEMERAL and ended:

@@ -103,7 +103,7 @@ class Promotion:
 
     def plan_read(self, pos: int, b: Block, slot: int) -> PlannedRead:
         """Reserve ``b``'s promotion into device ``slot`` (held: the lock; ``b`` is leased)."""
-        self.table.busy(b)
+        self.table.holds.busy(b)
         self._promoting[b.key] = threading.Event()
         return PlannedRead(pos, b, slot, HOST if HOST in b.loc else DISK)
 

@@ -170,3 +170,25 @@ def test_serve_starts_with_nothing_but_home_and_socket(workdir):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_a_client_bound_to_the_only_layout_removes_it_unless_it_holds_a_lease(workdir):
+    """A client that declares no layout is bound to a daemon's only one at HELLO; it was
+    counted as a user of that layout, so the last layout could never be removed through a
+    daemon (`tierkv layouts rm --socket`), though `--home` removes it. A lease of its own
+    still refuses; once removed, the connection answers operations as one bound to none."""
+    from tierkv.errors import LayoutInUseError
+
+    d = DaemonThread(make_config(workdir)).start()
+    toks = prompt(48, seed=6)
+    try:
+        with tierkv.connect(d.socket) as c:
+            assert c.layout == LAYOUT and c.put(toks, pages_for(3, 6), SCOPE).stored == 3
+            with c.acquire(toks, SCOPE):
+                with pytest.raises(LayoutInUseError, match="used by 1 connection"):
+                    c.remove_layout(layout_id(LAYOUT))
+            assert c.remove_layout(layout_id(LAYOUT)).removed_blocks == 3
+            assert c.stats()["blocks"] == 0 and c.list_manifests() == {}
+            c.check_integrity()  # the daemon's too: no connection bound to a layout it no longer serves
+    finally:
+        d.stop()

@@ -234,11 +234,11 @@ def test_ending_leases_in_one_pass_restores_counts_on_a_double_release():
     table = BlockTable()
     a, b, c = block(1, leases=2), block(2), block(3, leases=0)
     with pytest.raises(LeaseError):
-        table.unlease_many([a, b, c])
+        table.holds.unlease_many([a, b, c])
     assert (a.leases, b.leases, c.leases) == (2, 1, 0)
     eph, dead, busy, normal = block(4, Priority.EPHEMERAL), block(5), block(6, Priority.EPHEMERAL, busy=1), block(7)
     dead.dead = True
-    assert table.unlease_many([a, eph, dead, busy, normal]) == [eph, dead]
+    assert table.holds.unlease_many([a, eph, dead, busy, normal]) == [eph, dead]
     assert [x.leases for x in (a, eph, dead, busy, normal)] == [1, 0, 0, 0, 0]
 
 

@@ -103,7 +103,7 @@ class Handlers:
                                        scope=self.scope, peers=peers)
         self.operations = OperationHandlers(layouts, self.tenancy, run=self.run,
                                             namespace_for=self.namespace_for, pin_guard=self.pin_guard,
-                                            daemon_stats=self.daemon_stats, bound=bound)
+                                            daemon_stats=self.daemon_stats, bound=bound, leases=self.leases)
         lease, ops = self.lease_ops, self.operations
         # opcode -> (message class with decode(header, payload), handler)
         self.table: dict[int, tuple[Any, Handler]] = {

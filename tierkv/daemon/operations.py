@@ -22,6 +22,7 @@ from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, 
 from ..store import Store
 from . import messages as m
 from .layouts import LayoutEntry, Layouts
+from .leases import LeaseTable
 from .messages import Answer
 from ..home.tenancy import Tenancy
 from ..home.tenant import TenantView
@@ -47,10 +48,11 @@ class OperationHandlers:
                  namespace_for: Callable[["Connection", str], str],
                  pin_guard: Callable[["Connection", Store, int, int], AsyncContextManager[None]],
                  daemon_stats: Callable[[], dict[str, Any]],
-                 bound: Callable[[], list[LayoutEntry | None]]) -> None:
+                 bound: Callable[[], list[LayoutEntry | None]], leases: LeaseTable) -> None:
         """``run``: a call in a worker thread; ``namespace_for``: the namespace the store
         sees for a connection's; ``pin_guard``: the pinned quota around a call that may pin;
-        ``daemon_stats``: the daemon's own figures; ``bound``: each connection's layout."""
+        ``daemon_stats``: the daemon's own figures; ``bound``: each connection's layout;
+        ``leases``: the daemon's lease table (what a connection holds)."""
         self.layouts = layouts
         self.tenancy = tenancy
         self.run = run
@@ -58,6 +60,7 @@ class OperationHandlers:
         self.pin_guard = pin_guard
         self.daemon_stats = daemon_stats
         self.bound = bound
+        self.leases = leases
 
     def stores(self, conn: "Connection") -> list[StoreAPI]:
         """Every layout's store, the connection's own first (where its manifests go)."""
@@ -178,9 +181,17 @@ class OperationHandlers:
         self.tenancy.check_whole_store(conn.creds.uid, "remove_layout")
         entry = self.layouts.get(msg.layout_id)
         users = sum(1 for e in self.bound() if entry is not None and e is entry)
+        # The asking connection is no user while it holds nothing there: one that declared no
+        # layout is bound at HELLO to a daemon's only layout (for its data path), so `tierkv
+        # layouts rm --socket` could never remove the last one, which `--home` removes.
+        alone = entry is not None and conn.entry is entry
+        if alone and not self.leases.count(conn.id) and not entry.staging.held_by([conn.id]):
+            users -= 1
         if users:
             raise LayoutInUseError(f"layout {msg.layout_id} is used by {users} connection(s) of this daemon")
         entry = self.layouts.take(msg.layout_id)
+        if conn.entry is entry:
+            conn.entry = None  # operations only from here, as a connection that declared no layout
         stats = await self.run(lambda: entry.store.stats().as_dict())
         await self.run(self.layouts.drop, entry)
         return {"removed_blocks": stats["blocks"], "freed_bytes": stats["tiers"]["disk"]["used_bytes"]}, b""
