@@ -214,11 +214,12 @@ def test_layouts_ls_and_rm(twins2):
     # asking connection, which declared no layout, was bound to its only one and counted as
     # a user of it).
     assert twins2.same("layouts", "rm", layout_id(twins2.layout), "--yes")["removed_blocks"] == 13
-    # By nature: a directory without a store is no home (a mistyped --home is an error, not an
-    # empty listing), where a daemon serving no layout is still a daemon.
-    assert "holds no tierkv store" in run("layouts", "--home", twins2.home, ok=False).output
-    assert run_json("layouts", "--socket", twins2.socket)["layouts"] == []
-    assert run_json("ls", "--socket", twins2.socket)["prefixes"] == []
+    # A home whose every layout was removed lists nothing, as a daemon serving none does; a
+    # directory that never held a store is still an error (a mistyped --home).
+    assert twins2.same("layouts")["layouts"] == []
+    assert twins2.same("ls")["prefixes"] == []
+    assert twins2.same("stats", ignore=STATS_PER_PROCESS)["blocks"] == 0
+    assert "holds no tierkv store" in run("layouts", "--home", twins2.home / "typo", ok=False).output
 
 
 def test_export_import_of_a_second_layout_prefix(twins2, tmp_path):

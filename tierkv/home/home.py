@@ -35,7 +35,7 @@ from ..results import (
     namespace_page,
 )
 from ..store import Store
-from .directory import find_layouts, layout_id, remove_store_files
+from .directory import LAYOUTS_DIR, find_layouts, layout_id, remove_store_files
 from .lock import HomeLock
 from .stats import merge_stats
 
@@ -58,7 +58,10 @@ class Home(StoreAPI):
         NotFoundError when it holds none, StoreLockedError/DaemonOwnsHomeError when another
         process has it."""
         found = find_layouts(home)
-        if not found:
+        # A home whose every layout was removed (`tierkv layouts rm`) keeps its layouts/
+        # directory and opens empty, as a daemon serving no layout answers; a directory
+        # that never held a store is a mistyped --home.
+        if not found and not (home / LAYOUTS_DIR).is_dir():
             raise NotFoundError(f"{home} holds no tierkv store", hint="materialise a prefix first, or check --home")
         stores: list[Store] = []
         try:
