@@ -101,8 +101,7 @@ class Handlers:
         self._scopes: dict[tuple[str, str, tuple[str, ...]], Scope] = {}
         self.lease_ops = LeaseHandlers(layouts, self.leases, self.quota, self.workers, entry=self.entry,
                                        scope=self.scope, peers=peers)
-        self.operations = OperationHandlers(layouts, self.tenancy, run=self.run,
-                                            namespace_for=self.namespace_for, pin_guard=self.pin_guard,
+        self.operations = OperationHandlers(layouts, self.tenancy, run=self.run, pin_guard=self.pin_guard,
                                             daemon_stats=self.daemon_stats, bound=bound)
         lease, ops = self.lease_ops, self.operations
         # opcode -> (message class with decode(header, payload), handler)
