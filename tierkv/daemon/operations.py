@@ -13,7 +13,7 @@ holds no state of its own.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, AsyncContextManager, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable
 
 from ..api import StoreAPI
 from ..blocks import Priority
@@ -21,11 +21,12 @@ from ..errors import LayoutInUseError, NotFoundError, ProtocolError
 from ..home.home import Home
 from ..home.tenancy import Tenancy
 from ..home.tenant import TenantView
-from ..results import DEFAULT_STATS_NAMESPACES, ChainTokens, InvalidateResult, Residency, VerifyResult
+from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult
 from ..store import Store
 from . import messages as m
 from .layouts import LayoutEntry, Layouts
 from .messages import Answer
+from .workers import RunInWorker
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -50,7 +51,7 @@ def merged_stats(layouts: Layouts) -> dict[str, Any]:
 class OperationHandlers:
     """The handlers of the requests across every layout."""
 
-    def __init__(self, layouts: Layouts, tenancy: Tenancy, *, run: Callable[..., Awaitable[Any]],
+    def __init__(self, layouts: Layouts, tenancy: Tenancy, *, run: RunInWorker,
                  pin_guard: Callable[["Connection", Store, int, int], AsyncContextManager[None]],
                  daemon_stats: Callable[[], dict[str, Any]],
                  bound: Callable[[], list[LayoutEntry | None]]) -> None:
@@ -83,11 +84,11 @@ class OperationHandlers:
 
     # ---- chains: a tenant's own only (TenantView.find_chain) ----------------------------------
     async def chain_tokens(self, conn: "Connection", msg: m.ChainRef) -> Answer:
-        chain: ChainTokens = await self.run(self.tenant_view(conn).chain_tokens, msg.last_key)
+        chain = await self.run(self.tenant_view(conn).chain_tokens, msg.last_key)
         return {"model_version": chain.model_version, "namespace": chain.namespace}, m.tokens_payload(chain.tokens)
 
     async def chain_residency(self, conn: "Connection", msg: m.ChainRef) -> Answer:
-        r: Residency = await self.run(self.tenant_view(conn).chain_residency, msg.last_key)
+        r = await self.run(self.tenant_view(conn).chain_residency, msg.last_key)
         return {"residency": r.as_dict()}, b""
 
     async def set_priority_from(self, conn: "Connection", msg: m.ChainRef) -> Answer:
