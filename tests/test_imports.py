@@ -112,3 +112,41 @@ def test_hf_config_is_a_leaf_of_hf():
 
 def test_the_cycle_finder_finds_cycles():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _all_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import, those under ``if TYPE_CHECKING:`` too: an annotation names the
+    daemon's surface as much as a call does."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def daemon_internals_imported() -> list[tuple[str, str]]:
+    """(module, what it imports) for each import of a tierkv.daemon submodule by a module
+    outside tierkv.daemon, relative or absolute: ``from .daemon.client import Client``,
+    ``from ..daemon import client``, ``import tierkv.daemon.server``."""
+    mods = modules()
+    bad: list[tuple[str, str]] = []
+    for name, path in mods.items():
+        if name == "tierkv.daemon" or name.startswith("tierkv.daemon."):
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _all_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                bad += [(name, a.name) for a in node.names if a.name.startswith("tierkv.daemon.")]
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("tierkv.daemon."):
+                bad.append((name, target))
+            elif target == "tierkv.daemon":
+                bad += [(name, f"{target}.{a.name}") for a in node.names if f"{target}.{a.name}" in mods]
+    return sorted(bad)
+
+
+def test_only_the_daemon_imports_its_submodules():
+    # The daemon's public surface is tierkv/daemon/__init__.py (issue #32): the rest of
+    # tierkv imports `from tierkv.daemon import Client`, never the module that defines it.
+    assert daemon_internals_imported() == []

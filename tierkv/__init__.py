@@ -23,7 +23,7 @@ from .results import InvalidateResult, Lease, LookupResult, PutResult, VerifyRes
 from .store import Store  # noqa: E402
 
 if TYPE_CHECKING:
-    from .daemon.client import Client
+    from .daemon import Client
 
 __version__ = "0.1.0"
 
@@ -63,7 +63,7 @@ def connect(socket_path: str | os.PathLike[str], layout: PageLayout | None = Non
     on the host. Without it the client gets the daemon's layout when it serves exactly one,
     else only operations (manifests, stats, invalidate, verify, gc). ``options``: ``timeout``,
     ``connect_timeout``, ``daemon_uid``."""
-    from .daemon.client import Client
+    from .daemon import Client
 
     return Client(Path(socket_path), layout=layout, **options)
 

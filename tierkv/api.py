@@ -1,5 +1,5 @@
 """The store contract: what :class:`~tierkv.store.Store` (embedded), the daemon client
-(:class:`~tierkv.daemon.client.Client`, from :func:`tierkv.connect`) and
+(:class:`~tierkv.daemon.Client`, from :func:`tierkv.connect`) and
 :class:`~tierkv.cluster.node.ClusterNode` all offer, with the same results and errors.
 
 Callers (the CLI, :mod:`tierkv.transfer`, :mod:`tierkv.gc`, :mod:`tierkv.materialize`, the

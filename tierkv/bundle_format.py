@@ -14,6 +14,7 @@ import xxhash
 
 from .errors import TierKVError
 from .identity import Scope
+from .json_limits import nests_deeper_than
 from .layout import PageLayout
 
 MAGIC = b"TKVBUNDL"
@@ -66,9 +67,7 @@ class BundleHeader:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "BundleHeader":
-        from .daemon.protocol import json_depth
-
-        if json_depth(raw) > MAX_JSON_DEPTH:
+        if nests_deeper_than(raw, MAX_JSON_DEPTH):
             raise BundleError(f"bundle header nests deeper than {MAX_JSON_DEPTH} levels")
         try:
             d = json.loads(raw)

@@ -19,10 +19,12 @@ import resource
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .daemon.config import DaemonConfig
 from .errors import TierKVError
+
+if TYPE_CHECKING:
+    from .daemon import DaemonConfig
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -174,7 +176,7 @@ def check_kvikio(cfg: DaemonConfig) -> Check:
 
 
 def check_socket(cfg: DaemonConfig) -> Check:
-    from .daemon.security import socket_dir_error
+    from .daemon import socket_dir_error
 
     directory = cfg.socket.parent
     shared = bool(cfg.allowed_uids)

@@ -17,6 +17,7 @@ import torch
 import tierkv
 from tierkv.daemon import messages as m
 from tierkv.daemon.protocol import Op
+from tierkv.daemon.routes import Route
 from tierkv.errors import DaemonUnavailableError
 
 from daemon_helpers import SCOPE, pages_for, prompt
@@ -29,7 +30,7 @@ def slow_ping(daemon, seconds: float) -> None:
         await asyncio.sleep(seconds)
         return {}, b""
 
-    daemon.daemon.handlers.table[Op.PING] = (m.Empty, ping)
+    daemon.daemon.handlers.table[Op.PING] = Route(m.Empty, ping)
 
 
 def test_the_reader_delivers_another_callers_reply_and_hands_the_role_on(daemon):

@@ -22,7 +22,7 @@ from ..layout import PageLayout, layout_fix
 
 if TYPE_CHECKING:
     from ..api import StoreAPI
-    from ..daemon.client import Client
+    from ..daemon import Client
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -119,7 +119,7 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
         return connect_daemon(socket_path, layout)
     # The layout's own store in a home that holds several (as the daemon would open it):
     # flags over TIERKV_* over $TIERKV_CONFIG (tierkv/daemon/config.py, DIRECT_FIELDS).
-    from ..daemon.config import direct_store_options
+    from ..daemon import direct_store_options
 
     opts = {**direct_store_options(os.environ), **{k: v for k, v in options.items() if v is not None}}
     return tierkv.open(store_home(home, layout), layout, **opts)

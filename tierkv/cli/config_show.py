@@ -23,7 +23,7 @@ def _from_daemon(socket: Path) -> dict[str, dict[str, str]] | None:
     """The settings a daemon live on ``socket`` runs with, or None when none answers there."""
     import tierkv
 
-    from ..daemon.security import socket_is_live
+    from ..daemon import socket_is_live
 
     if not socket.exists() or not socket_is_live(socket):
         return None
@@ -44,7 +44,7 @@ def show(config_file: Path | None, socket_path: Path | None, as_json: bool, **fl
     """Print every setting with its value and where it came from (flag, env TIERKV_*, file,
     default): a live daemon's on the socket, else what `tierkv serve` with these options
     would use."""
-    from ..daemon.config import shown
+    from ..daemon import shown
 
     try:
         flags["socket"] = socket_path

@@ -23,7 +23,7 @@ def _live_daemon(cfg: Any, ask: bool) -> tuple[Any, str, int | None]:
     and one is), the source of the budgets, and that daemon's pid."""
     import tierkv
 
-    from ..daemon.security import socket_is_live
+    from ..daemon import socket_is_live
 
     if not ask or not cfg.socket.exists() or not socket_is_live(cfg.socket):
         return cfg, "configuration", None

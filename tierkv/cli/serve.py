@@ -1,7 +1,7 @@
 """``tierkv serve``: run the daemon that owns a home and serves clients on a Unix socket.
 
 Thin: parse flags, read the config file and the environment (flag > environment > file >
-default, tierkv/daemon/config.py), hand a DaemonConfig to :class:`tierkv.daemon.server.Daemon`.
+default, tierkv/daemon/config.py), hand a DaemonConfig to :class:`tierkv.daemon.Daemon`.
 See docs/operations.md.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import click
 
 from ..codec import CODECS
+from ..daemon import CONFIG_ENV, DaemonConfig, read_config_file, resolve
 from ..errors import TierKVError
 from ..policy import POLICIES
-from ..daemon.config import CONFIG_ENV, DaemonConfig, read_config_file, resolve
 
 log = logging.getLogger("tierkv.serve")
 
@@ -154,7 +154,7 @@ def daemon_options(fn: Any) -> Any:
 def serve(config_file: Path | None, log_level: str, socket_path: Path | None, **flags: Any) -> None:
     """Run the tierkv daemon: the only process that opens HOME. Commands reach it with
     --socket SOCKET (or $TIERKV_SOCKET), programs with tierkv.connect(SOCKET)."""
-    from ..daemon.server import Daemon
+    from ..daemon import Daemon
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     flags["socket"] = socket_path

@@ -29,6 +29,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import messages as m
 from .connection import Connection
 from .protocol import HEAD, FatalFrameError, Op, parse_head, parse_header
 
@@ -97,21 +98,23 @@ class FastPath:
         """One request served and answered now; False, with nothing done, when it must take
         the read loop's path."""
         t0 = time.perf_counter()
-        cls, _ = self.handlers.table[opcode]
-        try:
-            msg = cls.decode(parse_header(raw_header), payload)
-        except Exception:  # noqa: BLE001 - the read loop decodes it again and answers the error
-            return False
         if opcode == Op.RELEASE:
+            try:
+                msg = m.Release.decode(parse_header(raw_header), payload)
+            except Exception:  # noqa: BLE001 - the read loop decodes it again and answers the error
+                return False
             try:
                 if not self.handlers.lease_ops.release_oneway(conn, msg):
                     return False  # it wants a reply: the usual path
             except Exception:  # noqa: BLE001 - the usual path runs it again and logs or answers
                 return False
         else:
+            serve_now = self.handlers.table[opcode].serve_now
+            if serve_now is None:
+                return False
             try:
-                out = self.handlers.now[opcode](conn, msg)
-            except Exception:  # noqa: BLE001 - nothing was done: the usual path raises it again and answers
+                out = serve_now(conn, parse_header(raw_header), payload)
+            except Exception:  # noqa: BLE001 - nothing was done: the usual path decodes and runs it again, and answers
                 return False
             if out is None:
                 return False

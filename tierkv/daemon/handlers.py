@@ -13,7 +13,8 @@ and invalidate, verify and stats cover all stores (stats adds a per-layout break
 tenancy, the worker threads: workers.py) and two parts it hands them to: the lease handlers
 (acquire, release, renew: lease_handlers.py) and the operations across layouts
 (operations.py); HELLO, lookup, staging, commit, prefetch and priorities are its own. Its
-dispatch table maps each opcode to a message class and the bound handler of whichever owns it.
+dispatch table maps each opcode to a :class:`~tierkv.daemon.routes.Route`: the message class
+and the bound handler of whichever owns it, typed together.
 """
 from __future__ import annotations
 
@@ -22,25 +23,26 @@ import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, AsyncContextManager, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncContextManager, AsyncIterator, Callable
 
 import torch
 
 from ..blocks import Priority
 from ..errors import CapacityError, ConfigError, ProtocolError, QuotaExceededError, StagingExpiredError
+from ..home.directory import layout_id
+from ..home.tenancy import Tenancy
 from ..identity import Scope
 from . import messages as m
 from .config import shown
-from ..home.directory import layout_id
 from .layouts import LayoutEntry, Layouts
 from .lease_handlers import LeaseHandlers
 from .leases import LeaseTable, StagingSlots
 from .messages import Answer
 from .operations import OperationHandlers
-from .quotas import PinnedCounts, QuotaRules
-from ..home.tenancy import Tenancy
-from .tenant_regions import TenantRegions
 from .protocol import VERSION, Op
+from .quotas import PinnedCounts, QuotaRules
+from .routes import Route
+from .tenant_regions import TenantRegions
 from .workers import Workers
 
 if TYPE_CHECKING:
@@ -51,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SCOPE_CACHE = 4096  # scopes kept built (model version, namespace, extras): see scope()
-Handler = Callable[["Connection", Any], Awaitable["Answer | None"]]
 
 
 def region_info(tier: MemoryTier, fds: list[int]) -> dict[str, Any] | None:
@@ -101,28 +102,32 @@ class Handlers:
         self._scopes: dict[tuple[str, str, tuple[str, ...]], Scope] = {}
         self.lease_ops = LeaseHandlers(layouts, self.leases, self.quota, self.workers, entry=self.entry,
                                        scope=self.scope, peers=peers)
-        self.operations = OperationHandlers(layouts, self.tenancy, run=self.run,
-                                            namespace_for=self.namespace_for, pin_guard=self.pin_guard,
+        self.operations = OperationHandlers(layouts, self.tenancy, run=self.run, pin_guard=self.pin_guard,
                                             daemon_stats=self.daemon_stats, bound=bound, leases=self.leases)
         lease, ops = self.lease_ops, self.operations
-        # opcode -> (message class with decode(header, payload), handler)
-        self.table: dict[int, tuple[Any, Handler]] = {
-            Op.HELLO: (m.Hello, self.hello), Op.LOOKUP: (m.PrefixRequest, self.lookup),
-            Op.ACQUIRE: (m.PrefixRequest, lease.acquire), Op.RELEASE: (m.Release, lease.release),
-            Op.RENEW: (m.LeaseRef, lease.renew), Op.STAGE: (m.Stage, self.stage), Op.UNSTAGE: (m.Unstage, self.unstage),
-            Op.COMMIT: (m.Commit, self.commit), Op.PREFETCH: (m.PrefixRequest, self.prefetch),
-            Op.SET_PRIORITY: (m.SetPriority, self.set_priority), Op.SAVE_MANIFEST: (m.ManifestRequest, ops.save_manifest),
-            Op.GET_MANIFEST: (m.ManifestRequest, ops.get_manifest), Op.LIST_MANIFESTS: (m.Empty, ops.list_manifests),
-            Op.DELETE_MANIFEST: (m.ManifestRequest, ops.delete_manifest), Op.INVALIDATE: (m.Invalidate, ops.invalidate),
-            Op.VERIFY: (m.Verify, ops.verify), Op.STATS: (m.Stats, ops.stats), Op.PING: (m.Empty, ops.ping),
-            Op.CHECK_INTEGRITY: (m.Empty, ops.check_integrity),
-            Op.CHAIN_TOKENS: (m.ChainRef, ops.chain_tokens), Op.CHAIN_RESIDENCY: (m.ChainRef, ops.chain_residency),
-            Op.SET_PRIORITY_FROM: (m.ChainRef, ops.set_priority_from),
-            Op.REMOVE_LAYOUT: (m.LayoutRef, ops.remove_layout), Op.GC: (m.Gc, ops.gc),
+        # opcode -> its message class and handler (routes.py: typed together); ACQUIRE has a
+        # synchronous form too, tried first as the request is read.
+        self.table: dict[int, Route] = {
+            Op.HELLO: Route(m.Hello, self.hello), Op.LOOKUP: Route(m.PrefixRequest, self.lookup),
+            Op.ACQUIRE: Route(m.PrefixRequest, lease.acquire, now=lease.acquire_now),
+            Op.RELEASE: Route(m.Release, lease.release), Op.RENEW: Route(m.LeaseRef, lease.renew),
+            Op.STAGE: Route(m.Stage, self.stage), Op.UNSTAGE: Route(m.Unstage, self.unstage),
+            Op.COMMIT: Route(m.Commit, self.commit), Op.PREFETCH: Route(m.PrefixRequest, self.prefetch),
+            Op.SET_PRIORITY: Route(m.SetPriority, self.set_priority),
+            Op.SAVE_MANIFEST: Route(m.ManifestRequest, ops.save_manifest),
+            Op.GET_MANIFEST: Route(m.ManifestRequest, ops.get_manifest),
+            Op.LIST_MANIFESTS: Route(m.Empty, ops.list_manifests),
+            Op.DELETE_MANIFEST: Route(m.ManifestRequest, ops.delete_manifest),
+            Op.INVALIDATE: Route(m.Invalidate, ops.invalidate), Op.VERIFY: Route(m.Verify, ops.verify),
+            Op.STATS: Route(m.Stats, ops.stats), Op.PING: Route(m.Empty, ops.ping),
+            Op.CHECK_INTEGRITY: Route(m.Empty, ops.check_integrity),
+            Op.CHAIN_TOKENS: Route(m.ChainRef, ops.chain_tokens),
+            Op.CHAIN_RESIDENCY: Route(m.ChainRef, ops.chain_residency),
+            Op.SET_PRIORITY_FROM: Route(m.ChainRef, ops.set_priority_from),
+            Op.REMOVE_LAYOUT: Route(m.LayoutRef, ops.remove_layout), Op.GC: Route(m.Gc, ops.gc),
         }
-        # opcode -> the handler's synchronous form, tried first as the request is read: the
-        # reply, or None when it must wait (then the handler above runs in a task).
-        self.now: dict[int, Callable[[Connection, Any], Answer | None]] = {Op.ACQUIRE: lease.acquire_now}
+        # The opcodes with a synchronous form (the server and the fast path test each frame's).
+        self.now = frozenset(op for op, route in self.table.items() if route.serve_now is not None)
 
     def apply_config(self, config: "DaemonConfig") -> None:
         """The settings a reload changed (reload.py): in force from the next request."""

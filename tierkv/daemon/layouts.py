@@ -52,7 +52,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Union
+from typing import TYPE_CHECKING, AbstractSet, Callable, Union
 
 import torch
 
@@ -234,7 +234,7 @@ class Layouts:
     def in_use(self) -> frozenset[str]:
         return frozenset(self._in_use)
 
-    def rebalance(self, in_use: set[str], as_of: float | None = None) -> None:
+    def rebalance(self, in_use: AbstractSet[str], as_of: float | None = None) -> None:
         """Share the memory tiers among the layouts ``in_use`` (the daemon's loop, when one
         turns idle; a HELLO, when an idle one is wanted again); a no-op when that is how
         they are shared already. Runs in a worker thread (lowering a limit evicts). The

@@ -2,8 +2,9 @@
 rather than on a connection's own pages (chains by their last key, manifests, invalidate,
 verify, gc, stats, ping, check_integrity, remove_layout). The rules across layouts are the
 home's (:class:`tierkv.home.Home`, run here on a view of the daemon's stores with the
-connection's own first), so ``--home`` and ``--socket`` answer alike; what is added here is
-the tenant's view (tierkv/home/tenancy.py) and the wire.
+connection's own first), so ``--home`` and ``--socket`` answer alike, and the tenant's are
+the home's too: a tenant's requests run on a :class:`~tierkv.home.tenant.TenantView` of that
+home (tierkv/home/tenancy.py, tenant.py). What is added here is the wire.
 
 :class:`OperationHandlers` is a part of :class:`~tierkv.daemon.handlers.Handlers`, which
 hands it the layouts, the tenancy and the services it shares with the other handlers; it
@@ -12,20 +13,21 @@ holds no state of its own.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, AsyncContextManager, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable
 
 from ..api import StoreAPI
 from ..blocks import Priority
 from ..errors import LayoutInUseError, NotFoundError, ProtocolError
 from ..home.home import Home
-from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
+from ..home.tenancy import Tenancy
+from ..home.tenant import TenantView
+from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult
 from ..store import Store
 from . import messages as m
 from .layouts import LayoutEntry, Layouts
 from .leases import LeaseTable
 from .messages import Answer
-from ..home.tenancy import Tenancy
-from ..home.tenant import TenantView
+from .workers import RunInWorker
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -35,28 +37,31 @@ if TYPE_CHECKING:
 MAX_STATS_NAMESPACES = 10_000
 
 
+def served_home(layouts: Layouts) -> Home:
+    """Every store this daemon serves as one home, in the layouts' order (the order of the
+    per-layout figures in stats)."""
+    return Home(layouts.home, [e.store for e in layouts.entries()])
+
+
 def merged_stats(layouts: Layouts) -> dict[str, Any]:
     """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
     same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
-    return Home(layouts.home, [e.store for e in layouts.entries()]).merged_stats()
+    return served_home(layouts).merged_stats()
 
 
 class OperationHandlers:
     """The handlers of the requests across every layout."""
 
-    def __init__(self, layouts: Layouts, tenancy: Tenancy, *, run: Callable[..., Awaitable[Any]],
-                 namespace_for: Callable[["Connection", str], str],
+    def __init__(self, layouts: Layouts, tenancy: Tenancy, *, run: RunInWorker,
                  pin_guard: Callable[["Connection", Store, int, int], AsyncContextManager[None]],
                  daemon_stats: Callable[[], dict[str, Any]],
                  bound: Callable[[], list[LayoutEntry | None]], leases: LeaseTable) -> None:
-        """``run``: a call in a worker thread; ``namespace_for``: the namespace the store
-        sees for a connection's; ``pin_guard``: the pinned quota around a call that may pin;
-        ``daemon_stats``: the daemon's own figures; ``bound``: each connection's layout;
-        ``leases``: the daemon's lease table (what a connection holds)."""
+        """``run``: a call in a worker thread; ``pin_guard``: the pinned quota around a call
+        that may pin; ``daemon_stats``: the daemon's own figures; ``bound``: each
+        connection's layout; ``leases``: the daemon's lease table (what a connection holds)."""
         self.layouts = layouts
         self.tenancy = tenancy
         self.run = run
-        self.namespace_for = namespace_for
         self.pin_guard = pin_guard
         self.daemon_stats = daemon_stats
         self.bound = bound
@@ -74,43 +79,32 @@ class OperationHandlers:
         manifest naming no layout goes, and whose manifest wins a name two stores hold)."""
         return Home(self.layouts.home, self.stores(conn), own=None if conn.entry is None else conn.entry.store)
 
-    async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[LayoutEntry, Any, str, str]:
-        """The layout, tokens, model version and namespace (as the client names it) of the
-        chain ending at ``last_key``. With ``namespace_per_uid`` a chain of another uid's
-        namespace is reported as not stored: a key must not let one tenant read or pin another's."""
-        st, (tokens, mv, ns) = await self.run(self.home_view(conn).find_chain, last_key)
-        if self.tenancy.per_uid:
-            own = self.namespace_for(conn, "")
-            if not ns.startswith(own):
-                raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
-            ns = ns[len(own):]
-        return self.layouts.entry_of(st), tokens, mv, ns
+    def tenant_view(self, conn: "Connection") -> TenantView:
+        """The home as this connection's uid sees it (its namespaces, its manifest names, its
+        chains): the tenant rules are the view's, never written again here."""
+        return TenantView(self.home_view(conn), self.tenancy, conn.creds.uid)
 
+    # ---- chains: a tenant's own only (TenantView.find_chain) ----------------------------------
     async def chain_tokens(self, conn: "Connection", msg: m.ChainRef) -> Answer:
-        _, tokens, mv, ns = await self._own_chain(conn, msg.last_key)
-        return {"model_version": mv, "namespace": ns}, m.tokens_payload(tokens)
+        chain = await self.run(self.tenant_view(conn).chain_tokens, msg.last_key)
+        return {"model_version": chain.model_version, "namespace": chain.namespace}, m.tokens_payload(chain.tokens)
 
     async def chain_residency(self, conn: "Connection", msg: m.ChainRef) -> Answer:
-        try:
-            entry, *_ = await self._own_chain(conn, msg.last_key)
-        except NotFoundError:
-            return {"residency": {"blocks": 0, "device": 0, "host": 0, "disk": 0}}, b""
-        r = await self.run(entry.store.chain_residency, msg.last_key)
+        r = await self.run(self.tenant_view(conn).chain_residency, msg.last_key)
         return {"residency": r.as_dict()}, b""
 
     async def set_priority_from(self, conn: "Connection", msg: m.ChainRef) -> Answer:
         if msg.priority is None:
             raise ProtocolError("set_priority_from needs a priority")
         try:
-            entry, tokens, *_ = await self._own_chain(conn, msg.last_key)
+            store, chain = await self.run(self.tenant_view(conn).find_chain, msg.last_key)
         except NotFoundError:
             return {"count": 0}, b""
-        async with self.pin_guard(conn, entry.local, msg.priority, len(tokens) // entry.layout.block_size):
-            return {"count": await self.run(entry.store.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
-
-    def tenant_view(self, conn: "Connection") -> TenantView:
-        """The home as this connection's uid sees it (its namespaces, its manifest names)."""
-        return TenantView(self.home_view(conn), self.tenancy, conn.creds.uid)
+        # The store the view found, not the view's set_priority_from: the pinned quota is
+        # that store's layout's, and the pin runs inside its check (pin_guard).
+        entry = self.layouts.entry_of(store)
+        async with self.pin_guard(conn, entry.local, msg.priority, len(chain.tokens) // entry.layout.block_size):
+            return {"count": await self.run(store.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
 
     async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
         if msg.manifest is None:
@@ -147,30 +141,21 @@ class OperationHandlers:
         return {"format": "json"}, json.dumps(r.as_dict()).encode()
 
     async def verify(self, conn: "Connection", msg: m.Verify) -> Answer:
-        self.tenancy.check_whole_store(conn.creds.uid, "verify")
-        r: VerifyResult = await self.run(self.home_view(conn).verify, msg.repair)
+        r: VerifyResult = await self.run(self.tenant_view(conn).verify, msg.repair)  # the daemon's uid's only
         return {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": msg.repair,
                 "unreadable": list(r.unreadable)}, b""
 
     async def stats(self, conn: "Connection", msg: m.Stats) -> Answer:
-        s = await self.run(merged_stats, self.layouts)
-        s["daemon"] = self.daemon_stats()
         # JSON in the payload (16 MiB), not the header (64 KiB): 3,000 namespaces overflowed
         # the header and stats failed for everyone (issue 11, item 9). And a page of the
         # namespaces, never more than MAX_STATS_NAMESPACES, so the reply stays bounded
-        # however many exist; a tenant's own namespaces are picked out before paging.
-        uid = conn.creds.uid
+        # however many exist; the view picks a tenant's own namespaces out before paging.
+        # The stores in the layouts' order, not the connection's first: the figures are the
+        # daemon's, the same for every connection (and the metrics').
+        view = TenantView(served_home(self.layouts), self.tenancy, conn.creds.uid)
         limit = min(msg.namespace_limit or DEFAULT_STATS_NAMESPACES, MAX_STATS_NAMESPACES)
-        out = self.tenancy.visible_stats(uid, s)
-        out["namespaces"], after = namespace_page(out["namespaces"], limit, msg.namespace_after)
-        if after is not None:
-            out["namespaces_next"] = after
-        layouts: dict[str, Any] = {}
-        for lid, ls in s["layouts"].items():  # each layout's figures: the namespaces of this page only
-            ls = self.tenancy.visible_stats(uid, ls)
-            page = {ns: n for ns, n in ls["namespaces"].items() if ns in out["namespaces"]}
-            layouts[lid] = {**ls, "namespaces": page}
-        out["layouts"] = layouts
+        out = await self.run(view.stats_dict, limit, msg.namespace_after)
+        out["daemon"] = self.daemon_stats()
         return {"format": "json"}, json.dumps(out).encode()
 
     async def remove_layout(self, conn: "Connection", msg: m.LayoutRef) -> Answer:
@@ -203,9 +188,8 @@ class OperationHandlers:
         """Every store's ``check_integrity`` (index against tiers, allocators, block table):
         ``error`` is the first failure's message, or null. What ``tierkv verify`` runs on a
         home it opens, so that ``--socket`` checks as much as ``--home``."""
-        self.tenancy.check_whole_store(conn.creds.uid, "check_integrity")
         try:
-            await self.run(self.home_view(conn).check_integrity)
+            await self.run(self.tenant_view(conn).check_integrity)  # the daemon's uid's only
         except AssertionError as e:
             return {"error": str(e) or "integrity check failed"}, b""
         return {"error": None}, b""

@@ -28,6 +28,7 @@ from enum import IntEnum
 from typing import Callable
 
 from ..errors import ProtocolError
+from ..json_limits import nests_deeper_than
 
 MAGIC = b"TKVD"
 VERSION = 1
@@ -127,25 +128,7 @@ def parse_head(head: bytes) -> tuple[int, int, int, int, int]:
     return opcode, flags, request_id, hlen, plen
 
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def json_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in ``raw``, found by a flat scan (no
-    recursion: the point is to refuse what would make ``json.loads`` recurse too deep).
-    Brackets inside strings do not count. Malformed input may give a wrong depth;
-    ``json.loads`` rejects it afterwards anyway."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
-        return 0  # fast path: cannot be deeper than the number of openers
-    depth = deepest = 0
-    for ch in _STRING.sub(b'""', raw):
-        if ch in (0x5B, 0x7B):  # [ {
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in (0x5D, 0x7D):  # ] }
-            depth -= 1
-    return deepest
 
 
 def parse_header(raw: bytes) -> dict:
@@ -154,7 +137,7 @@ def parse_header(raw: bytes) -> dict:
     level and a header of 64 KiB of ``[`` raised RecursionError (issue 11, item 8)."""
     if not raw:
         return {}
-    if json_depth(raw) > MAX_DEPTH:
+    if nests_deeper_than(raw, MAX_DEPTH):
         raise ProtocolError(f"frame header nests deeper than {MAX_DEPTH} levels",
                             hint="tierkv messages nest a few levels; send a flatter header")
     try:

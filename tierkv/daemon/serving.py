@@ -197,20 +197,18 @@ class Serving:
         try:
             if frame.is_reply:
                 raise ProtocolError("clients send requests, not replies")
-            entry = self.handlers.table.get(frame.opcode)
-            if entry is None:
+            route = self.handlers.table.get(frame.opcode)
+            if route is None:
                 raise ProtocolError(f"unknown opcode {frame.opcode}")
             if frame.opcode != Op.RELEASE and self._stopping():
                 raise DaemonUnavailableError("the daemon is shutting down")
-            cls, handler = entry
-            msg = cls.decode(frame.header, frame.payload)
             if now:
-                out = self.handlers.now[frame.opcode](conn, msg)
+                out = None if route.serve_now is None else route.serve_now(conn, frame.header, frame.payload)
                 if out is None:
                     measured = False  # not served here: the task that serves it measures it
                     return False
             else:
-                out = await handler(conn, msg)
+                out = await route.serve(conn, frame.header, frame.payload)
             if out is None:
                 return True  # a one-way request (RELEASE with reply=False): the client waits for nothing
             header, payload, *fds = out

@@ -18,7 +18,7 @@ import collections
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Awaitable, Callable, ParamSpec, Protocol, TypeVar
 
 from ..results import Lease
 from ..store import Store
@@ -26,6 +26,14 @@ from ..store import Store
 log = logging.getLogger("tierkv.daemon.handlers")  # the request handlers' log
 RELEASE_DRAIN_S = 0.002  # queued releases wait at most this for a store call to end them
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class RunInWorker(Protocol):
+    """:meth:`Workers.run` as the handlers are given it: typed by the function it runs, so a
+    store call through it is checked as the call itself would be (its arguments, its result)."""
+
+    def __call__(self, fn: Callable[P, T], /, *args: P.args, **kw: P.kwargs) -> Awaitable[T]: ...
 
 
 class Workers:
@@ -38,7 +46,7 @@ class Workers:
         self._drain_handle: asyncio.TimerHandle | None = None
         self._drains: set[asyncio.Future[None]] = set()
 
-    async def run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    async def run(self, fn: Callable[P, T], /, *args: P.args, **kw: P.kwargs) -> T:
         """``fn(*args, **kw)`` in a worker thread, after the releases clients sent without
         waiting (so a connection's later request sees its own releases done)."""
         loop = asyncio.get_running_loop()

@@ -76,29 +76,33 @@ class TenantView(StoreAPI):
         return self._live().set_priority(tokens, self._scope(scope), priority)
 
     # ---- chains: only the tenant's own ---------------------------------------------------------
-    def chain_tokens(self, last_key: bytes) -> ChainTokens:
-        """The chain ending at ``last_key`` with its namespace as the tenant names it;
-        NotFoundError for a chain of another tenant's namespace (a key must not let one
-        tenant read or pin another's)."""
-        tokens, mv, ns = self._live().chain_tokens(last_key)
+    def find_chain(self, last_key: bytes) -> tuple[StoreAPI, ChainTokens]:
+        """The store that holds the chain ending at ``last_key`` and the chain, its namespace
+        as the tenant names it; NotFoundError for a chain of another tenant's namespace (a
+        key must not let one tenant read or pin another's). The daemon needs the store: a
+        pin is checked against the quota of that store's layout."""
+        store, (tokens, mv, ns) = self._live().find_chain(last_key)
         own = self.tenancy.namespace_prefix(self.uid)
         if not ns.startswith(own):
             raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
-        return ChainTokens(tokens, mv, ns[len(own):])
+        return store, ChainTokens(tokens, mv, ns[len(own):])
+
+    def chain_tokens(self, last_key: bytes) -> ChainTokens:
+        return self.find_chain(last_key)[1]
 
     def chain_residency(self, last_key: bytes) -> Residency:
         try:
-            self.chain_tokens(last_key)
+            store, _ = self.find_chain(last_key)
         except NotFoundError:
             return Residency()
-        return self._live().chain_residency(last_key)
+        return store.chain_residency(last_key)
 
     def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
         try:
-            self.chain_tokens(last_key)
+            store, _ = self.find_chain(last_key)
         except NotFoundError:
             return 0
-        return self._live().set_priority_from(last_key, priority)
+        return store.set_priority_from(last_key, priority)
 
     # ---- manifests: the tenant's names -----------------------------------------------------------
     def save_manifest(self, name: str, manifest: dict[str, Any]) -> None:
@@ -142,6 +146,11 @@ class TenantView(StoreAPI):
     def stats(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> StoreStats:
         """The home's stats with only the tenant's namespaces (and no per-model-version
         counts), paged; each layout's figures carry the namespaces of the page only."""
+        return StoreStats.from_dict(self.stats_dict(namespace_limit, namespace_after))
+
+    def stats_dict(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> dict[str, Any]:
+        """:meth:`stats` in its JSON shape, the daemon's STATS reply (a StoreStats would add
+        keys that reply leaves out, such as an empty ``model_versions`` for a tenant)."""
         namespace_page({}, namespace_limit, namespace_after)  # ValueError on a bad limit, as the Store's
         merged = self._live().merged_stats()
         out = self.tenancy.visible_stats(self.uid, merged)
@@ -154,7 +163,7 @@ class TenantView(StoreAPI):
             page = {ns: n for ns, n in ls["namespaces"].items() if ns in out["namespaces"]}
             layouts[lid] = {**ls, "namespaces": page}
         out["layouts"] = layouts
-        return StoreStats.from_dict(out)
+        return out
 
     def check_integrity(self) -> None:
         self.tenancy.check_whole_store(self.uid, "check_integrity")
