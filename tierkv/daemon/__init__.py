@@ -12,7 +12,7 @@
     security.py      socket directory and path checks, SO_PEERCRED, pid file
     regions.py       the staging region; cleanup of shm left by dead processes
     metrics.py       Prometheus metrics (own registry, 127.0.0.1 only)
-    config.py        DaemonConfig; flags > TOML file > environment; the home's layout
+    config/          DaemonConfig in sections; flag > environment > TOML file > default
     client.py        Client: the embedded store's API over the socket
     remote_lease.py  RemoteLease and the client's views of the shared pools
 """
