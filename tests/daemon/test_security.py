@@ -31,7 +31,7 @@ def test_allowed_uids_admit_by_kernel_uid(workdir):
     foreign = PeerCredentials(pid=1, uid=os.getuid() + 4242, gid=0)
     assert not security.peer_allowed(foreign, ())
     allowed = make_config(workdir, access=dict(allowed_uids=(foreign.uid,)))
-    assert security.peer_allowed(foreign, allowed.allowed_uids)
+    assert security.peer_allowed(foreign, allowed.access.allowed_uids)
     assert security.peer_allowed(PeerCredentials(1, os.getuid(), 0), ())
 
 
