@@ -60,9 +60,9 @@ def test_systemd_unit_runs_serve_on_its_runtime_and_state_directories():
     params.pop("log_level")
     cfg = build_config({**params, "socket": socket, "local_only_namespaces": None}, config_file)
     # The daemon's socket in the unit's RuntimeDirectory, its home in its StateDirectory.
-    assert cfg.socket.parent == Path("/run") / service["RuntimeDirectory"]
-    assert cfg.home == Path("/var/lib") / service["StateDirectory"]
-    assert read_config_file(CONFIG)["metrics_port"] == cfg.metrics_port == 9464
+    assert cfg.server.socket.parent == Path("/run") / service["RuntimeDirectory"]
+    assert cfg.store.home == Path("/var/lib") / service["StateDirectory"]
+    assert read_config_file(CONFIG)["metrics.port"] == cfg.metrics.port == 9464
 
 
 def test_systemd_analyze_verifies_the_unit(tmp_path):
@@ -141,11 +141,11 @@ def test_container_recipe_copies_what_exists_and_runs_serve_as_a_user():
     # torch is the version the test command pins, from the CPU index (no CUDA build).
     pinned = PINNED_TORCH.search((ROOT / "scripts" / "test.sh").read_text()).group(1)
     assert f"torch=={pinned}" in run_lines and "download.pytorch.org/whl/cpu" in run_lines
-    assert str(cfg.home) in json.loads(final["VOLUME"]) and str(cfg.socket) in final["ENV"]
-    assert cfg.device == "cpu" and cfg.metrics_port == 9464
+    assert str(cfg.store.home) in json.loads(final["VOLUME"]) and str(cfg.server.socket) in final["ENV"]
+    assert cfg.store.device == "cpu" and cfg.metrics.port == 9464
     # The memory tiers fit in the --shm-size the header asks for.
     shm = int(re.search(r"--shm-size (\d+)g", DOCKERFILE.read_text()).group(1)) << 30
-    assert cfg.device_bytes + cfg.host_bytes + cfg.staging_bytes <= shm
+    assert cfg.store.device_bytes + cfg.store.host_bytes + cfg.staging.region_bytes <= shm
     # The build context holds what the recipe copies (.dockerignore).
     ignore = (ROOT / ".dockerignore").read_text()
     for src in ("pyproject.toml", "setup.py", "README.md", "tierkv", "kernels", "deploy/container/daemon.toml"):
@@ -177,9 +177,9 @@ def test_cuda_container_recipe_installs_the_gpu_extra_and_serves_from_the_gpu():
     pinned = PINNED_TORCH.search((ROOT / "scripts" / "test.sh").read_text()).group(1)
     assert f"torch=={pinned}" in run_lines and "download.pytorch.org/whl/cu" in run_lines
     assert '"/src[gpu]"' in run_lines
-    assert cfg.device == "cuda:0" and cfg.metrics_port == 9464 and cfg.metrics_host == "0.0.0.0"
-    assert str(cfg.home) in json.loads(final["VOLUME"]) and str(cfg.socket) in final["ENV"]
+    assert cfg.store.device == "cuda:0" and cfg.metrics.port == 9464 and cfg.metrics.host == "0.0.0.0"
+    assert str(cfg.store.home) in json.loads(final["VOLUME"]) and str(cfg.server.socket) in final["ENV"]
     text = recipe.read_text()
     assert "--gpus all" in text and "--ipc host" in text and "-p 9464:9464" in text
     shm = int(re.search(r"--shm-size (\d+)g", text).group(1)) << 30
-    assert cfg.host_bytes + cfg.staging_bytes <= shm  # the device tier is GPU memory
+    assert cfg.store.host_bytes + cfg.staging.region_bytes <= shm  # the device tier is GPU memory

@@ -21,8 +21,9 @@ KEYS_ENV = "TIERKV_KEYS"  # the bundle-signing keyring
 
 def check_sizes(config: object, *names: str) -> None:
     """Raise ValueError unless each attribute ``names`` of ``config`` is a byte count: a
-    non-negative int (a bool is refused). The one capacity check of every configuration
-    (StoreConfig, DaemonConfig, the vLLM connector's)."""
+    non-negative int (a bool is refused). The capacity check of StoreConfig and the vLLM
+    connector's config; the daemon's sections (daemon/config/settings.py) name a setting by
+    its key (``staging.region_bytes``), the same check."""
     for name in names:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

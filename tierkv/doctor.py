@@ -65,7 +65,7 @@ def _allocated(paths: list[Path]) -> int:
 def _uses_cuda(cfg: DaemonConfig) -> bool:
     import torch
 
-    return (cfg.device or "cuda").startswith("cuda") and torch.cuda.is_available()
+    return (cfg.store.device or "cuda").startswith("cuda") and torch.cuda.is_available()
 
 
 def _space_check(name: str, what: str, where: Path, budget: int, backed: int, fix: str) -> Check:
@@ -95,9 +95,9 @@ def check_shm(cfg: DaemonConfig, daemon_pid: int | None = None) -> Check:
     daemon, whose regions there are already backed."""
     from .tiers.shm import default_shm_dir
 
-    shm = Path(cfg.shm_dir or default_shm_dir())
+    shm = Path(cfg.store.shm_dir or default_shm_dir())
     cuda = _uses_cuda(cfg)
-    need = cfg.host_bytes + cfg.staging_bytes + (0 if cuda else cfg.device_bytes)
+    need = cfg.store.host_bytes + cfg.staging.region_bytes + (0 if cuda else cfg.store.device_bytes)
     return _space_check("shm", "host + staging" + ("" if cuda else " + device") + " tiers", shm, need,
                         _allocated(_regions_of(shm, daemon_pid)),
                         f"lower --host-bytes (and --staging-bytes), or grow {shm} (mount -o remount,size=N {shm}; "
@@ -105,15 +105,15 @@ def check_shm(cfg: DaemonConfig, daemon_pid: int | None = None) -> Check:
 
 
 def check_disk(cfg: DaemonConfig) -> Check:
-    segments = sorted(cfg.home.glob("**/segments/seg-*")) if cfg.home.is_dir() else []
-    return _space_check("disk", "disk tier", cfg.home, cfg.disk_bytes, _allocated(segments),
+    segments = sorted(cfg.store.home.glob("**/segments/seg-*")) if cfg.store.home.is_dir() else []
+    return _space_check("disk", "disk tier", cfg.store.home, cfg.store.disk_bytes, _allocated(segments),
                         "lower --disk-bytes, free space, or put --home on a larger file system")
 
 
 def check_odirect(cfg: DaemonConfig) -> Check:
     from .tiers.diskio import probe_odirect
 
-    where = _existing(cfg.home / "segments")
+    where = _existing(cfg.store.home / "segments")
     if not os.access(where, os.W_OK):
         return Check("odirect", FAIL, f"{where} is not writable: the home cannot be created or written",
                      f"make {where} writable by this user, or choose another --home")
@@ -126,10 +126,10 @@ def check_odirect(cfg: DaemonConfig) -> Check:
 def check_memlock(cfg: DaemonConfig) -> Check:
     """Page-locked memory: the host tier is registered with CUDA (cudaHostRegister), RDMA
     registers the remote segment."""
-    rdma = cfg.remote_master is not None and cfg.remote_protocol == "rdma"
+    rdma = cfg.remote.master is not None and cfg.remote.protocol == "rdma"
     if not (_uses_cuda(cfg) or rdma):
         return Check("memlock", OK, "not needed: no CUDA and no RDMA, nothing is page-locked")
-    need = (cfg.host_bytes if _uses_cuda(cfg) else 0) + (cfg.remote_segment_bytes if rdma else 0)
+    need = (cfg.store.host_bytes if _uses_cuda(cfg) else 0) + (cfg.remote.segment_bytes if rdma else 0)
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY or soft >= need or os.geteuid() == 0:
         return Check("memlock", OK, f"RLIMIT_MEMLOCK {'unlimited' if soft == resource.RLIM_INFINITY else _gib(soft)}"
@@ -144,7 +144,7 @@ def check_cuda(cfg: DaemonConfig) -> Check:
     from .devices import resolve_device
 
     try:
-        device = resolve_device(cfg.device or None)
+        device = resolve_device(cfg.store.device or None)
     except TierKVError as e:
         return Check("cuda", FAIL, e.message, e.hint)
     if not device.startswith("cuda"):
@@ -152,10 +152,10 @@ def check_cuda(cfg: DaemonConfig) -> Check:
     index = torch.device(device).index or 0
     total = torch.cuda.get_device_properties(index).total_memory
     free, _ = torch.cuda.mem_get_info(index)
-    detail = f"{device}: device tier {_gib(cfg.device_bytes)}, {_gib(free)} free of {_gib(total)}"
-    if cfg.device_bytes > total:
+    detail = f"{device}: device tier {_gib(cfg.store.device_bytes)}, {_gib(free)} free of {_gib(total)}"
+    if cfg.store.device_bytes > total:
         return Check("cuda", FAIL, f"{detail}; the GPU is smaller than the budget", "lower --device-bytes")
-    if cfg.device_bytes > free:
+    if cfg.store.device_bytes > free:
         return Check("cuda", WARN, f"{detail}; other processes hold the rest", "lower --device-bytes, or free the GPU")
     return Check("cuda", OK, detail)
 
@@ -178,8 +178,8 @@ def check_kvikio(cfg: DaemonConfig) -> Check:
 def check_socket(cfg: DaemonConfig) -> Check:
     from .daemon import socket_dir_error
 
-    directory = cfg.socket.parent
-    shared = bool(cfg.allowed_uids)
+    directory = cfg.server.socket.parent
+    shared = bool(cfg.access.allowed_uids)
     if not directory.exists():
         parent = _existing(directory)
         if os.access(parent, os.W_OK):

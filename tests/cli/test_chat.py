@@ -73,17 +73,19 @@ def test_chat_through_a_daemon(llama_dir, tmp_path):
     from pathlib import Path
 
     from helpers.daemons import DaemonThread
-    from tierkv.daemon.config import DaemonConfig
+    from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StoreSettings
     from tierkv.hf import version_of
 
     layout, _ = version_of(llama_dir)
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvchat-"))  # AF_UNIX paths are short
-    cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=layout, device="cpu",
-                       device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm", workers=2)
+    cfg = DaemonConfig(store=StoreSettings(home=d / "home", device="cpu", device_bytes=64 << 20, host_bytes=16 << 20,
+                                           disk_bytes=256 << 20, shm_dir=d / "shm"),
+                       server=ServerSettings(socket=d / "d.sock", workers=2),
+                       layouts=LayoutSettings(preload=layout))
     try:
         with DaemonThread(cfg):
             lines = "store the block\nevict the page\n"
-            via = turns("--model", llama_dir, "--socket", cfg.socket, "--max-new-tokens", "24", lines=lines)
+            via = turns("--model", llama_dir, "--socket", cfg.server.socket, "--max-new-tokens", "24", lines=lines)
             local = turns("--model", llama_dir, "--home", tmp_path / "home", "--max-new-tokens", "24", lines=lines)
             assert [t["tokens"] for t in via] == [t["tokens"] for t in local]
             assert via[1]["cached_tokens"] == local[1]["cached_tokens"] == \

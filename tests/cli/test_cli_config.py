@@ -36,23 +36,24 @@ def show(*args, env: dict[str, str] | None = None) -> dict:
 
 def test_flag_beats_environment_beats_file_beats_default(tmp_path):
     conf = tmp_path / "daemon.toml"
-    conf.write_text('host_bytes = "2GiB"\nworkers = 3\ndisk_bytes = "1GiB"\neviction_policy = "lru"\n')
+    conf.write_text('[store]\nhost_bytes = "2GiB"\ndisk_bytes = "1GiB"\neviction_policy = "lru"\n'
+                    '[server]\nworkers = 3\n')
     env = {"TIERKV_WORKERS": "5", "TIERKV_DISK_BYTES": "3GiB", "TIERKV_WRITE_THROUGH": "off",
            "TIERKV_ALLOWED_UIDS": "1000, 1001"}
     got = show("--config", conf, "--home", tmp_path / "h", "--socket", tmp_path / "s.sock", "--disk-bytes", "4GiB",
                env=env)["settings"]
-    assert got["disk_bytes"] == {"value": str(4 << 30), "source": "flag"}  # flag over env and file
-    assert got["workers"] == {"value": "5", "source": "env TIERKV_WORKERS"}  # env over file
-    assert got["host_bytes"] == {"value": str(2 << 30), "source": f"file {conf}"}
-    assert got["eviction_policy"] == {"value": "lru", "source": f"file {conf}"}
-    assert got["write_through"] == {"value": "False", "source": "env TIERKV_WRITE_THROUGH"}
-    assert got["allowed_uids"]["value"] == "1000,1001"
-    assert got["max_inflight"] == {"value": "32", "source": "default"}
-    assert got["home"] == {"value": str(tmp_path / "h"), "source": "flag"}
+    assert got["store"]["disk_bytes"] == {"value": str(4 << 30), "source": "flag"}  # flag over env and file
+    assert got["server"]["workers"] == {"value": "5", "source": "env TIERKV_WORKERS"}  # env over file
+    assert got["store"]["host_bytes"] == {"value": str(2 << 30), "source": f"file {conf}"}
+    assert got["store"]["eviction_policy"] == {"value": "lru", "source": f"file {conf}"}
+    assert got["store"]["write_through"] == {"value": "False", "source": "env TIERKV_WRITE_THROUGH"}
+    assert got["access"]["allowed_uids"]["value"] == "1000,1001"
+    assert got["server"]["max_inflight"] == {"value": "32", "source": "default"}
+    assert got["store"]["home"] == {"value": str(tmp_path / "h"), "source": "flag"}
     # TIERKV_HOME now beats the file's home too (it used to lose to it).
-    conf.write_text(f'home = "{tmp_path / "file-home"}"\n')
+    conf.write_text(f'[store]\nhome = "{tmp_path / "file-home"}"\n')
     got = show("--config", conf, "--socket", tmp_path / "s.sock", env={"TIERKV_HOME": str(tmp_path / "env-home")})
-    assert got["settings"]["home"] == {"value": str(tmp_path / "env-home"), "source": "env TIERKV_HOME"}
+    assert got["settings"]["store"]["home"] == {"value": str(tmp_path / "env-home"), "source": "env TIERKV_HOME"}
 
 
 def test_a_bad_environment_value_is_one_line_naming_the_variable(tmp_path):
@@ -73,7 +74,7 @@ def test_a_live_daemon_reports_its_settings_and_serves_metrics_where_told(tmp_pa
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvcfg-"))  # AF_UNIX paths are short
     sock = d / "d.sock"
     conf = tmp_path / "daemon.toml"
-    conf.write_text('host_bytes = "32MiB"\n')
+    conf.write_text('[store]\nhost_bytes = "32MiB"\n')
     host = "127.0.0.2"  # not the default address: the endpoint must bind where --metrics-host says
     port = _free_port(host)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERKV_")}
@@ -91,13 +92,13 @@ def test_a_live_daemon_reports_its_settings_and_serves_metrics_where_told(tmp_pa
         got = show("--socket", sock)
         assert got["of"] == f"the daemon at {sock}"
         settings = got["settings"]
-        assert settings["workers"] == {"value": "3", "source": "env TIERKV_WORKERS"}
-        assert settings["host_bytes"] == {"value": str(32 << 20), "source": f"file {conf}"}
-        assert settings["device_bytes"] == {"value": str(16 << 20), "source": "flag"}
-        assert settings["metrics_host"] == {"value": host, "source": "flag"}
+        assert settings["server"]["workers"] == {"value": "3", "source": "env TIERKV_WORKERS"}
+        assert settings["store"]["host_bytes"] == {"value": str(32 << 20), "source": f"file {conf}"}
+        assert settings["store"]["device_bytes"] == {"value": str(16 << 20), "source": "flag"}
+        assert settings["metrics"]["host"] == {"value": host, "source": "flag"}
         # An explicit --home alone is shown as this command line resolves it, not the daemon's.
         local = show("--home", tmp_path / "other")
-        assert local["of"].startswith("this command line") and local["settings"]["workers"]["source"] == "default"
+        assert local["of"].startswith("this command line") and local["settings"]["server"]["workers"]["source"] == "default"
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
             assert b"tierkv_" in r.read()
         with pytest.raises(OSError):
@@ -114,7 +115,7 @@ def test_a_store_a_command_opens_itself_takes_the_environment_and_the_file(tmp_p
     from tierkv.cli.common import open_store
 
     conf = tmp_path / "tierkv.toml"
-    conf.write_text('host_bytes = "8MiB"\ndisk_bytes = "32MiB"\neviction_policy = "lru"\nworkers = 2\n')
+    conf.write_text('[store]\nhost_bytes = "8MiB"\ndisk_bytes = "32MiB"\neviction_policy = "lru"\n[server]\nworkers = 2\n')
     monkeypatch.setenv("TIERKV_CONFIG", str(conf))
     monkeypatch.setenv("TIERKV_DISK_BYTES", "64MiB")
     monkeypatch.setenv("TIERKV_PAGE_CODEC", "none")
@@ -128,4 +129,4 @@ def test_a_store_a_command_opens_itself_takes_the_environment_and_the_file(tmp_p
         assert cfg.shm_dir == tmp_path / "shm"
     # serve reads the same file when --config is not given.
     got = show("--home", tmp_path / "h", "--socket", tmp_path / "s.sock")["settings"]
-    assert got["workers"] == {"value": "2", "source": f"file {conf}"}
+    assert got["server"]["workers"] == {"value": "2", "source": f"file {conf}"}

@@ -105,14 +105,15 @@ def daemon(llama_dir):
     """`tierkv serve`'s Daemon from a thread, serving a fresh home with the model's layout;
     yields a function that (re)starts it and the config."""
     from helpers.daemons import DaemonThread
-    from tierkv.daemon.config import DaemonConfig
+    from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StoreSettings
     from tierkv.daemon.server import Daemon
 
     layout, _ = version_of(llama_dir)
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvlo-"))  # AF_UNIX paths are short
-    cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=layout, device="cpu",
-                       device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm",
-                       workers=2, max_layouts=4)
+    cfg = DaemonConfig(store=StoreSettings(home=d / "home", device="cpu", device_bytes=64 << 20, host_bytes=16 << 20,
+                                           disk_bytes=256 << 20, shm_dir=d / "shm"),
+                       server=ServerSettings(socket=d / "d.sock", workers=2),
+                       layouts=LayoutSettings(preload=layout, max_open=4))
     running: list[DaemonThread] = []
 
     def start() -> Daemon:
@@ -133,7 +134,7 @@ def daemon(llama_dir):
 def test_a_typo_through_a_daemon_keeps_the_budgets_and_rm_gives_them_back(llama_dir, repo, daemon):
     start, stop, cfg = daemon
     start()
-    sock = ("--socket", cfg.socket)
+    sock = ("--socket", cfg.server.socket)
     run("materialize", repo, "--model", llama_dir, *sock, "--name", "repo", "--no-progress")
     full = run_json("stats", *sock)["tiers"]
     ask = ("--model", llama_dir, "--prompt", PROMPT, "--max-new-tokens", "2", "--no-progress", *sock)
@@ -152,14 +153,14 @@ def test_a_typo_through_a_daemon_keeps_the_budgets_and_rm_gives_them_back(llama_
     assert two[0]["limit_bytes"]["disk"] == full["disk"]["capacity_bytes"] // 2
     b32 = two[1]["layout_id"]
     # In use by a client of that layout: refused, even with --yes.
-    with tierkv.connect(cfg.socket, layout=version_of(llama_dir, block_size=32)[0]):
+    with tierkv.connect(cfg.server.socket, layout=version_of(llama_dir, block_size=32)[0]):
         assert "used by 1 connection" in run("layouts", "rm", b32, "--yes", *sock, ok=False).stderr
     removed = run_json("layouts", "rm", b32, "--yes", *sock)
     assert removed["removed_blocks"] == two[1]["blocks"] > 0
     one = run_json("layouts", *sock)["layouts"]
     assert [r["layout_id"] for r in one] == [two[0]["layout_id"]]
     assert one[0]["limit_bytes"] == {t: full[t]["capacity_bytes"] for t in ("device", "host", "disk")}
-    assert not (cfg.home / "layouts" / b32).exists()
+    assert not (cfg.store.home / "layouts" / b32).exists()
     assert run_json("generate", *ask, "--prefix", "repo")["cached_tokens"] > 0
     # Gone for good: a restarted daemon finds one layout.
     stop()
@@ -175,23 +176,23 @@ def test_removing_the_root_layout_through_a_daemon_keeps_the_home_locked(llama_d
 
     start, stop, cfg = daemon
     start()
-    sock = ("--socket", cfg.socket)
+    sock = ("--socket", cfg.server.socket)
     run("materialize", repo, "--model", llama_dir, *sock, "--name", "repo", "--no-progress")
     ask = ("--model", llama_dir, "--prompt", PROMPT, "--max-new-tokens", "1", "--no-progress", *sock)
     run("generate", *ask, "--block-size", "32", "--new-layout")
     root_id = layout_id(version_of(llama_dir)[0])
     run_json("layouts", "rm", root_id, "--yes", *sock)
     assert [r["block_size"] for r in run_json("layouts", *sock)["layouts"]] == [32]
-    assert not (cfg.home / "index").exists()
+    assert not (cfg.store.home / "index").exists()
     with pytest.raises(DaemonOwnsHomeError):
-        tierkv.open(cfg.home, version_of(llama_dir)[0])
+        tierkv.open(cfg.store.home, version_of(llama_dir)[0])
     run("generate", *ask, "--block-size", "64", "--new-layout")  # opens at the root
-    assert tierkv.home_layout(cfg.home).block_size == 64
+    assert tierkv.home_layout(cfg.store.home).block_size == 64
     stop()
     start()
     # Both found again (16 too: the fixture's daemon has it as its --layout), 64 at the root.
     assert sorted(r["block_size"] for r in run_json("layouts", *sock)["layouts"]) == [16, 32, 64]
-    assert tierkv.home_layout(cfg.home).block_size == 64
+    assert tierkv.home_layout(cfg.store.home).block_size == 64
 
 
 def test_invalidate_and_gc_of_a_model_through_a_daemon_serving_several_layouts(llama_dir, repo, daemon):
@@ -201,7 +202,7 @@ def test_invalidate_and_gc_of_a_model_through_a_daemon_serving_several_layouts(l
     serves: the model's blocks under each are found, kept or removed."""
     start, stop, cfg = daemon
     start()
-    sock = ("--socket", cfg.socket)
+    sock = ("--socket", cfg.server.socket)
     run("materialize", repo, "--model", llama_dir, *sock, "--name", "b16", "--no-progress")
     run("materialize", repo, "--model", llama_dir, *sock, "--name", "b32", "--no-progress", "--block-size", "32",
         "--new-layout")

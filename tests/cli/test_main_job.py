@@ -180,16 +180,18 @@ def test_materialize_generate_invalidate_through_a_daemon(llama_dir, repo, tmp_p
     from pathlib import Path
 
     from helpers.daemons import DaemonThread
-    from tierkv.daemon.config import DaemonConfig
+    from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StoreSettings
 
     layout, version = version_of(llama_dir)
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvmj-"))  # AF_UNIX paths are short
-    cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=layout, device="cpu",
-                       device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm", workers=2)
+    cfg = DaemonConfig(store=StoreSettings(home=d / "home", device="cpu", device_bytes=64 << 20, host_bytes=16 << 20,
+                                           disk_bytes=256 << 20, shm_dir=d / "shm"),
+                       server=ServerSettings(socket=d / "d.sock", workers=2),
+                       layouts=LayoutSettings(preload=layout))
     daemon = DaemonThread(cfg)
     try:
         daemon.start()
-        sock = ("--socket", cfg.socket)
+        sock = ("--socket", cfg.server.socket)
         made = run_json("materialize", repo, "--model", llama_dir, *sock, "--name", "repo", "--no-progress")
         assert made["stored_blocks"] == made["tokens"] // 16 > 0
         ask = ("--model", llama_dir, "--prompt", "store the block", "--max-new-tokens", "3")

@@ -30,14 +30,16 @@ def target(request, llama_dir, tmp_path):
         yield ("--home", str(tmp_path / "home"))
         return
     from helpers.daemons import DaemonThread
-    from tierkv.daemon.config import DaemonConfig
+    from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StoreSettings
 
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvrf-"))  # AF_UNIX paths are short
-    cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=version_of(llama_dir)[0], device="cpu",
-                       device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm", workers=2)
+    cfg = DaemonConfig(store=StoreSettings(home=d / "home", device="cpu", device_bytes=64 << 20, host_bytes=16 << 20,
+                                           disk_bytes=256 << 20, shm_dir=d / "shm"),
+                       server=ServerSettings(socket=d / "d.sock", workers=2),
+                       layouts=LayoutSettings(preload=version_of(llama_dir)[0]))
     try:
         with DaemonThread(cfg):
-            yield ("--socket", str(cfg.socket))
+            yield ("--socket", str(cfg.server.socket))
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

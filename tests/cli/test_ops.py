@@ -394,14 +394,16 @@ def test_export_of_an_incomplete_prefix_is_refused(home, tmp_path):
 def daemon_socket():
     """A daemon serving a fresh home from a thread of this process; yields its socket path."""
     from helpers.daemons import DaemonThread
-    from tierkv.daemon.config import DaemonConfig
+    from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StagingSettings, StoreSettings
 
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvops-"))  # AF_UNIX paths are short
-    cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=LAYOUT, device="cpu",
-                       device_bytes=64 * LAYOUT.page_bytes, host_bytes=1 << 20, disk_bytes=16 << 20,
-                       staging_bytes=256 << 10, client_staging_bytes=64 << 10, shm_dir=d / "shm", workers=2)
+    cfg = DaemonConfig(store=StoreSettings(home=d / "home", device="cpu", device_bytes=64 * LAYOUT.page_bytes,
+                                           host_bytes=1 << 20, disk_bytes=16 << 20, shm_dir=d / "shm"),
+                       server=ServerSettings(socket=d / "d.sock", workers=2),
+                       layouts=LayoutSettings(preload=LAYOUT),
+                       staging=StagingSettings(region_bytes=256 << 10, per_client_bytes=64 << 10))
     with DaemonThread(cfg):
-        yield cfg.socket
+        yield cfg.server.socket
     shutil.rmtree(d, ignore_errors=True)
 
 

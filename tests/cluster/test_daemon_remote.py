@@ -26,8 +26,10 @@ from tierkv import Priority, Scope
 from tierkv.cli import main
 from tierkv.cluster import open_node, route
 from tierkv.cluster.master import free_port
-from helpers.daemons import DaemonThread
-from tierkv.daemon.config import DaemonConfig, merge, read_config_file
+from helpers.daemons import DaemonThread, with_sections
+from tierkv.daemon.config import (
+    DaemonConfig, LayoutSettings, RemoteSettings, ServerSettings, StagingSettings, StoreSettings, merge, read_config_file,
+)
 from tierkv.identity import block_keys
 from tierkv.errors import ConfigError
 
@@ -37,15 +39,18 @@ from .test_mooncake import _namespace_ok
 SCRIPT = Path(__file__).with_name("daemon_scenarios.py")
 
 
-def daemon_config(work: Path, name: str, **kw) -> DaemonConfig:
-    base = dict(home=work / name / "home", socket=work / "run" / f"{name}.sock", layout=LAYOUT, device="cpu",
-                device_bytes=16 * LAYOUT.page_bytes, host_bytes=8 * LAYOUT.slot_bytes,
-                disk_bytes=64 * LAYOUT.slot_bytes, staging_bytes=256 << 10, client_staging_bytes=64 << 10,
-                shm_dir=work / name / "shm", workers=2, remote_metadata_url="http://127.0.0.1:2/metadata",
-                remote_segment_bytes=16 << 20, remote_buffer_bytes=8 << 20, remote_op_timeout_s=1.0,
-                remote_setup_timeout_s=2.0, remote_backoff_max_s=1.0)
-    base.update(kw)
-    return DaemonConfig(**base)
+def daemon_config(work: Path, name: str, **sections) -> DaemonConfig:
+    """Node ``name`` of a test cluster; ``sections``: what a test changes (with_sections), the
+    remote tier's settings merged over these."""
+    remote = {**dict(metadata_url="http://127.0.0.1:2/metadata", segment_bytes=16 << 20, buffer_bytes=8 << 20,
+                     op_timeout_s=1.0, setup_timeout_s=2.0, backoff_max_s=1.0), **sections.pop("remote", {})}
+    base = DaemonConfig(
+        store=StoreSettings(home=work / name / "home", device="cpu", device_bytes=16 * LAYOUT.page_bytes,
+                            host_bytes=8 * LAYOUT.slot_bytes, disk_bytes=64 * LAYOUT.slot_bytes, shm_dir=work / name / "shm"),
+        server=ServerSettings(socket=work / "run" / f"{name}.sock", workers=2),
+        staging=StagingSettings(region_bytes=256 << 10, per_client_bytes=64 << 10),
+        layouts=LayoutSettings(preload=LAYOUT), remote=RemoteSettings(**remote))
+    return with_sections(base, **sections)
 
 
 @pytest.fixture
@@ -68,13 +73,13 @@ def wait_for(pred, timeout: float = 10.0) -> bool:
 
 
 def test_unreachable_master_daemon_serves_locally_and_reports_degraded(work):
-    cfg = daemon_config(work, "a", remote_master=f"127.0.0.1:{free_port()}",
-                        remote_metadata_url=f"http://127.0.0.1:{free_port()}/metadata")
+    cfg = daemon_config(work, "a", remote=dict(master=f"127.0.0.1:{free_port()}",
+                                               metadata_url=f"http://127.0.0.1:{free_port()}/metadata"))
     d = DaemonThread(cfg).start()
     try:
         assert os.environ["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
         t = toks(1, 3)
-        with tierkv.connect(cfg.socket) as c:
+        with tierkv.connect(cfg.server.socket) as c:
             c.put(t, pages_for(t), SCOPE, priority=Priority.PINNED)  # the publish fails quietly
             assert c.lookup(t, SCOPE).tiers == ("device",) * 3
             with c.acquire(t, SCOPE) as lease:
@@ -85,10 +90,10 @@ def test_unreachable_master_daemon_serves_locally_and_reports_degraded(work):
             assert r["faults"].get("setup_failed", 0) >= 1 and r["hits"] == 0, r
             for key in ("hits", "fetched_bytes", "verify_failures", "reconnects"):
                 assert key in r
-        r = CliRunner().invoke(main, ["stats", "--socket", str(cfg.socket), "--json"])
+        r = CliRunner().invoke(main, ["stats", "--socket", str(cfg.server.socket), "--json"])
         assert r.exit_code == 0, r.output
         assert json.loads(r.output)["tiers"]["remote"]["state"] == "degraded"
-        r = CliRunner().invoke(main, ["stats", "--socket", str(cfg.socket)])
+        r = CliRunner().invoke(main, ["stats", "--socket", str(cfg.server.socket)])
         assert r.exit_code == 0, r.output
         from prometheus_client import generate_latest
 
@@ -100,25 +105,25 @@ def test_unreachable_master_daemon_serves_locally_and_reports_degraded(work):
         d.daemon.check_integrity()
     finally:
         d.stop()
-    assert not cfg.socket.exists()
+    assert not cfg.server.socket.exists()
 
 
 def test_two_daemons_share_published_prefixes(work):
     """Daemons with separate homes and one (stand-in) cluster: a pinned prefix put through
     A is a remote hit through B's client, byte for byte, and route counts it."""
     cluster = FakeCluster()
-    kw = dict(remote_master="127.0.0.1:1", remote_bind="127.0.0.2")
+    kw = dict(remote=dict(master="127.0.0.1:1", bind="127.0.0.2"))
     a = DaemonThread(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory).start()
     b = DaemonThread(daemon_config(work, "b", **kw), remote_backend_factory=cluster.factory).start()
     try:
         assert os.environ["MC_TCP_BIND_ADDRESS"] == "127.0.0.2"
         t, private = toks(2, 4), toks(3, 2)
-        with tierkv.connect(a.config.socket) as ca, tierkv.connect(b.config.socket) as cb:
+        with tierkv.connect(a.config.server.socket) as ca, tierkv.connect(b.config.server.socket) as cb:
             ca.put(t, pages_for(t), SCOPE, priority=Priority.PINNED)
             ca.put(private, pages_for(private), SCOPE)  # normal put: stays on A
             assert cb.lookup(t, SCOPE).tiers == ("remote",) * 4
             assert cb.lookup(private, SCOPE).tokens_matched == 0
-            nodes = {"b": open_node(b.config.socket), "a": open_node(a.config.socket)}
+            nodes = {"b": open_node(b.config.server.socket), "a": open_node(a.config.server.socket)}
             try:
                 res = route(t, nodes, SCOPE)
                 assert res.per_node == {"b": 4 * BS, "a": 4 * BS} and res.best_node == "b", res
@@ -152,12 +157,12 @@ def test_daemon_republishes_named_prefixes_when_the_master_comes_back(work):
     """A restarted master has lost every object: once A's keeper sees the tier up again it
     republishes A's named prefixes, and B finds them without anyone re-pinning."""
     cluster = FakeCluster()
-    kw = dict(remote_master="127.0.0.1:1")
+    kw = dict(remote=dict(master="127.0.0.1:1"))
     a = DaemonThread(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory).start()
     b = DaemonThread(daemon_config(work, "b", **kw), remote_backend_factory=cluster.factory).start()
     try:
         t = toks(7, 3)
-        with tierkv.connect(a.config.socket) as ca, tierkv.connect(b.config.socket) as cb:
+        with tierkv.connect(a.config.server.socket) as ca, tierkv.connect(b.config.server.socket) as cb:
             ca.put(t, pages_for(t), SCOPE)
             last = block_keys(t, SCOPE, BS)[-1]
             ca.save_manifest("doc", {"kind": "prefix", "last_block_key": last.hex()})  # materialised: published
@@ -177,11 +182,11 @@ def test_daemon_republishes_named_prefixes_when_the_master_comes_back(work):
 
 def test_local_only_namespace_stays_on_the_node(work):
     cluster = FakeCluster()
-    kw = dict(remote_master="127.0.0.1:1", local_only_namespaces=("secret",))
+    kw = dict(remote=dict(master="127.0.0.1:1"), publish=dict(local_only_namespaces=("secret",)))
     a = DaemonThread(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory).start()
     try:
         t = toks(4, 2)
-        with tierkv.connect(a.config.socket) as ca:
+        with tierkv.connect(a.config.server.socket) as ca:
             ca.put(t, pages_for(t, Scope(MV1, "secret")), Scope(MV1, "secret"), priority=Priority.PINNED)
             ca.put(t, pages_for(t), SCOPE, priority=Priority.PINNED)
         assert len(cluster.objects) == 2  # SCOPE's two blocks only
@@ -191,35 +196,35 @@ def test_local_only_namespace_stays_on_the_node(work):
 
 def test_remote_config_precedence(tmp_path):
     f = tmp_path / "d.toml"
-    f.write_text('remote_bind = "10.0.0.9"\nlocal_only_namespaces = ["a", "b"]\n'
-                 '[remote]\nmaster = "10.0.0.5:50051"\nmetadata_url = "http://10.0.0.5:8080/metadata"\n'
-                 'segment_bytes = "1GiB"\nkey_prefix = "c1/"\nwrite_back_evicted = true\n')
+    f.write_text('[remote]\nbind = "10.0.0.9"\nmaster = "10.0.0.5:50051"\nmetadata_url = "http://10.0.0.5:8080/metadata"\n'
+                 'segment_bytes = "1GiB"\nkey_prefix = "c1/"\n'
+                 '[publish]\nlocal_only_namespaces = ["a", "b"]\nwrite_back_evicted = true\n')
     file_values = read_config_file(f)
     env = {"MC_TCP_BIND_ADDRESS": "10.0.0.1", "TIERKV_HOME": str(tmp_path / "h"), "TIERKV_SOCKET": "/tmp/x.sock"}
     cfg = merge({}, file_values, env)
-    assert cfg.remote_master == "10.0.0.5:50051" and cfg.remote_metadata_url == "http://10.0.0.5:8080/metadata"
-    assert cfg.remote_bind == "10.0.0.9"  # the file beats the environment
-    assert cfg.remote_segment_bytes == 1 << 30 and cfg.remote_key_prefix == "c1/"
-    assert cfg.local_only_namespaces == ("a", "b")
-    policy = cfg.publish_policy()
+    assert cfg.remote.master == "10.0.0.5:50051" and cfg.remote.metadata_url == "http://10.0.0.5:8080/metadata"
+    assert cfg.remote.bind == "10.0.0.9"  # the file beats the environment
+    assert cfg.remote.segment_bytes == 1 << 30 and cfg.remote.key_prefix == "c1/"
+    assert cfg.publish.local_only_namespaces == ("a", "b")
+    policy = cfg.publish.policy()
     assert policy.write_back_evicted and policy.publish_pinned and policy.publish_materialised
     assert policy.local_only_namespaces == {"a", "b"}
-    rc = cfg.remote_config()
+    rc = cfg.remote.tier_config()
     assert rc.global_segment_bytes == 1 << 30 and rc.key_prefix == "c1/"
-    flags = {"remote_bind": "10.0.0.3", "remote_key_prefix": "c2/", "local_only_namespaces": ("z",),
-             "publish_pinned": False, "remote_segment_bytes": "64MiB"}
+    flags = {"remote.bind": "10.0.0.3", "remote.key_prefix": "c2/", "publish.local_only_namespaces": ("z",),
+             "publish.pinned": False, "remote.segment_bytes": "64MiB"}
     cfg = merge(flags, file_values, env)  # flags beat the file
-    assert (cfg.remote_bind, cfg.remote_key_prefix, cfg.local_only_namespaces) == ("10.0.0.3", "c2/", ("z",))
-    assert cfg.remote_segment_bytes == 64 << 20 and not cfg.publish_policy().publish_pinned
+    assert (cfg.remote.bind, cfg.remote.key_prefix, cfg.publish.local_only_namespaces) == ("10.0.0.3", "c2/", ("z",))
+    assert cfg.remote.segment_bytes == 64 << 20 and not cfg.publish.policy().publish_pinned
     cfg = merge({}, {}, env)  # no remote tier; the bind address comes from the environment
-    assert cfg.remote_config() is None and not cfg.remote_enabled and cfg.resolved_remote_bind == "10.0.0.1"
-    assert merge({}, {}, {"TIERKV_HOME": "/h"}).resolved_remote_bind == "127.0.0.1"
-    with pytest.raises(ConfigError, match="remote_metadata_url"):
-        merge({"remote_master": "10.0.0.5:50051"}, {}, env)
+    assert cfg.remote.tier_config() is None and not cfg.remote.enabled and cfg.remote.resolved_bind == "10.0.0.1"
+    assert merge({}, {}, {"TIERKV_HOME": "/h"}).remote.resolved_bind == "127.0.0.1"
+    with pytest.raises(ConfigError, match="remote.master needs remote.metadata_url"):
+        merge({"remote.master": "10.0.0.5:50051"}, {}, env)
     with pytest.raises(ConfigError, match="key_prefix"):
-        merge({"remote_key_prefix": "bad prefix!"}, file_values, env)
+        merge({"remote.key_prefix": "bad prefix!"}, file_values, env)
     with pytest.raises(ConfigError, match="HOST:PORT"):
-        merge({"remote_master": "nohost"}, file_values, env)
+        merge({"remote.master": "nohost"}, file_values, env)
 
 
 def test_serve_cli_remote_flags(tmp_path):
@@ -229,7 +234,7 @@ def test_serve_cli_remote_flags(tmp_path):
         assert flag in r.output
     r = CliRunner().invoke(main, ["serve", "--home", str(tmp_path / "h"), "--socket", str(tmp_path / "s.sock"),
                                   "--remote-master", "127.0.0.1:1"])
-    assert r.exit_code != 0 and "remote_metadata_url" in r.output
+    assert r.exit_code != 0 and "remote.metadata_url (--remote-metadata-url" in r.output
 
 
 # ---- real Mooncake --------------------------------------------------------------------------

@@ -108,15 +108,17 @@ def daemon_socket():
     import tempfile
 
     from helpers.daemons import DaemonThread  # tierkv's own: an import error is a failure, never a skip
-    from tierkv.daemon.config import DaemonConfig
+    from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StagingSettings, StoreSettings
 
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvr-"))  # AF_UNIX paths are short
-    config = DaemonConfig(home=work / "home", socket=work / "run" / "d.sock", layout=LAYOUT, device="cpu",
-                          device_bytes=16 * LAYOUT.page_bytes, host_bytes=8 * LAYOUT.slot_bytes,
-                          disk_bytes=64 * LAYOUT.slot_bytes, staging_bytes=256 << 10,
-                          client_staging_bytes=64 << 10, shm_dir=work / "shm", workers=2)
+    config = DaemonConfig(store=StoreSettings(home=work / "home", device="cpu", device_bytes=16 * LAYOUT.page_bytes,
+                                              host_bytes=8 * LAYOUT.slot_bytes, disk_bytes=64 * LAYOUT.slot_bytes,
+                                              shm_dir=work / "shm"),
+                          server=ServerSettings(socket=work / "run" / "d.sock", workers=2),
+                          layouts=LayoutSettings(preload=LAYOUT),
+                          staging=StagingSettings(region_bytes=256 << 10, per_client_bytes=64 << 10))
     with DaemonThread(config):  # one that does not start fails the test, never skips it
-        yield config.socket
+        yield config.server.socket
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -95,12 +95,14 @@ def fill_other(api: Any) -> None:
 
 def run_two_layout_daemon(workdir: Path, layout: PageLayout) -> DaemonThread:
     """A daemon that serves two layouts on its home (run_daemon gives one layout the whole
-    budget, max_layouts=1)."""
-    from tierkv.daemon.config import DaemonConfig
+    budget, layouts.max_open=1)."""
+    from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StagingSettings, StoreSettings
 
-    return DaemonThread(DaemonConfig(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
-                                     staging_bytes=256 * layout.slot_bytes, client_staging_bytes=64 * layout.slot_bytes,
-                                     shm_dir=workdir / "shm", workers=2, max_layouts=2, **SIZES)).start()
+    return DaemonThread(DaemonConfig(
+        store=StoreSettings(home=workdir / "home", device="cpu", shm_dir=workdir / "shm", **SIZES),
+        server=ServerSettings(socket=workdir / "d.sock", workers=2),
+        staging=StagingSettings(region_bytes=256 * layout.slot_bytes, per_client_bytes=64 * layout.slot_bytes),
+        layouts=LayoutSettings(preload=layout, max_open=2))).start()
 
 
 @dataclass
@@ -127,7 +129,7 @@ class Twins:
         return a
 
     def restart_daemon(self) -> None:
-        workdir = self.runner.config.home.parent
+        workdir = self.runner.config.store.home.parent
         self.runner.stop()
         self.runner = (run_two_layout_daemon(workdir, self.layout) if self.two_layouts
                        else run_daemon(workdir, self.layout, **SIZES))

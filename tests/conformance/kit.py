@@ -54,15 +54,15 @@ def short_dir(prefix: str) -> Path:
 
 
 def run_daemon(workdir: Path, layout: PageLayout | None, **sizes: int) -> DaemonThread:
-    """``tierkv serve`` in a thread of the test process, on its own home, serving."""
-    from tierkv.daemon.config import DaemonConfig
+    """``tierkv serve`` in a thread of the test process, on its own home, serving (the whole
+    budget to the one layout, as the embedded store has it)."""
+    from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StagingSettings, StoreSettings
 
-    opts: dict[str, Any] = dict(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
-                                staging_bytes=256 * layout_slot(layout), client_staging_bytes=64 * layout_slot(layout),
-                                shm_dir=workdir / "shm", workers=2, **{**SIZES, **sizes})
-    if "max_layouts" in DaemonConfig.__dataclass_fields__:
-        opts["max_layouts"] = 1  # the whole budget to the one layout, as the embedded store has it
-    return DaemonThread(DaemonConfig(**opts)).start()
+    return DaemonThread(DaemonConfig(
+        store=StoreSettings(home=workdir / "home", device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes}),
+        server=ServerSettings(socket=workdir / "d.sock", workers=2),
+        staging=StagingSettings(region_bytes=256 * layout_slot(layout), per_client_bytes=64 * layout_slot(layout)),
+        layouts=LayoutSettings(preload=layout, max_open=1))).start()
 
 
 def layout_slot(layout: PageLayout | None) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tierkv import PageLayout, Scope
-from tierkv.daemon.config import DaemonConfig
+from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StagingSettings, StoreSettings
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
 SCOPE = Scope("ab" * 32, "tenant-a")
@@ -32,13 +32,18 @@ def pages_for(n_blocks: int, seed: int = 0) -> torch.Tensor:
     return torch.randn((n_blocks, *LAYOUT.shape), generator=g, dtype=torch.float32)
 
 
-def make_config(workdir: Path, **kw) -> DaemonConfig:
-    base = dict(home=workdir / "home", socket=workdir / "run" / "d.sock", layout=LAYOUT, device="cpu",
-                device_bytes=1 * MiB, host_bytes=2 * MiB, disk_bytes=8 * MiB, staging_bytes=256 * KiB,
-                client_staging_bytes=64 * KiB, shm_dir=workdir / "shm", workers=4,
-                max_layouts=1)  # the whole budget to LAYOUT (test_layouts.py splits it)
-    base.update(kw)
-    return DaemonConfig(**base)
+def make_config(workdir: Path, **sections) -> DaemonConfig:
+    """A small daemon serving LAYOUT; ``sections``: what a test changes, by section
+    (helpers.daemons.with_sections: ``store=dict(page_codec="int8")``, ``quotas=Quotas(...)``)."""
+    from helpers.daemons import with_sections  # here: client processes import this module without tests/ on the path
+
+    base = DaemonConfig(
+        store=StoreSettings(home=workdir / "home", device="cpu", device_bytes=1 * MiB, host_bytes=2 * MiB,
+                            disk_bytes=8 * MiB, shm_dir=workdir / "shm"),
+        server=ServerSettings(socket=workdir / "run" / "d.sock", workers=4),
+        staging=StagingSettings(region_bytes=256 * KiB, per_client_bytes=64 * KiB),
+        layouts=LayoutSettings(preload=LAYOUT, max_open=1))  # the whole budget to LAYOUT (test_layouts.py splits it)
+    return with_sections(base, **sections)
 
 
 def wait_for(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:

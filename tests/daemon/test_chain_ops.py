@@ -49,7 +49,7 @@ def test_chain_methods_match_the_embedded_store(daemon, workdir):
     embedded = tierkv.open(workdir / "embedded", LAYOUT, device="cpu", device_bytes=1 * MiB, host_bytes=2 * MiB,
                            disk_bytes=8 * MiB, shm_dir=workdir / "shm")
     try:
-        with tierkv.connect(daemon.config.socket) as c:
+        with tierkv.connect(daemon.config.server.socket) as c:
             toks = prompt(80, seed=11)
             last = block_keys(toks, SCOPE, LAYOUT.block_size)[-1]
             for s in (embedded, c):
@@ -70,9 +70,9 @@ def test_chain_methods_match_the_embedded_store(daemon, workdir):
 
 
 def test_chain_methods_are_confined_to_the_callers_namespace(workdir):
-    d = DaemonThread(make_config(workdir, namespace_per_uid=True)).start()
+    d = DaemonThread(make_config(workdir, access=dict(namespace_per_uid=True))).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             toks = prompt(32, seed=12)
             c.put(toks, pages_for(2, 12), SCOPE)
             own = block_keys(toks, Scope(SCOPE.model_version, f"uid{os.getuid()}/{SCOPE.namespace}"),
@@ -113,11 +113,11 @@ def test_ops_commands_through_the_socket_match_the_home(workdir):
     toks = prompt(64, seed=14)
     bundle = workdir / "docs.tkv"
     try:
-        with tierkv.connect(cfg.socket) as c:
+        with tierkv.connect(cfg.server.socket) as c:
             c.put(toks, pages_for(4, 14), SCOPE)
             c.save_manifest("docs", manifest_for(toks, SCOPE))
             c.put(prompt(32, seed=15), pages_for(2, 15), other)
-        sock = ("--socket", str(cfg.socket))
+        sock = ("--socket", str(cfg.server.socket))
         via_socket = {
             "ls": run_json("ls", *sock),
             "pin": run_json("pin", "docs", *sock),
@@ -129,14 +129,14 @@ def test_ops_commands_through_the_socket_match_the_home(workdir):
         run_json("invalidate", "--namespace", SCOPE.namespace, *sock)
         imported = run_json("import", str(bundle), *sock)
         assert imported["stored_blocks"] == 4 and imported["name"] == "docs"
-        with tierkv.connect(cfg.socket) as c, c.acquire(toks, SCOPE) as lease:
+        with tierkv.connect(cfg.server.socket) as c, c.acquire(toks, SCOPE) as lease:
             assert lease.num_blocks == 4 and (lease.pages() == pages_for(4, 14)).all()
         assert via_socket["ls"]["prefixes"][0]["resident"]["blocks"] == 4
         assert via_socket["pin"]["blocks"] == 4 and via_socket["ls_pinned"]["prefixes"][0]["pinned"]
         assert via_socket["gc_dry"]["removed_blocks"] == 2  # tenant-b is named by no prefix
     finally:
         d.stop()
-    home = ("--home", str(cfg.home))
+    home = ("--home", str(cfg.store.home))
     via_home = {
         "ls": run_json("ls", *home),
         "pin": run_json("pin", "docs", *home),

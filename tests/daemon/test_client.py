@@ -18,7 +18,7 @@ from daemon_helpers import LAYOUT, MiB, SCOPE, make_config, pages_for, prompt, w
 def test_same_results_and_bytes_as_the_embedded_store(daemon, workdir):
     embedded = tierkv.open(workdir / "embedded", LAYOUT, device="cpu", device_bytes=1 * MiB, host_bytes=2 * MiB,
                            disk_bytes=8 * MiB, shm_dir=workdir / "shm")
-    client = tierkv.connect(daemon.config.socket)
+    client = tierkv.connect(daemon.config.server.socket)
     try:
         cases = [(prompt(100, seed=1), pages_for(6, 1), 0), (prompt(160, seed=2), pages_for(10, 2), 0),
                  (prompt(160, seed=2), pages_for(3, 3), 10 - 3)]  # a put starting mid-prompt (all skipped)
@@ -50,7 +50,7 @@ def test_same_results_and_bytes_as_the_embedded_store(daemon, workdir):
 
 def test_put_larger_than_the_staging_quota_is_chunked(daemon):
     # quota: 64 KiB of 8 KiB pages = 8 slots; 21 blocks take three chunks.
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         assert c.stage_quota == 8
         toks, pages = prompt(21 * 16 + 5, seed=4), pages_for(21, 4)
         r = c.put(toks, pages, SCOPE)
@@ -61,7 +61,7 @@ def test_put_larger_than_the_staging_quota_is_chunked(daemon):
 
 
 def test_operations_through_the_client(daemon):
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(64, seed=5)
         c.put(toks, pages_for(4, 5), SCOPE)
         assert c.prefetch(toks, SCOPE).result(timeout=10) == 64
@@ -85,7 +85,7 @@ def test_operations_through_the_client(daemon):
 
 
 def test_release_twice_and_foreign_leases_are_errors(daemon):
-    with tierkv.connect(daemon.config.socket) as c, tierkv.connect(daemon.config.socket) as d:
+    with tierkv.connect(daemon.config.server.socket) as c, tierkv.connect(daemon.config.server.socket) as d:
         toks = prompt(32, seed=6)
         c.put(toks, pages_for(2, 6), SCOPE)
         lease = c.acquire(toks, SCOPE)
@@ -101,12 +101,12 @@ def test_release_twice_and_foreign_leases_are_errors(daemon):
 
 
 def test_leases_end_with_the_connection(daemon):
-    c = tierkv.connect(daemon.config.socket)
+    c = tierkv.connect(daemon.config.server.socket)
     toks = prompt(48, seed=7)
     c.put(toks, pages_for(3, 7), SCOPE)
     c.acquire(toks, SCOPE)
     c.acquire(toks, SCOPE)
-    with tierkv.connect(daemon.config.socket) as watcher:
+    with tierkv.connect(daemon.config.server.socket) as watcher:
         assert watcher.stats()["leased_blocks"] == 3
         c.close()
         assert wait_for(lambda: watcher.stats()["leased_blocks"] == 0)
@@ -114,9 +114,9 @@ def test_leases_end_with_the_connection(daemon):
 
 
 def test_idle_leases_time_out(workdir):
-    d = DaemonThread(make_config(workdir, lease_timeout_s=0.3)).start()
+    d = DaemonThread(make_config(workdir, leases=dict(timeout_s=0.3))).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             toks = prompt(32, seed=8)
             c.put(toks, pages_for(2, 8), SCOPE)
             kept, idle = c.acquire(toks, SCOPE), c.acquire(toks, SCOPE)

@@ -35,7 +35,7 @@ def slow_ping(daemon, seconds: float) -> None:
 
 def test_the_reader_delivers_another_callers_reply_and_hands_the_role_on(daemon):
     slow_ping(daemon, 0.6)
-    with tierkv.connect(daemon.config.socket, timeout=20) as c:
+    with tierkv.connect(daemon.config.server.socket, timeout=20) as c:
         toks = prompt(32, seed=7)
         c.put(toks, pages_for(2, seed=7), SCOPE)
         done: dict[str, float] = {}
@@ -68,7 +68,7 @@ def test_the_reader_delivers_another_callers_reply_and_hands_the_role_on(daemon)
 
 def test_a_caller_that_times_out_leaves_the_client_usable(daemon):
     slow_ping(daemon, 1.0)
-    with tierkv.connect(daemon.config.socket, timeout=0.3) as c:
+    with tierkv.connect(daemon.config.server.socket, timeout=0.3) as c:
         t0 = time.monotonic()
         with pytest.raises(DaemonUnavailableError, match="no reply"):
             c.ping()
@@ -83,7 +83,7 @@ def test_a_caller_that_times_out_leaves_the_client_usable(daemon):
 
 def test_a_waiting_caller_fails_at_once_when_the_daemon_goes(daemon):
     slow_ping(daemon, 4.0)
-    with tierkv.connect(daemon.config.socket, timeout=60) as c:
+    with tierkv.connect(daemon.config.server.socket, timeout=60) as c:
         out: list[BaseException] = []
 
         def wait() -> None:

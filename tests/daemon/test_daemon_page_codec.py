@@ -17,9 +17,9 @@ from tierkv.errors import ConfigError
 def test_int8_home_through_the_daemon(workdir):
     codec = PageCodec("int8", LAYOUT)
     toks, pages = prompt(64, seed=5), pages_for(4, 5)
-    d = DaemonThread(make_config(workdir, page_codec="int8")).start()
+    d = DaemonThread(make_config(workdir, store=dict(page_codec="int8"))).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             assert c.host_pool is None  # stored-form pages are not the layout's: not mapped
             c.put(toks, pages, SCOPE)
             with c.acquire(toks, SCOPE) as lease:
@@ -29,7 +29,7 @@ def test_int8_home_through_the_daemon(workdir):
         d.stop()
     d = DaemonThread(make_config(workdir)).start()  # no codec named: the home's
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             with c.acquire(toks, SCOPE) as lease:
                 assert lease.tokens_matched == 64
                 got = lease.pages()
@@ -42,7 +42,7 @@ def test_int8_home_through_the_daemon(workdir):
 
 
 def test_page_codec_setting_is_checked(workdir):
-    assert merge({"page_codec": "int8"}, {}, {}).page_codec == "int8"
-    assert merge({}, {"page_codec": "none"}, {}).page_codec == "none"
+    assert merge({"store.page_codec": "int8"}, {}, {}).store.page_codec == "int8"
+    assert merge({}, {"store.page_codec": "none"}, {}).store.page_codec == "none"
     with pytest.raises(ConfigError, match="page_codec"):
-        merge({"page_codec": "int4"}, {}, {})
+        merge({"store.page_codec": "int4"}, {}, {})

@@ -23,9 +23,9 @@ ADDED_BY_PROMETHEUS = {"instance", "job", "le"}
 def exported(workdir) -> dict[str, set[str] | None]:
     """Sample name -> label names (None: no sample yet shows them), of everything a daemon's
     /metrics shows after traffic that evicts and fails a request."""
-    d = DaemonThread(make_config(workdir, metrics_port=0)).start()
+    d = DaemonThread(make_config(workdir, metrics=dict(port=0))).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             toks = prompt(64, seed=7)
             c.put(toks, pages_for(4, 7), SCOPE)
             many = prompt(16 * 300, seed=8)

@@ -4,7 +4,6 @@ budgets. Real file systems: a small tmpfs (root only) for the shared memory and 
 tier; without root only the checks that need no mount run."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -12,13 +11,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from helpers.daemons import DaemonThread
+from helpers.daemons import DaemonThread, with_sections
 from daemon_helpers import make_config, spawn_daemon
 from helpers.mounts import tmpfs
 
 import tierkv
 from tierkv.cli import main
-from tierkv.daemon.config import DaemonConfig
+from tierkv.daemon.config import DaemonConfig, ServerSettings, StagingSettings, StoreSettings
 from tierkv.doctor import FAIL, OK, WARN, check_disk, check_keyring, check_shm, check_socket, daemon_checks
 
 MiB = 1 << 20
@@ -71,7 +70,7 @@ def test_socket_directory_and_keyring_modes(workdir):
     run_dir, keys = workdir / "run", workdir / "keys"
     run_dir.mkdir(mode=0o700)
     os.chmod(run_dir, 0o755)
-    cfg = DaemonConfig(home=workdir / "home", socket=run_dir / "d.sock")
+    cfg = DaemonConfig(store=StoreSettings(home=workdir / "home"), server=ServerSettings(socket=run_dir / "d.sock"))
     bad = check_socket(cfg)
     assert bad.status == FAIL and "mode 755" in bad.detail and "chmod 700" in bad.fix
     os.chmod(run_dir, 0o700)
@@ -102,19 +101,19 @@ def test_doctor_checks_the_budgets_of_a_live_daemon(workdir, monkeypatch):
     d = DaemonThread(cfg).start()
     try:
         # The flags' budgets are not the daemon's: the daemon's are checked.
-        code, out = doctor("--socket", cfg.socket, "--shm-dir", cfg.shm_dir, "--host-bytes", "1024TiB",
+        code, out = doctor("--socket", cfg.server.socket, "--shm-dir", cfg.store.shm_dir, "--host-bytes", "1024TiB",
                            "--keys", workdir / "keys")
         # A daemon named by TIERKV_SOCKET alone does not replace an explicit --home (item 1).
-        monkeypatch.setenv("TIERKV_SOCKET", str(cfg.socket))
-        _, own = doctor("--home", workdir / "other", "--shm-dir", cfg.shm_dir, "--keys", workdir / "keys")
-        _, env = doctor("--shm-dir", cfg.shm_dir, "--keys", workdir / "keys")
+        monkeypatch.setenv("TIERKV_SOCKET", str(cfg.server.socket))
+        _, own = doctor("--home", workdir / "other", "--shm-dir", cfg.store.shm_dir, "--keys", workdir / "keys")
+        _, env = doctor("--shm-dir", cfg.store.shm_dir, "--keys", workdir / "keys")
     finally:
         d.stop()
     assert code == 0, out
-    assert out["source"] == f"the daemon at {cfg.socket}" and out["home"] == str(cfg.home)
-    assert out["budgets"]["host_bytes"] == cfg.host_bytes and out["budgets"]["disk_bytes"] == cfg.disk_bytes
+    assert out["source"] == f"the daemon at {cfg.server.socket}" and out["home"] == str(cfg.store.home)
+    assert out["budgets"]["host_bytes"] == cfg.store.host_bytes and out["budgets"]["disk_bytes"] == cfg.store.disk_bytes
     assert own["source"] == "configuration" and own["home"] == str(workdir / "other")
-    assert env["source"] == f"the daemon at {cfg.socket}" and env["home"] == str(cfg.home)
+    assert env["source"] == f"the daemon at {cfg.server.socket}" and env["home"] == str(cfg.store.home)
 
 
 @pytest.fixture
@@ -127,16 +126,17 @@ def small_tmpfs(workdir):
 
 def test_budgets_over_what_is_free_warn_and_over_the_file_system_fail(small_tmpfs, workdir):
     """A real 16 MiB tmpfs as the shared memory and as the disk tier's file system."""
-    cfg = DaemonConfig(home=small_tmpfs / "home", socket=workdir / "run" / "d.sock", device="cpu",
-                       device_bytes=1 * MiB, host_bytes=4 * MiB, staging_bytes=1 * MiB, disk_bytes=8 * MiB,
-                       shm_dir=small_tmpfs)
+    cfg = DaemonConfig(store=StoreSettings(home=small_tmpfs / "home", device="cpu", device_bytes=1 * MiB,
+                                           host_bytes=4 * MiB, disk_bytes=8 * MiB, shm_dir=small_tmpfs),
+                       server=ServerSettings(socket=workdir / "run" / "d.sock"),
+                       staging=StagingSettings(region_bytes=1 * MiB))
     assert check_shm(cfg).status == OK and check_disk(cfg).status == OK
     (small_tmpfs / "filler").write_bytes(b"\1" * (9 * MiB))  # 7 MiB left
     assert check_shm(cfg).status == OK  # 6 MiB needed
     for check, budget in ((check_shm, {"host_bytes": 8 * MiB}), (check_disk, {"disk_bytes": 12 * MiB})):
-        warned = check(dataclasses.replace(cfg, **budget))
+        warned = check(with_sections(cfg, store=budget))
         assert warned.status == WARN and "more is needed" in warned.detail, warned
-        failed = check(dataclasses.replace(cfg, **{k: 32 * MiB for k in budget}))
+        failed = check(with_sections(cfg, store={k: 32 * MiB for k in budget}))
         assert failed.status == FAIL and "smaller than the budget" in failed.detail, failed
     # serve starts on the warning and logs it.
     proc = spawn_daemon(workdir, "--shm-dir", str(small_tmpfs), "--host-bytes", "6MiB", "--device-bytes", "1MiB",

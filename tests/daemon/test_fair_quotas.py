@@ -31,7 +31,7 @@ def shared_daemon(workdir):
     started: list[DaemonThread] = []
 
     def start(**quotas) -> DaemonThread:
-        cfg = make_config(workdir, allowed_uids=(NOBODY, OTHER), quotas=Quotas(**quotas))
+        cfg = make_config(workdir, access=dict(allowed_uids=(NOBODY, OTHER)), quotas=Quotas(**quotas))
         started.append(DaemonThread(cfg).start())
         return started[-1]
 
@@ -53,7 +53,7 @@ def connected_as(d: DaemonThread, *uids: int):
             gos.append(w_go)
 
             def hold(r_go: int = r_go, w_ready: int = w_ready) -> str:
-                with tierkv.connect(d.config.socket) as t:
+                with tierkv.connect(d.config.server.socket) as t:
                     t.ping()
                     os.write(w_ready, b"1")
                     os.read(r_go, 1)
@@ -87,7 +87,7 @@ def test_concurrent_pinned_puts_cannot_pass_the_limit_together(shared_daemon):
     refusals: list[BaseException] = []
 
     def pin(i: int) -> None:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             try:
                 c.put(prompt(40 * 16, seed=100 + i), pages_for(40, 100 + i), SCOPE, priority=Priority.PINNED)
             except QuotaExceededError as e:
@@ -110,7 +110,7 @@ def test_one_uid_cannot_pin_the_disk_through_two_namespaces_nor_while_alone(shar
     so two namespaces of one uid pinned 100%."""
     d = shared_daemon(shared_pinned_fraction=0.5)
     limit = int(disk_slots(d) * 0.5)
-    with tierkv.connect(d.config.socket) as c:  # alone
+    with tierkv.connect(d.config.server.socket) as c:  # alone
         with pytest.raises(QuotaExceededError, match="shared_pinned_fraction"):
             c.put(prompt(disk_slots(d) * 16, seed=1), pages_for(disk_slots(d), 1), SCOPE, priority=Priority.PINNED)
         assert limit - 8 < pinned(d) <= limit
@@ -120,7 +120,7 @@ def test_one_uid_cannot_pin_the_disk_through_two_namespaces_nor_while_alone(shar
         assert pinned(d) <= limit
 
     def later_user() -> dict:
-        with tierkv.connect(d.config.socket) as t:
+        with tierkv.connect(d.config.server.socket) as t:
             r = t.put(prompt(32 * 16, seed=3), pages_for(32, 3), Scope(SCOPE.model_version, "late"))
             return {"stored": r.stored, "durable": r.durable}
 
@@ -137,7 +137,7 @@ def test_a_share_shrinks_as_users_arrive_and_is_not_renewed_above_it(shared_daem
     slots = d.call(lambda: d.daemon.handlers.layouts.only().local.device.slots.limit)  # 128
     n = slots * 3 // 4
     toks = prompt(n * 16, seed=5)
-    with tierkv.connect(d.config.socket) as c:
+    with tierkv.connect(d.config.server.socket) as c:
         c.put(toks, pages_for(n, 5), SCOPE)
         lease = c.acquire(toks, SCOPE)  # alone: 3/4 of the tier
         assert lease.num_blocks == n

@@ -22,7 +22,7 @@ from test_quotas import closed_by_daemon
 def raw(d) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
-    s.connect(str(d.config.socket))
+    s.connect(str(d.config.server.socket))
     return s
 
 
@@ -45,7 +45,7 @@ def fast_served(d) -> int:
 
 
 def test_acquire_and_release_are_answered_as_they_arrive(daemon):
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(64, seed=7)
         c.put(toks, pages_for(4, 7), SCOPE)
         before = fast_served(daemon)
@@ -65,7 +65,7 @@ def test_frames_sent_together_are_each_answered_across_both_paths(daemon):
     another acquire: the fast path stops at the ping and hands the rest to the read loop,
     which reads them in order (the ping runs as a task, so its reply may come last), and
     every request is answered once."""
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(48, seed=8)
         c.put(toks, pages_for(3, 8), SCOPE)
     s = raw(daemon)
@@ -89,7 +89,7 @@ def test_frames_sent_together_are_each_answered_across_both_paths(daemon):
 
 
 def test_half_sent_and_bad_frames_still_take_the_read_loop(daemon):
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(32, seed=9)
         c.put(toks, pages_for(2, 9), SCOPE)
     s = raw(daemon)
@@ -120,7 +120,7 @@ def test_a_connection_busy_on_the_fast_path_is_not_idle(workdir):
     the connection once it really is idle."""
     d = DaemonThread(make_config(workdir, quotas=Quotas(idle_timeout_s=0.5))).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             toks = prompt(32, seed=10)
             c.put(toks, pages_for(2, 10), SCOPE)
         s = raw(d)

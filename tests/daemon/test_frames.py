@@ -18,7 +18,7 @@ from daemon_helpers import SCOPE, pages_for, prompt
 def raw(daemon) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
-    s.connect(str(daemon.config.socket))
+    s.connect(str(daemon.config.server.socket))
     return s
 
 
@@ -34,7 +34,7 @@ def closed_after_optional_error(s: socket.socket) -> None:
 
 @pytest.fixture
 def good(daemon):
-    c = tierkv.connect(daemon.config.socket)
+    c = tierkv.connect(daemon.config.server.socket)
     toks = prompt(64)
     c.put(toks, pages_for(4), SCOPE)
     yield c, toks
@@ -44,7 +44,7 @@ def good(daemon):
 def still_serving(daemon, good):
     c, toks = good
     assert c.lookup(toks, SCOPE).tokens_matched == 64
-    with tierkv.connect(daemon.config.socket) as other:
+    with tierkv.connect(daemon.config.server.socket) as other:
         other.check_integrity()
     daemon.call(daemon.daemon.check_integrity)
 

@@ -27,8 +27,8 @@ def other_pages(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn((n, *OTHER.shape), generator=g).to(OTHER.torch_dtype)
 
 
-def empty_home_config(workdir, **kw):
-    return make_config(workdir, layout=None, max_layouts=2, **kw)
+def empty_home_config(workdir, **sections):
+    return make_config(workdir, **{"layouts": dict(preload=None, max_open=2), **sections})
 
 
 def stats_json(sock) -> dict:
@@ -42,12 +42,12 @@ def test_two_layouts_through_one_daemon_on_an_empty_home(workdir):
     d = DaemonThread(cfg).start()
     a_toks, b_toks = prompt(64, seed=1), prompt(96, seed=2)
     try:
-        with tierkv.connect(cfg.socket) as ops:  # no layout declared, none served yet
+        with tierkv.connect(cfg.server.socket) as ops:  # no layout declared, none served yet
             assert ops.layout is None and ops.layouts == ()
             assert ops.stats()["blocks"] == 0 and ops.list_manifests() == {}
             with pytest.raises(ConfigError, match="layout"):
                 ops.acquire(a_toks, SCOPE)
-        with tierkv.connect(cfg.socket, layout=LAYOUT) as a, tierkv.connect(cfg.socket, layout=OTHER) as b:
+        with tierkv.connect(cfg.server.socket, layout=LAYOUT) as a, tierkv.connect(cfg.server.socket, layout=OTHER) as b:
             assert (a.layout, b.layout) == (LAYOUT, OTHER)
             assert a.put(a_toks, pages_for(4, 1), SCOPE).stored == 4
             assert b.put(b_toks, other_pages(3, 2), SCOPE_B).stored == 3
@@ -57,7 +57,7 @@ def test_two_layouts_through_one_daemon_on_an_empty_home(workdir):
             assert b.lookup(a_toks, SCOPE).tokens_matched == 0
             a.save_manifest("a-prefix", {"layout": LAYOUT.to_dict(), "blocks": 4})
             b.save_manifest("b-prefix", {"layout": OTHER.to_dict(), "blocks": 3})
-        s = stats_json(cfg.socket)
+        s = stats_json(cfg.server.socket)
         ids = {layout_id(LAYOUT), layout_id(OTHER)}
         assert set(s["layouts"]) == ids and s["daemon"]["layouts"] and set(s["daemon"]["layouts"]) == ids
         assert s["blocks"] == 7 and s["tiers"]["disk"]["blocks"] == 7
@@ -69,15 +69,15 @@ def test_two_layouts_through_one_daemon_on_an_empty_home(workdir):
         # Budgets: each layout's tiers hold at most 1/max_layouts of each budget.
         for lid in ids:
             tiers = s["layouts"][lid]["tiers"]
-            assert tiers["device"]["capacity_bytes"] <= cfg.device_bytes // 2
-            assert tiers["disk"]["capacity_bytes"] <= cfg.disk_bytes // 2
-        assert s["tiers"]["device"]["capacity_bytes"] <= cfg.device_bytes
-        human = CliRunner().invoke(main, ["stats", "--socket", str(cfg.socket)])
+            assert tiers["device"]["capacity_bytes"] <= cfg.store.device_bytes // 2
+            assert tiers["disk"]["capacity_bytes"] <= cfg.store.disk_bytes // 2
+        assert s["tiers"]["device"]["capacity_bytes"] <= cfg.store.device_bytes
+        human = CliRunner().invoke(main, ["stats", "--socket", str(cfg.server.socket)])
         assert human.exit_code == 0 and layout_id(LAYOUT) in human.output and layout_id(OTHER) in human.output
-        r = CliRunner().invoke(main, ["ls", "--socket", str(cfg.socket), "--json"])
+        r = CliRunner().invoke(main, ["ls", "--socket", str(cfg.server.socket), "--json"])
         listed = json.loads(r.stdout)
         assert listed["layouts"][layout_id(OTHER)] == {"blocks": 3, "model_versions": {SCOPE_B.model_version: 3}}
-        with tierkv.connect(cfg.socket) as ops:  # operations across both layouts
+        with tierkv.connect(cfg.server.socket) as ops:  # operations across both layouts
             assert ops.layout is None and set(ops.layouts) == ids
             assert set(ops.list_manifests()) == {"a-prefix", "b-prefix"}
             assert ops.get_manifest("b-prefix")["blocks"] == 3
@@ -88,16 +88,16 @@ def test_two_layouts_through_one_daemon_on_an_empty_home(workdir):
         d.stop()
     # The first layout lives at the home's root (so --home tools keep working), the next
     # under layouts/<id>.
-    home = cfg.home
+    home = cfg.store.home
     assert tierkv.home_layout(home) == LAYOUT
     assert (home / LAYOUTS_DIR / layout_id(OTHER) / "index").is_dir()
     # A restart finds both and serves their blocks.
     d = DaemonThread(cfg).start()
     try:
-        assert set(stats_json(cfg.socket)["layouts"]) == {layout_id(LAYOUT), layout_id(OTHER)}
-        with tierkv.connect(cfg.socket, layout=OTHER) as b, b.acquire(b_toks, SCOPE_B) as lb:
+        assert set(stats_json(cfg.server.socket)["layouts"]) == {layout_id(LAYOUT), layout_id(OTHER)}
+        with tierkv.connect(cfg.server.socket, layout=OTHER) as b, b.acquire(b_toks, SCOPE_B) as lb:
             assert torch.equal(lb.pages(), other_pages(3, 2))
-        with tierkv.connect(cfg.socket, layout=LAYOUT) as a:
+        with tierkv.connect(cfg.server.socket, layout=LAYOUT) as a:
             assert a.lookup(a_toks, SCOPE).tokens_matched == 64
         d.call(d.daemon.check_integrity)
     finally:
@@ -109,10 +109,10 @@ def test_a_layout_beyond_max_layouts_is_refused_and_the_others_go_on(workdir):
     d = DaemonThread(cfg).start()
     try:
         third = PageLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float16")
-        with tierkv.connect(cfg.socket, layout=LAYOUT), tierkv.connect(cfg.socket, layout=OTHER):
+        with tierkv.connect(cfg.server.socket, layout=LAYOUT), tierkv.connect(cfg.server.socket, layout=OTHER):
             with pytest.raises(CapacityError, match="max_layouts"):
-                tierkv.connect(cfg.socket, layout=third)
-        with tierkv.connect(cfg.socket, layout=LAYOUT) as a:
+                tierkv.connect(cfg.server.socket, layout=third)
+        with tierkv.connect(cfg.server.socket, layout=LAYOUT) as a:
             a.put(prompt(32, seed=3), pages_for(2, 3), SCOPE)
             assert a.lookup(prompt(32, seed=3), SCOPE).tokens_matched == 32
     finally:
@@ -129,12 +129,12 @@ def test_an_existing_single_layout_home_is_one_of_the_layouts(workdir):
     try:
         with pytest.raises(DaemonOwnsHomeError):  # the daemon holds the home
             tierkv.open(home, LAYOUT, device="cpu", shm_dir=workdir / "shm")
-        with tierkv.connect(cfg.socket) as c:  # its only layout, without declaring it
+        with tierkv.connect(cfg.server.socket) as c:  # its only layout, without declaring it
             assert c.layout == LAYOUT and c.lookup(prompt(48, seed=4), SCOPE).tokens_matched == 48
-        with tierkv.connect(cfg.socket, layout=OTHER) as b:
+        with tierkv.connect(cfg.server.socket, layout=OTHER) as b:
             b.put(prompt(64, seed=5), other_pages(2, 5), SCOPE_B)
         assert (home / LAYOUTS_DIR / layout_id(OTHER)).is_dir()
-        assert stats_json(cfg.socket)["blocks"] == 5
+        assert stats_json(cfg.server.socket)["blocks"] == 5
     finally:
         d.stop()
 
@@ -144,14 +144,14 @@ def test_an_empty_home_is_locked_by_the_daemon_before_any_layout(workdir):
     d = DaemonThread(cfg).start()
     try:
         with pytest.raises(DaemonOwnsHomeError):
-            tierkv.open(cfg.home, LAYOUT, device="cpu", shm_dir=workdir / "shm")
-        with tierkv.connect(cfg.socket, layout=LAYOUT) as a:  # the first layout takes the root
+            tierkv.open(cfg.store.home, LAYOUT, device="cpu", shm_dir=workdir / "shm")
+        with tierkv.connect(cfg.server.socket, layout=LAYOUT) as a:  # the first layout takes the root
             a.put(prompt(32, seed=6), pages_for(2, 6), SCOPE)
         with pytest.raises(DaemonOwnsHomeError):
-            tierkv.open(cfg.home, LAYOUT, device="cpu", shm_dir=workdir / "shm")
+            tierkv.open(cfg.store.home, LAYOUT, device="cpu", shm_dir=workdir / "shm")
     finally:
         d.stop()
-    with tierkv.open(cfg.home, None, device="cpu", host_bytes=0, shm_dir=workdir / "shm") as st:
+    with tierkv.open(cfg.store.home, None, device="cpu", host_bytes=0, shm_dir=workdir / "shm") as st:
         assert st.lookup(prompt(32, seed=6), SCOPE).tokens_matched == 32
 
 

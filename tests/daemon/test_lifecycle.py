@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import tierkv
-from tierkv.daemon.config import DaemonConfig, merge, read_config_file
+from tierkv.daemon.config import merge, read_config_file
 from tierkv.errors import ConfigError, DaemonUnavailableError, DiskWriteError, LayoutMismatchError, TierKVError
 from tierkv.layout import PageLayout
 
-from helpers.daemons import DaemonThread
+from helpers.daemons import DaemonThread, with_sections
 from daemon_helpers import LAYOUT, SCOPE, make_config, pages_for, prompt, spawn_daemon, wait_for
 
 
@@ -104,7 +104,7 @@ CLIENT = textwrap.dedent("""
 
 
 def test_leases_of_a_killed_client_are_reclaimed(daemon):
-    sock = str(daemon.config.socket)
+    sock = str(daemon.config.server.socket)
     with tierkv.connect(sock) as c:
         c.put(prompt(64, seed=21), pages_for(4, 21), SCOPE)
         code = CLIENT.format(tests=os.path.dirname(__file__), sock=sock)
@@ -122,7 +122,7 @@ def test_leases_of_a_killed_client_are_reclaimed(daemon):
 
 
 def test_enospc_while_serving_is_an_error_reply_and_the_daemon_goes_on(daemon):
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         c.put(prompt(32, seed=30), pages_for(2, 30), SCOPE)
         with mock.patch("tierkv.tiers.disk.os.pwritev", side_effect=OSError(errno.ENOSPC, "No space left on device")):
             try:
@@ -143,9 +143,9 @@ def test_metrics_endpoint(workdir):
     import gc
 
     frozen = gc.get_freeze_count()  # not 0 on Python 3.12: the interpreter freezes a few hundred
-    d = DaemonThread(make_config(workdir, metrics_port=0)).start()
+    d = DaemonThread(make_config(workdir, metrics=dict(port=0))).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             toks = prompt(64, seed=40)
             c.put(toks, pages_for(4, 40), SCOPE)
             c.lookup(toks, SCOPE)
@@ -185,33 +185,33 @@ def test_the_daemon_process_freezes_its_startup_heap_and_reports_gc_pauses(workd
 
 def test_config_precedence_flag_over_env_over_file(tmp_path):
     f = tmp_path / "d.toml"
-    f.write_text('socket = "/tmp/from-file.sock"\nhost_bytes = "2GiB"\nlease_timeout_s = 30.0\n'
-                 '[layout]\nnum_layers = 4\nnum_kv_heads = 2\nhead_dim = 64\ndtype = "bfloat16"\n')
+    f.write_text('[server]\nsocket = "/tmp/from-file.sock"\n[store]\nhost_bytes = "2GiB"\n[leases]\ntimeout_s = 30.0\n'
+                 '[layouts.preload]\nnum_layers = 4\nnum_kv_heads = 2\nhead_dim = 64\ndtype = "bfloat16"\n')
     env = {"TIERKV_HOME": str(tmp_path / "env-home"), "TIERKV_SOCKET": "/tmp/from-env.sock"}
-    cfg = merge({"host_bytes": "512MiB", "home": None}, read_config_file(f), env)
-    assert cfg.home == tmp_path / "env-home" and str(cfg.socket) == "/tmp/from-env.sock"  # issue #37: env > file
-    assert str(merge({}, read_config_file(f), {}).socket) == "/tmp/from-file.sock"
-    assert cfg.host_bytes == 512 << 20 and cfg.lease_timeout_s == 30.0
-    assert cfg.layout == PageLayout(4, 2, 64, 16, "bfloat16")
-    assert str(merge({}, {}, env).socket) == "/tmp/from-env.sock"
+    cfg = merge({"store.host_bytes": "512MiB", "store.home": None}, read_config_file(f), env)
+    assert cfg.store.home == tmp_path / "env-home" and str(cfg.server.socket) == "/tmp/from-env.sock"  # issue #37: env > file
+    assert str(merge({}, read_config_file(f), {}).server.socket) == "/tmp/from-file.sock"
+    assert cfg.store.host_bytes == 512 << 20 and cfg.leases.timeout_s == 30.0
+    assert cfg.layouts.preload == PageLayout(4, 2, 64, 16, "bfloat16")
+    assert str(merge({}, {}, env).server.socket) == "/tmp/from-env.sock"
     f.write_text("bogus = 1\n")
     with pytest.raises(ConfigError, match="bogus"):
         read_config_file(f)
     with pytest.raises(ConfigError):
-        merge({"socket": "/tmp/" + "x" * 120}, {}, env)
+        merge({"server.socket": "/tmp/" + "x" * 120}, {}, env)
 
 
 def test_sighup_reload_applies_limits_now_and_capacities_at_restart(workdir, caplog):
     cfg = make_config(workdir)
     d = DaemonThread(cfg).start()
     try:
-        d.daemon.reload.read = lambda: DaemonConfig(**{**cfg.__dict__, "lease_timeout_s": 5.0, "host_bytes": 4 << 20,
-                                                     "client_staging_bytes": 16 << 10})
+        d.daemon.reload.read = lambda: with_sections(cfg, leases=dict(timeout_s=5.0), store=dict(host_bytes=4 << 20),
+                                                     staging=dict(per_client_bytes=16 << 10))
         with caplog.at_level(logging.INFO, logger="tierkv.daemon.server"):
             d.call(d.daemon.reload.on_sighup)
         assert d.daemon.handlers.leases.timeout_s == 5.0 and d.daemon.layouts.only().staging.quota == 2
-        assert any("host_bytes" in r.message and "restart" in r.message for r in caplog.records)
-        with tierkv.connect(cfg.socket) as c:
+        assert any("store.host_bytes" in r.message and "restart" in r.message for r in caplog.records)
+        with tierkv.connect(cfg.server.socket) as c:
             assert c.lease_timeout_s == 5.0 and c.stats()["tiers"]["host"]["capacity_bytes"] < 4 << 20
     finally:
         d.stop()
@@ -228,15 +228,15 @@ def test_a_busy_metrics_port_fails_the_start_and_leaves_nothing_behind(workdir):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    cfg = make_config(workdir, metrics_port=busy.getsockname()[1])
+    cfg = make_config(workdir, metrics=dict(port=busy.getsockname()[1]))
     try:
         with pytest.raises(ConfigError, match="metrics"):
             DaemonThread(cfg).start()
     finally:
         busy.close()
-    assert not cfg.socket.exists() and not cfg.resolved_pid_file.exists()
+    assert not cfg.server.socket.exists() and not cfg.server.resolved_pid_file.exists()
     assert not list((workdir / "shm").iterdir())
-    tierkv.open(cfg.home, LAYOUT, device="cpu", device_bytes=1 << 20, host_bytes=0, disk_bytes=0,
+    tierkv.open(cfg.store.home, LAYOUT, device="cpu", device_bytes=1 << 20, host_bytes=0, disk_bytes=0,
                 shm_dir=workdir / "shm").close()  # the home is free again
 
 

@@ -19,7 +19,7 @@ from daemon_helpers import SCOPE, make_config, pages_for, prompt, wait_for
 
 
 def test_one_client_shared_by_threads(daemon):
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         data = [(prompt(64, seed=50 + i), pages_for(4, 50 + i)) for i in range(4)]
         for toks, pages in data:
             c.put(toks, pages, SCOPE)
@@ -46,15 +46,15 @@ def test_one_client_shared_by_threads(daemon):
 
 
 def test_staging_quota_and_region_exhaustion_are_capacity_errors(daemon):
-    with tierkv.connect(daemon.config.socket) as c, tierkv.connect(daemon.config.socket) as d:
+    with tierkv.connect(daemon.config.server.socket) as c, tierkv.connect(daemon.config.server.socket) as d:
         with pytest.raises(CapacityError, match="quota"):
             c._transport.call(Op.STAGE, m.Stage(c.stage_quota + 1))
         held = [c._transport.call(Op.STAGE, m.Stage(c.stage_quota))["slots"]]
         held += [d._transport.call(Op.STAGE, m.Stage(d.stage_quota))["slots"]]
-        with tierkv.connect(daemon.config.socket) as e, tierkv.connect(daemon.config.socket) as f:
+        with tierkv.connect(daemon.config.server.socket) as e, tierkv.connect(daemon.config.server.socket) as f:
             e._transport.call(Op.STAGE, m.Stage(e.stage_quota))
             f._transport.call(Op.STAGE, m.Stage(f.stage_quota))  # 4 x 8 = all 32 slots of the region
-            with tierkv.connect(daemon.config.socket) as g, pytest.raises(CapacityError, match="no 1 staging"):
+            with tierkv.connect(daemon.config.server.socket) as g, pytest.raises(CapacityError, match="no 1 staging"):
                 g._transport.call(Op.STAGE, m.Stage(1))  # within g's quota, but the region is full
         # e and f closed: their slots came back; c gives its own back by UNSTAGE.
         c._transport.call(Op.UNSTAGE, m.Unstage(tuple(held[0])))
@@ -64,30 +64,30 @@ def test_staging_quota_and_region_exhaustion_are_capacity_errors(daemon):
 
 def test_a_client_dying_between_stage_and_commit_frees_its_slots(daemon):
     s = socket.socket(socket.AF_UNIX)
-    s.connect(str(daemon.config.socket))
+    s.connect(str(daemon.config.server.socket))
     s.sendall(encode_frame(Op.STAGE, 1, {"count": 4}))
     assert len(read_frame_sync(s).header["slots"]) == 4
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         assert c.stats()["daemon"]["staging_slots_used"] == 4
         s.close()
         assert wait_for(lambda: c.stats()["daemon"]["staging_slots_used"] == 0)
 
 
 def test_connection_limit(workdir):
-    d = DaemonThread(make_config(workdir, max_connections=2)).start()
+    d = DaemonThread(make_config(workdir, server=dict(max_connections=2))).start()
     try:
-        with tierkv.connect(d.config.socket), tierkv.connect(d.config.socket):
+        with tierkv.connect(d.config.server.socket), tierkv.connect(d.config.server.socket):
             with pytest.raises(DaemonUnavailableError):
-                tierkv.connect(d.config.socket)
-        with tierkv.connect(d.config.socket) as c:
+                tierkv.connect(d.config.server.socket)
+        with tierkv.connect(d.config.server.socket) as c:
             c.check_integrity()
     finally:
         d.stop()
 
 
 def test_put_waits_for_staging_held_by_others(daemon):
-    with tierkv.connect(daemon.config.socket) as c:
-        others = [tierkv.connect(daemon.config.socket) for _ in range(4)]
+    with tierkv.connect(daemon.config.server.socket) as c:
+        others = [tierkv.connect(daemon.config.server.socket) for _ in range(4)]
         held = [o._transport.call(Op.STAGE, m.Stage(o.stage_quota))["slots"] for o in others]  # the region is full
         threading.Timer(0.3, others[0].close).start()  # one frees its 8 slots a little later
         toks, pages = prompt(20 * 16, seed=70), pages_for(20, 70)
@@ -108,13 +108,15 @@ def test_lookup_and_acquire_of_8192_blocks(workdir):
     header. Per-block values now travel in the payload."""
     n = 8192
     page = SMALL_LAYOUT.page_bytes
-    d = DaemonThread(make_config(workdir, layout=SMALL_LAYOUT, device_bytes=(n + 64) * page, host_bytes=0,
-                                 disk_bytes=(n + 64) * SMALL_LAYOUT.slot_bytes, staging_bytes=1024 * page,
-                                 client_staging_bytes=1024 * page)).start()
+    d = DaemonThread(make_config(workdir,
+                                 layouts=dict(preload=SMALL_LAYOUT),
+                                 store=dict(device_bytes=(n + 64) * page, host_bytes=0,
+                                            disk_bytes=(n + 64) * SMALL_LAYOUT.slot_bytes),
+                                 staging=dict(region_bytes=1024 * page, per_client_bytes=1024 * page))).start()
     try:
         toks = prompt(n * 16, seed=80)
         pages = torch.randn((n, *SMALL_LAYOUT.shape))
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             assert c.put(toks, pages, SCOPE).stored == n
             r = c.lookup(toks, SCOPE)
             assert r.tokens_matched == n * 16 and len(r.keys) == n and len(r.tiers) == n
@@ -141,9 +143,11 @@ def test_stats_larger_than_a_frame_header(workdir):
         page = torch.randn((1, *SMALL_LAYOUT.shape))
         for i in range(n):
             s.put(toks, page, Scope(SCOPE.model_version, f"{i:06d}-" + "n" * 193))
-    d = DaemonThread(make_config(workdir, layout=SMALL_LAYOUT, disk_bytes=2 * n * SMALL_LAYOUT.slot_bytes)).start()
+    d = DaemonThread(make_config(workdir,
+                                 layouts=dict(preload=SMALL_LAYOUT),
+                                 store=dict(disk_bytes=2 * n * SMALL_LAYOUT.slot_bytes))).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             st = c.stats()
             assert len(st["namespaces"]) == n and st["blocks"] == n
             assert sum(len(k) for k in st["namespaces"]) > 64 * 1024
@@ -190,9 +194,11 @@ def test_stats_pages_bound_the_namespaces_of_a_reply(workdir):
         assert joined == sorted(names) and all(p.blocks == n for p in pages)
         with pytest.raises(ValueError):
             s.stats(namespace_limit=0)
-    d = DaemonThread(make_config(workdir, layout=SMALL_LAYOUT, disk_bytes=2 * n * SMALL_LAYOUT.slot_bytes)).start()
+    d = DaemonThread(make_config(workdir,
+                                 layouts=dict(preload=SMALL_LAYOUT),
+                                 store=dict(disk_bytes=2 * n * SMALL_LAYOUT.slot_bytes))).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             st = c.stats()
             assert len(st.namespaces) == DEFAULT_STATS_NAMESPACES and st.namespaces_next == max(st.namespaces)
             assert st.blocks == n and st["namespaces_next"] == st.namespaces_next
@@ -206,7 +212,7 @@ def test_stats_pages_bound_the_namespaces_of_a_reply(workdir):
             with pytest.raises(ValueError):
                 c.stats(namespace_limit=-1)
         for cmd in ("stats", "ls"):
-            r = CliRunner().invoke(main, [cmd, "--socket", str(d.config.socket), "--json"])
+            r = CliRunner().invoke(main, [cmd, "--socket", str(d.config.server.socket), "--json"])
             assert r.exit_code == 0, r.output
             out = json.loads(r.output)
             assert set(out["namespaces"]) == names and "namespaces_next" not in out

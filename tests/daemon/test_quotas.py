@@ -28,7 +28,7 @@ from daemon_helpers import SCOPE, make_config, pages_for, prompt, wait_for
 def raw(d) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
-    s.connect(str(d.config.socket))
+    s.connect(str(d.config.server.socket))
     return s
 
 
@@ -57,14 +57,14 @@ def test_idle_and_half_sent_connections_are_closed_and_do_not_lock_others_out(wo
     that sends nothing (and holds nothing) is closed after idle_timeout_s, a half-sent frame
     after frame_timeout_s, and one uid may hold only connections_per_uid connections."""
     q = Quotas(idle_timeout_s=1.0, frame_timeout_s=1.0, connections_per_uid=12)
-    d = DaemonThread(make_config(workdir, max_connections=16, quotas=q, metrics_port=0)).start()
+    d = DaemonThread(make_config(workdir, server=dict(max_connections=16), metrics=dict(port=0), quotas=q)).start()
     try:
         idle = [raw(d) for _ in range(6)]
         half = [raw(d) for _ in range(6)]
         for s in half:
             s.sendall(HEAD.pack(MAGIC, VERSION, Op.PING, 0, 1, 10, 0)[:7])  # a head cut short, never finished
         with pytest.raises(DaemonUnavailableError, match="connections_per_uid"):  # 13th of this uid
-            tierkv.connect(d.config.socket)
+            tierkv.connect(d.config.server.socket)
         s = raw(d)
         f = read_frame_sync(s)
         assert f.is_error and f.header["error"] == "QuotaExceededError"
@@ -74,7 +74,7 @@ def test_idle_and_half_sent_connections_are_closed_and_do_not_lock_others_out(wo
         assert all(closed_by_daemon(s, 5) for s in idle + half)
         assert time.monotonic() - t0 < 4
         assert rejected(d, "idle") >= 6 and rejected(d, "frame_timeout") >= 6
-        with tierkv.connect(d.config.socket) as c:  # room again
+        with tierkv.connect(d.config.server.socket) as c:  # room again
             toks = prompt(32, seed=3)
             c.put(toks, pages_for(2, 3), SCOPE)
             with c.acquire(toks, SCOPE) as lease:  # a lease held across the idle timeout stays
@@ -94,7 +94,7 @@ def test_concurrent_acquires_cannot_pass_the_lease_cap(workdir):
     together (4,123 granted). Acquires in flight now count."""
     d = DaemonThread(make_config(workdir, quotas=Quotas(leases_per_connection=8))).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             toks = prompt(16, seed=4)
             c.put(toks, pages_for(1, 4), SCOPE)
             got, errors = [], []
@@ -130,18 +130,18 @@ def test_while_another_uid_is_connected_no_uid_takes_more_than_half(workdir):
     need_root()
     os.chmod(workdir, 0o711)
     q = Quotas(shared_pinned_fraction=0.05)
-    d = DaemonThread(make_config(workdir, allowed_uids=(NOBODY,), metrics_port=0, quotas=q)).start()
+    d = DaemonThread(make_config(workdir, access=dict(allowed_uids=(NOBODY,)), metrics=dict(port=0), quotas=q)).start()
     try:
         slots = d.call(lambda: d.daemon.handlers.layouts.only().local.device.slots.capacity)  # 128
         n = slots * 3 // 4
         toks = prompt(n * 16, seed=5)
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             c.put(toks, pages_for(n, 5), SCOPE)
             r_ready, w_ready = os.pipe()
             r_go, w_go = os.pipe()
 
             def tenant() -> str:
-                with tierkv.connect(d.config.socket) as t:
+                with tierkv.connect(d.config.server.socket) as t:
                     t.ping()
                     os.write(w_ready, b"1")
                     os.read(r_go, 1)  # stay connected until the parent is done
@@ -164,7 +164,7 @@ def test_while_another_uid_is_connected_no_uid_takes_more_than_half(workdir):
                         c.acquire(toks, SCOPE, max_blocks=1, start_block=slots // 2)
                 held = c._transport.call(Op.STAGE, m.Stage(c.stage_quota))["slots"]
                 capacity = d.call(lambda: d.daemon.handlers.layouts.only().staging.slots.capacity)
-                others = [tierkv.connect(d.config.socket) for _ in range(4)]
+                others = [tierkv.connect(d.config.server.socket) for _ in range(4)]
                 try:
                     with pytest.raises(QuotaExceededError, match="shared_staging_fraction"):
                         for o in others:
@@ -201,9 +201,9 @@ def test_a_client_that_never_reads_its_replies_is_cut_off(workdir):
     stops reading a connection whose unread replies pass unread_reply_bytes and closes it
     when it reads nothing for send_timeout_s; its leases are released."""
     q = Quotas(unread_reply_bytes=256 << 10, send_timeout_s=2.0)
-    d = DaemonThread(make_config(workdir, quotas=q, metrics_port=0)).start()
+    d = DaemonThread(make_config(workdir, metrics=dict(port=0), quotas=q)).start()
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             toks = prompt(64 * 16, seed=6)
             c.put(toks, pages_for(64, 6), SCOPE)
             s = raw(d)

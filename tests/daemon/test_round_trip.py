@@ -37,7 +37,7 @@ def count_requests(daemon_thread, fn) -> dict[str, float]:
 
 
 def test_acquire_and_release_are_one_request_and_one_write(daemon):
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(64, seed=21)
         c.put(toks, pages_for(4, 21), SCOPE)
 
@@ -53,7 +53,7 @@ def test_acquire_and_release_are_one_request_and_one_write(daemon):
 
 
 def test_a_miss_holds_nothing_and_costs_no_release(daemon):
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         miss = c.acquire(prompt(64, seed=22), SCOPE)
         assert miss.num_blocks == 0 and miss.tokens_matched == 0 and miss.lease_id == 0
         assert c.stats()["daemon"]["leases"] == 0
@@ -68,7 +68,7 @@ def test_token_ids_are_checked_against_the_stored_ones(daemon):
     block whose stored ids differ (a collision, a damaged record) is a counted miss."""
     from tierkv import block_keys
 
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(64, seed=23)
         c.put(toks, pages_for(4, 23), SCOPE)
         key = block_keys(toks, SCOPE, LAYOUT.block_size)[2]
@@ -83,7 +83,7 @@ def test_token_ids_are_checked_against_the_stored_ones(daemon):
 
 def test_one_way_release_of_an_unknown_lease_is_logged_not_answered(daemon, caplog):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(str(daemon.config.socket))
+    s.connect(str(daemon.config.server.socket))
     try:
         s.sendall(encode_frame(Op.RELEASE, 1, *m.Release((12345,), reply=False).encode()))
         s.sendall(encode_frame(Op.PING, 2, {}))
@@ -100,8 +100,8 @@ def test_one_way_release_of_an_unknown_lease_is_logged_not_answered(daemon, capl
 
 
 def test_queued_releases_are_ended_without_another_request(daemon):
-    c = tierkv.connect(daemon.config.socket)
-    watcher = tierkv.connect(daemon.config.socket)
+    c = tierkv.connect(daemon.config.server.socket)
+    watcher = tierkv.connect(daemon.config.server.socket)
     try:
         toks = prompt(48, seed=24)
         c.put(toks, pages_for(3, 24), SCOPE)
@@ -120,14 +120,14 @@ def test_many_clients_interleaved_keep_the_tables_consistent(daemon):
     import threading
 
     toks = [prompt(64, seed=30 + i) for i in range(4)]
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         for i, t in enumerate(toks):
             c.put(t, pages_for(4, 30 + i), SCOPE)
     errors: list[BaseException] = []
 
     def loop(j: int) -> None:
         try:
-            with tierkv.connect(daemon.config.socket) as cl:
+            with tierkv.connect(daemon.config.server.socket) as cl:
                 for k in range(40):
                     t = toks[(j + k) % 4]
                     with cl.acquire(t, SCOPE) as lease:
@@ -143,7 +143,7 @@ def test_many_clients_interleaved_keep_the_tables_consistent(daemon):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         assert c.stats()["leased_blocks"] == 0
     daemon.call(daemon.daemon.check_integrity)
 
@@ -153,7 +153,7 @@ def test_resident_acquires_run_on_the_loop_and_the_rest_in_a_worker(daemon):
     busy the acquire waits in a worker instead, and both give the same, correct lease."""
     import threading
 
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(64, seed=41)
         c.put(toks, pages_for(4, 41), SCOPE)
         before = c.stats()["daemon"]["acquires"]
@@ -185,7 +185,7 @@ def test_resident_acquires_run_on_the_loop_and_the_rest_in_a_worker(daemon):
 def test_a_lease_repr_is_short_whatever_its_size(daemon):
     """Issue #37, item 10: a RemoteLease's repr printed what it holds (the pool tensor, then
     every 32-byte key); printing a lease in a log line or a debugger must stay one short line."""
-    with tierkv.connect(daemon.config.socket) as c:
+    with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(64 * 16, seed=23)
         c.put(toks, pages_for(64, 23), SCOPE)
         with c.acquire(toks, SCOPE) as lease:
@@ -195,7 +195,7 @@ def test_a_lease_repr_is_short_whatever_its_size(daemon):
             assert f"lease_id={lease.lease_id}" in text and "float32-l2-h2-d16-b16" in text
             assert "tensor" not in text and "\\x" not in text and str(lease) == text
         assert "released=True" in repr(lease)
-    with tierkv.open(daemon.config.home / "direct", LAYOUT, device="cpu") as st:  # a Store's own leases too
+    with tierkv.open(daemon.config.store.home / "direct", LAYOUT, device="cpu") as st:  # a Store's own leases too
         st.put(toks, pages_for(64, 23), SCOPE)
         with st.acquire(toks, SCOPE) as lease:
             assert repr(lease).startswith("Lease(blocks=64") and len(repr(lease)) < 200

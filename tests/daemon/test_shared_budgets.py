@@ -46,35 +46,35 @@ def fill(client, n_puts: int, seed: int) -> list:
 
 
 def test_one_layout_uses_every_budget_and_halves_when_a_second_opens(workdir):
-    cfg = make_config(workdir, layout=None, max_layouts=4)
+    cfg = make_config(workdir, layouts=dict(preload=None, max_open=4))
     d = DaemonThread(cfg).start()
     try:
-        with tierkv.connect(cfg.socket, layout=LAYOUT) as a:
+        with tierkv.connect(cfg.server.socket, layout=LAYOUT) as a:
             toks = fill(a, 150, seed=100)  # 600 pages: more than any share but the whole holds
-            s = stats_json(cfg.socket)
+            s = stats_json(cfg.server.socket)
             tiers = s["layouts"][A]["tiers"]
             # The one layout in use may use each whole budget, and does. (On a CUDA host the
             # host pool is page-locked, which touches all of it: it keeps 1/max_layouts.)
-            host_alone = cfg.host_bytes // 4 if torch.cuda.is_available() else cfg.host_bytes
-            assert tiers["device"]["capacity_bytes"] == cfg.device_bytes
+            host_alone = cfg.store.host_bytes // 4 if torch.cuda.is_available() else cfg.store.host_bytes
+            assert tiers["device"]["capacity_bytes"] == cfg.store.device_bytes
             assert tiers["host"]["capacity_bytes"] == host_alone
-            assert tiers["disk"]["capacity_bytes"] == cfg.disk_bytes
-            assert tiers["device"]["used_bytes"] == cfg.device_bytes > cfg.device_bytes // 4
+            assert tiers["disk"]["capacity_bytes"] == cfg.store.disk_bytes
+            assert tiers["device"]["used_bytes"] == cfg.store.device_bytes > cfg.store.device_bytes // 4
             assert tiers["host"]["used_bytes"] > host_alone // 2
-            assert tiers["disk"]["blocks"] == 600 > cfg.disk_bytes // 2 // PAGE
+            assert tiers["disk"]["blocks"] == 600 > cfg.store.disk_bytes // 2 // PAGE
             dev_a, host_a = tiers["device"]["shm_path"], tiers["host"]["shm_path"]
-            assert touched(dev_a) <= cfg.device_bytes and touched(host_a) <= cfg.host_bytes
+            assert touched(dev_a) <= cfg.store.device_bytes and touched(host_a) <= cfg.store.host_bytes
 
-            with tierkv.connect(cfg.socket, layout=OTHER) as b:
-                s = stats_json(cfg.socket)
+            with tierkv.connect(cfg.server.socket, layout=OTHER) as b:
+                s = stats_json(cfg.server.socket)
                 ta, tb = s["layouts"][A]["tiers"], s["layouts"][B]["tiers"]
-                for t, budget in (("device", cfg.device_bytes), ("host", cfg.host_bytes), ("disk", cfg.disk_bytes)):
+                for t, budget in (("device", cfg.store.device_bytes), ("host", cfg.store.host_bytes), ("disk", cfg.store.disk_bytes)):
                     assert ta[t]["capacity_bytes"] <= budget // 2 and tb[t]["capacity_bytes"] <= budget // 2, t
                     assert ta[t]["used_bytes"] <= ta[t]["capacity_bytes"], t  # evicted down to its share
                     assert s["tiers"][t]["capacity_bytes"] <= budget, t
-                assert ta["device"]["capacity_bytes"] == cfg.device_bytes // 2
+                assert ta["device"]["capacity_bytes"] == cfg.store.device_bytes // 2
                 # ... and the memory above its limit is given back.
-                assert touched(dev_a) <= cfg.device_bytes // 2 and touched(host_a) <= cfg.host_bytes // 2
+                assert touched(dev_a) <= cfg.store.device_bytes // 2 and touched(host_a) <= cfg.store.host_bytes // 2
                 assert ta["disk"]["segments"] <= ta["disk"]["limit_segments"] == 2
                 # The second layout fills its half; together they stay within the budgets.
                 for i in range(60):
@@ -82,12 +82,12 @@ def test_one_layout_uses_every_budget_and_halves_when_a_second_opens(workdir):
                     g = torch.Generator().manual_seed(i)
                     assert b.put(t, torch.randn((4, *OTHER.shape), generator=g).to(OTHER.torch_dtype),
                                  SCOPE_B).stored == 4
-                s = stats_json(cfg.socket)
+                s = stats_json(cfg.server.socket)
                 tb = s["layouts"][B]["tiers"]
                 assert tb["device"]["used_bytes"] > 0
-                assert touched(dev_a) + touched(tb["device"]["shm_path"]) <= cfg.device_bytes
-                assert touched(host_a) + touched(tb["host"]["shm_path"]) <= cfg.host_bytes
-                assert s["daemon"]["budgets"]["device_bytes"] == cfg.device_bytes
+                assert touched(dev_a) + touched(tb["device"]["shm_path"]) <= cfg.store.device_bytes
+                assert touched(host_a) + touched(tb["host"]["shm_path"]) <= cfg.store.host_bytes
+                assert s["daemon"]["budgets"]["device_bytes"] == cfg.store.device_bytes
                 # What the first layout kept is served exactly; what it lost is a miss.
                 hits = 0
                 for i, t in enumerate(toks):
@@ -102,30 +102,30 @@ def test_one_layout_uses_every_budget_and_halves_when_a_second_opens(workdir):
 
 
 def test_a_block_leased_when_its_limit_drops_stays_until_released(workdir):
-    cfg = make_config(workdir, layout=None, max_layouts=2, lease_timeout_s=60.0)
+    cfg = make_config(workdir, layouts=dict(preload=None, max_open=2), leases=dict(timeout_s=60.0))
     d = DaemonThread(cfg).start()
     try:
-        with tierkv.connect(cfg.socket, layout=LAYOUT) as a:
+        with tierkv.connect(cfg.server.socket, layout=LAYOUT) as a:
             toks = fill(a, 30, seed=200)  # 120 device slots, lowest first: the last put holds 116..119
             lease = a.acquire(toks[-1], SCOPE)
-            assert lease.num_blocks == 4 and min(lease.slots) >= cfg.device_bytes // 2 // PAGE
-            with tierkv.connect(cfg.socket, layout=OTHER):
-                s = stats_json(cfg.socket)
+            assert lease.num_blocks == 4 and min(lease.slots) >= cfg.store.device_bytes // 2 // PAGE
+            with tierkv.connect(cfg.server.socket, layout=OTHER):
+                s = stats_json(cfg.server.socket)
                 ta = s["layouts"][A]["tiers"]["device"]
-                assert ta["capacity_bytes"] == cfg.device_bytes // 2
+                assert ta["capacity_bytes"] == cfg.store.device_bytes // 2
                 # The leased blocks stay where they are (their pages are being read) and
                 # count against the limit; the others above it moved below or went.
                 assert s["daemon"]["over_limit_slots"] == {A: 4}
-                assert ta["used_bytes"] == cfg.device_bytes // 2
+                assert ta["used_bytes"] == cfg.store.device_bytes // 2
                 assert torch.equal(lease.pages(), pages_for(4, 229))
                 fill(a, 10, seed=300)
-                assert stats_json(cfg.socket)["layouts"][A]["tiers"]["device"]["used_bytes"] <= ta["used_bytes"]
+                assert stats_json(cfg.server.socket)["layouts"][A]["tiers"]["device"]["used_bytes"] <= ta["used_bytes"]
                 lease.release()
                 # The daemon retries every second: released, they go, and so does their memory.
-                assert wait_for(lambda: not stats_json(cfg.socket)["daemon"]["over_limit_slots"], timeout=10)
-                ta = stats_json(cfg.socket)["layouts"][A]["tiers"]["device"]
+                assert wait_for(lambda: not stats_json(cfg.server.socket)["daemon"]["over_limit_slots"], timeout=10)
+                ta = stats_json(cfg.server.socket)["layouts"][A]["tiers"]["device"]
                 assert ta["used_bytes"] <= ta["capacity_bytes"]
-                assert touched(ta["shm_path"]) <= cfg.device_bytes // 2
+                assert touched(ta["shm_path"]) <= cfg.store.device_bytes // 2
                 assert a.lookup(toks[-1], SCOPE).tokens_matched == 64  # still on disk
                 d.call(d.daemon.check_integrity)
     finally:
@@ -208,29 +208,29 @@ def test_an_idle_layout_gives_its_memory_share_to_the_one_in_use_and_gets_it_bac
     three quarters of every tier for good). A layout no client used for layout_idle_s gives
     its device and host share to the one in use and keeps its disk share and blocks; a
     client that declares it gets its half back before its HELLO is answered."""
-    cfg = make_config(workdir, layout=None, max_layouts=2, layout_idle_s=1.0)
+    cfg = make_config(workdir, layouts=dict(preload=None, max_open=2, idle_s=1.0))
     d = DaemonThread(cfg).start()
-    host = cfg.host_bytes // 2 if torch.cuda.is_available() else cfg.host_bytes  # page-locked: fixed shares
+    host = cfg.store.host_bytes // 2 if torch.cuda.is_available() else cfg.store.host_bytes  # page-locked: fixed shares
     try:
-        with tierkv.connect(cfg.socket, layout=OTHER) as b:
+        with tierkv.connect(cfg.server.socket, layout=OTHER) as b:
             toks_b = [prompt(128, seed=700 + i) for i in range(8)]
             pages_b = [torch.randn((4, *OTHER.shape), generator=torch.Generator().manual_seed(i)).to(OTHER.torch_dtype)
                        for i in range(8)]
             for t, p in zip(toks_b, pages_b):
                 assert b.put(t, p, SCOPE_B).stored == 4
-        with tierkv.connect(cfg.socket, layout=LAYOUT) as a:
-            caps = lambda lid: {t: v["capacity_bytes"] for t, v in stats_json(cfg.socket)["layouts"][lid]["tiers"].items()}
-            assert caps(A)["device"] == cfg.device_bytes // 2  # two layouts open, B not idle yet
+        with tierkv.connect(cfg.server.socket, layout=LAYOUT) as a:
+            caps = lambda lid: {t: v["capacity_bytes"] for t, v in stats_json(cfg.server.socket)["layouts"][lid]["tiers"].items()}
+            assert caps(A)["device"] == cfg.store.device_bytes // 2  # two layouts open, B not idle yet
             dev_b, disk_b = caps(B)["device"], caps(B)["disk"]  # its halves, in whole pages / segments
             # B unused for a second: A gets every memory budget, B keeps half the disk.
-            assert wait_for(lambda: caps(A)["device"] == cfg.device_bytes, timeout=10)
-            assert caps(A)["host"] == host and caps(A)["disk"] == cfg.disk_bytes // 2
+            assert wait_for(lambda: caps(A)["device"] == cfg.store.device_bytes, timeout=10)
+            assert caps(A)["host"] == host and caps(A)["disk"] == cfg.store.disk_bytes // 2
             assert caps(B)["device"] == 0 and caps(B)["disk"] == disk_b > 0
             toks = fill(a, 40, seed=300)  # 160 pages: more than half the device tier
-            assert stats_json(cfg.socket)["layouts"][A]["tiers"]["device"]["used_bytes"] > cfg.device_bytes // 2
+            assert stats_json(cfg.server.socket)["layouts"][A]["tiers"]["device"]["used_bytes"] > cfg.store.device_bytes // 2
             d.call(d.daemon.check_integrity)
-            with tierkv.connect(cfg.socket, layout=OTHER) as b:  # B declared again: its share back
-                assert caps(B)["device"] == dev_b > 0 and caps(A)["device"] == cfg.device_bytes // 2
+            with tierkv.connect(cfg.server.socket, layout=OTHER) as b:  # B declared again: its share back
+                assert caps(B)["device"] == dev_b > 0 and caps(A)["device"] == cfg.store.device_bytes // 2
                 for t, p in zip(toks_b, pages_b):  # its blocks were kept (on disk), exact
                     with b.acquire(t, SCOPE_B) as lease:
                         assert lease.num_blocks == 4 and torch.equal(lease.pages(), p)

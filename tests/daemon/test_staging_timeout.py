@@ -50,10 +50,12 @@ def test_a_silent_holder_loses_its_staging_and_its_late_commit_stores_nothing(wo
     the client's timeout); the holder's late commit is refused, its tokens are a miss."""
     need_root()
     os.chmod(workdir, 0o711)
-    cfg = make_config(workdir, allowed_uids=(NOBODY,), client_staging_bytes=256 * KiB, staging_timeout_s=1.0)
+    cfg = make_config(workdir,
+                      access=dict(allowed_uids=(NOBODY,)),
+                      staging=dict(per_client_bytes=256 * KiB, timeout_s=1.0))
     d = DaemonThread(cfg).start()
     try:
-        sock = cfg.socket
+        sock = cfg.server.socket
         theirs = prompt(48, seed=2)
         with tierkv.connect(sock) as c:
             capacity = d.call(lambda: d.daemon.layouts.only().staging.slots.capacity)
@@ -90,10 +92,10 @@ def test_a_silent_connection_holding_staging_is_closed_when_idle(workdir):
     """Holding staging slots exempted a connection from the idle timeout. Now it is
     closed like any silent connection (the slots themselves would expire much later)."""
     q = Quotas(idle_timeout_s=1.0)
-    d = DaemonThread(make_config(workdir, quotas=q, staging_timeout_s=600.0, metrics_port=0)).start()
+    d = DaemonThread(make_config(workdir, staging=dict(timeout_s=600.0), metrics=dict(port=0), quotas=q)).start()
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(str(d.config.socket))
+        s.connect(str(d.config.server.socket))
         s.sendall(encode_frame(Op.STAGE, 1, {"count": 8}, b""))
         assert not read_frame_sync(s).is_error
         assert used(d) == 8

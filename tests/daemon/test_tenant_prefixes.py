@@ -27,11 +27,11 @@ def test_a_tenant_pins_exports_and_imports_its_named_prefix(workdir):
     out_dir = workdir / "bundles"
     out_dir.mkdir()
     os.chown(out_dir, NOBODY, NOBODY)
-    d = DaemonThread(make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,))).start()
+    d = DaemonThread(make_config(workdir, access=dict(namespace_per_uid=True, allowed_uids=(NOBODY,)))).start()
     toks = prompt(16 * 6, seed=21)
 
     def tenant() -> dict:
-        with tierkv.connect(d.config.socket) as t:
+        with tierkv.connect(d.config.server.socket) as t:
             assert t.namespace_prefix == f"uid{NOBODY}/"
             t.put(toks, pages_for(6, 21), SCOPE)
             last = t.block_keys(toks, SCOPE)[-1]
@@ -55,7 +55,7 @@ def test_a_tenant_pins_exports_and_imports_its_named_prefix(workdir):
         assert got.get("ok") == {"resident": 6, "pinned": 6, "exported_blocks": 6, "imported": [6, True, []],
                                  "again_resident": 6, "served_equal": True}, got
         # The owner's own keys are its own: the tenant's blocks are not in its namespace.
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             assert c.namespace_prefix == f"uid{os.getuid()}/"
             assert c.lookup(toks, SCOPE).tokens_matched == 0
         d.call(d.daemon.check_integrity)

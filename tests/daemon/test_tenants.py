@@ -31,9 +31,9 @@ OTHER = NOBODY - 1  # an uid the daemon does not admit
 def test_another_uid_is_served_through_passed_descriptors_and_confined(workdir):
     need_root()
     os.chmod(workdir, 0o711)  # the socket directory's parent: others may pass through
-    d = DaemonThread(make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,))).start()
+    d = DaemonThread(make_config(workdir, access=dict(namespace_per_uid=True, allowed_uids=(NOBODY,)))).start()
     try:
-        sock = d.config.socket
+        sock = d.config.server.socket
         assert stat.S_IMODE(os.stat(sock.parent).st_mode) == 0o711
         mine, theirs = prompt(64, seed=1), prompt(48, seed=2)
         # The daemon's own user (a tenant too) stores blocks and two named prefixes; the
@@ -111,9 +111,9 @@ def test_a_uid_not_allowed_is_refused_for_real(workdir):
     peer_credentials). The same daemon admits its own user and an allowed uid."""
     need_root()
     os.chmod(workdir, 0o711)
-    d = DaemonThread(make_config(workdir, allowed_uids=(NOBODY,))).start()
+    d = DaemonThread(make_config(workdir, access=dict(allowed_uids=(NOBODY,)))).start()
     try:
-        sock = d.config.socket
+        sock = d.config.server.socket
         with tierkv.connect(sock) as c:
             c.check_integrity()
 
@@ -185,11 +185,13 @@ def test_a_tenant_maps_only_its_own_memory_and_cannot_spoil_another_s_pages(work
     stay out of reach once it disconnected."""
     need_root()
     os.chmod(workdir, 0o711)
-    cfg = make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,), client_staging_bytes=64 * 1024)
+    cfg = make_config(workdir,
+                      access=dict(namespace_per_uid=True, allowed_uids=(NOBODY,)),
+                      staging=dict(per_client_bytes=64 * 1024))
     d = DaemonThread(cfg).start()
     window = 64 * 1024 // 8192  # read window slots (LAYOUT's page is 8 KiB)
     try:
-        sock = d.config.socket
+        sock = d.config.server.socket
         mine, theirs, long_one = prompt(64, seed=11), prompt(48, seed=12), prompt(16 * (window + 3), seed=13)
         marker = pages_for(4, 11)  # the owner's pages, looked for in the tenant's memory
         with tierkv.connect(sock) as c:
@@ -233,7 +235,7 @@ def test_a_tenant_maps_only_its_own_memory_and_cannot_spoil_another_s_pages(work
         d.stop()
     d = DaemonThread(cfg).start()  # and after a restart
     try:
-        with tierkv.connect(d.config.socket) as c:
+        with tierkv.connect(d.config.server.socket) as c:
             with c.acquire(mine, SCOPE) as lease:
                 assert lease.num_blocks == 4 and torch.equal(lease.pages(), marker)
     finally:
@@ -298,20 +300,20 @@ def test_gc_home_keeps_every_tenant_s_named_prefix(workdir):
     manifest said `default`, its blocks lived under `uid65534/default`."""
     need_root()
     os.chmod(workdir, 0o711)
-    cfg = make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,))
+    cfg = make_config(workdir, access=dict(namespace_per_uid=True, allowed_uids=(NOBODY,)))
     d = DaemonThread(cfg).start()
     try:
-        seen = _tenants_store_prefixes(cfg.socket)
+        seen = _tenants_store_prefixes(cfg.server.socket)
         assert seen["namespace_seen"] == "default"  # the tenant sees its namespace as it named it
     finally:
         d.stop()
     # A manifest saved before the daemon recorded the effective namespace (as sent: "older"),
     # but naming a stored chain: the chain says where its blocks are.
     legacy_key = block_keys(LEGACY, Scope(SCOPE.model_version, f"uid{NOBODY}/older"), LAYOUT.block_size)[-1]
-    with Home.open(cfg.home, **OPS_STORE_OPTIONS) as h:
+    with Home.open(cfg.store.home, **OPS_STORE_OPTIONS) as h:
         h.save_manifest(f"uid{NOBODY}:legacy", {"model_version": SCOPE.model_version, "namespace": "older",
                                                 "last_block_key": legacy_key.hex()})
-    r = CliRunner().invoke(main, ["gc", "--home", str(cfg.home), "--json"])
+    r = CliRunner().invoke(main, ["gc", "--home", str(cfg.store.home), "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["removed_blocks"] == 4 and out["deleted_manifests"] == []  # both uids' scratch, nothing named
@@ -319,17 +321,17 @@ def test_gc_home_keeps_every_tenant_s_named_prefix(workdir):
     assert kept == {"uid0:docs": "uid0/default", f"uid{NOBODY}:docs": f"uid{NOBODY}/default",
                     f"uid{NOBODY}:legacy": f"uid{NOBODY}/older"}
     assert next(k["blocks"] for k in out["kept_prefixes"] if k["name"].endswith(":legacy")) == 2
-    human = CliRunner().invoke(main, ["gc", "--home", str(cfg.home), "--dry-run"])
+    human = CliRunner().invoke(main, ["gc", "--home", str(cfg.store.home), "--dry-run"])
     assert human.exit_code == 0 and f"uid{NOBODY}:docs" in human.output and "prefixes kept" in human.output
     d = DaemonThread(cfg).start()
     try:
-        assert _served_to_tenant(cfg.socket) == {"named": 64, "junk": 0, "legacy": 32, "manifests": ["docs", "legacy"]}
-        with tierkv.connect(cfg.socket) as c:
+        assert _served_to_tenant(cfg.server.socket) == {"named": 64, "junk": 0, "legacy": 32, "manifests": ["docs", "legacy"]}
+        with tierkv.connect(cfg.server.socket) as c:
             assert c.lookup(NAMED, Scope(SCOPE.model_version, "default")).tokens_matched == 64
         d.call(d.daemon.check_integrity)
     finally:
         d.stop()
-    with Home.open(cfg.home, **OPS_STORE_OPTIONS) as h:  # the daemon records where the blocks are
+    with Home.open(cfg.store.home, **OPS_STORE_OPTIONS) as h:  # the daemon records where the blocks are
         assert h.get_manifest(f"uid{NOBODY}:docs")["namespace"] == f"uid{NOBODY}/default"
 
 
@@ -339,12 +341,12 @@ def test_gc_socket_keeps_every_tenant_s_named_prefix_and_is_the_daemon_user_s(wo
     runs it over every store: the same rule and result as `gc --home`; a tenant may not."""
     need_root()
     os.chmod(workdir, 0o711)
-    cfg = make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,))
+    cfg = make_config(workdir, access=dict(namespace_per_uid=True, allowed_uids=(NOBODY,)))
     d = DaemonThread(cfg).start()
     try:
-        seen = _tenants_store_prefixes(cfg.socket)
+        seen = _tenants_store_prefixes(cfg.server.socket)
         assert seen["gc"] == "NotPermittedError"  # another tenant's blocks are not a tenant's to remove
-        r = CliRunner().invoke(main, ["gc", "--socket", str(cfg.socket), "--json"])
+        r = CliRunner().invoke(main, ["gc", "--socket", str(cfg.server.socket), "--json"])
         assert r.exit_code == 0, r.output
         out = json.loads(r.stdout.strip().splitlines()[-1])
         assert out["removed_blocks"] == 6 and out["deleted_manifests"] == []  # scratch of both, 65534's older
@@ -352,9 +354,9 @@ def test_gc_socket_keeps_every_tenant_s_named_prefix_and_is_the_daemon_user_s(wo
             ("uid0/scratch", 2), (f"uid{NOBODY}/scratch", 2), (f"uid{NOBODY}/older", 2)}
         kept = {k["name"]: k["namespace"] for k in out["kept_prefixes"]}
         assert kept == {"uid0:docs": "uid0/default", f"uid{NOBODY}:docs": f"uid{NOBODY}/default"}
-        human = CliRunner().invoke(main, ["gc", "--socket", str(cfg.socket), "--dry-run"])
+        human = CliRunner().invoke(main, ["gc", "--socket", str(cfg.server.socket), "--dry-run"])
         assert human.exit_code == 0 and f"uid{NOBODY}:docs" in human.output, human.output
-        assert _served_to_tenant(cfg.socket) == {"named": 64, "junk": 0, "legacy": 0, "manifests": ["docs"]}
+        assert _served_to_tenant(cfg.server.socket) == {"named": 64, "junk": 0, "legacy": 0, "manifests": ["docs"]}
         d.call(d.daemon.check_integrity)
     finally:
         d.stop()

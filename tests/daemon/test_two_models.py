@@ -30,9 +30,11 @@ def test_two_models_through_one_daemon_and_a_restart(llama_dir, repo, workdir, t
     qwen_dir = tiny_models.save_model_dir(tmp_path_factory.mktemp("models") / "qwen2", "qwen2", kv_heads=1, layers=3)
     layouts = {name: version_of(d)[0] for name, d in (("llama", llama_dir), ("qwen2", qwen_dir))}
     assert layouts["llama"] != layouts["qwen2"]
-    cfg = make_config(workdir, layout=None, max_layouts=None, device_bytes=32 << 20, host_bytes=8 << 20,
-                      disk_bytes=128 << 20, staging_bytes=4 << 20, client_staging_bytes=2 << 20)
-    sock = ("--socket", cfg.socket)
+    cfg = make_config(workdir,
+                      layouts=dict(preload=None, max_open=None),
+                      store=dict(device_bytes=32 << 20, host_bytes=8 << 20, disk_bytes=128 << 20),
+                      staging=dict(region_bytes=4 << 20, per_client_bytes=2 << 20))
+    sock = ("--socket", cfg.server.socket)
     made = {}
     d = DaemonThread(cfg).start()
     try:

@@ -4,6 +4,7 @@ A subprocess daemon (``tierkv serve``) is tests/daemon/daemon_helpers.spawn_daem
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -12,6 +13,15 @@ from tierkv.daemon.config import DaemonConfig
 from tierkv.daemon.server import Daemon
 
 T = TypeVar("T")
+
+
+def with_sections(config: DaemonConfig, **sections: Any) -> DaemonConfig:
+    """``config`` with settings changed by section: a mapping changes those settings of the
+    section (``store={"page_codec": "int8"}``), a section object replaces it
+    (``quotas=Quotas(...)``)."""
+    changes = {name: dataclasses.replace(getattr(config, name), **value) if isinstance(value, dict) else value
+               for name, value in sections.items()}
+    return dataclasses.replace(config, **changes)
 
 
 class DaemonThread:
@@ -28,7 +38,7 @@ class DaemonThread:
 
     @property
     def socket(self) -> Path:
-        return self.config.socket
+        return self.config.server.socket
 
     def start(self) -> "DaemonThread":
         self.thread.start()

@@ -118,7 +118,7 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     if socket_path is not None:
         return connect_daemon(socket_path, layout)
     # The layout's own store in a home that holds several (as the daemon would open it):
-    # flags over TIERKV_* over $TIERKV_CONFIG (tierkv/daemon/config.py, DIRECT_FIELDS).
+    # flags over TIERKV_* over $TIERKV_CONFIG (tierkv/daemon/config/resolve.py, DIRECT_KEYS).
     from ..daemon import direct_store_options
 
     opts = {**direct_store_options(os.environ), **{k: v for k, v in options.items() if v is not None}}

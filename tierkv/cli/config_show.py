@@ -1,7 +1,7 @@
 """``tierkv config show``: every setting of the daemon and where its value came from.
 
 The settings are the ones ``tierkv serve`` would start with, resolved as it resolves them
-(flag > environment > config file > default, tierkv/daemon/config.py), or, when a daemon is
+(flag > environment > config file > default, tierkv/daemon/config/), or, when a daemon is
 live on the socket, the ones it runs with (its stats carry them). An explicit ``--home``
 shows the local resolution, not a daemon's, unless ``--socket`` is named too (issue #37,
 item 1: a flag is never overridden by a daemon the command line did not name).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import click
 from click.core import ParameterSource
@@ -19,7 +19,7 @@ from ..errors import TierKVError
 from .serve import build_config, daemon_options, unset_empty_lists
 
 
-def _from_daemon(socket: Path) -> dict[str, dict[str, str]] | None:
+def _from_daemon(socket: Path) -> dict[str, Any] | None:
     """The settings a daemon live on ``socket`` runs with, or None when none answers there."""
     import tierkv
 
@@ -39,7 +39,8 @@ def config_group() -> None:
 
 @config_group.command(name="show")
 @daemon_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: {setting: {value, source}}.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: {section: {setting: {value, source}}}.")
 def show(config_file: Path | None, socket_path: Path | None, as_json: bool, **flags: Any) -> None:
     """Print every setting with its value and where it came from (flag, env TIERKV_*, file,
     default): a live daemon's on the socket, else what `tierkv serve` with these options
@@ -53,18 +54,29 @@ def show(config_file: Path | None, socket_path: Path | None, as_json: bool, **fl
         ctx = click.get_current_context()
         explicit = ParameterSource.COMMANDLINE
         ask = ctx.get_parameter_source("home") is not explicit or ctx.get_parameter_source("socket_path") is explicit
-        live = _from_daemon(cfg.socket) if ask else None
+        live = _from_daemon(cfg.server.socket) if ask else None
     except TierKVError as exc:
         raise click.ClickException(exc.for_command_line()) from exc
     settings = live if live is not None else shown(cfg)
-    origin = f"the daemon at {cfg.socket}" if live is not None else "this command line, environment and file"
+    origin = f"the daemon at {cfg.server.socket}" if live is not None else "this command line, environment and file"
     if as_json:
         click.echo(json.dumps({"of": origin, "settings": settings}, sort_keys=True))
         return
     click.echo(f"settings of {origin}:")
-    width = max(len(k) for k in settings)
-    for name, item in settings.items():
+    rows = list(_rows(settings))
+    width = max(len(k) for k, _ in rows)
+    for name, item in rows:
         click.echo(f"{name:<{width}}  {item['value'] or '-':<40}  {item['source']}")
+
+
+def _rows(settings: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, dict[str, str]]]:
+    """Each setting by its key (``store.host_bytes``). A daemon started before the sections
+    (issue #32, item 3) answers them flat (``host_bytes``): shown as it answers."""
+    for name, item in settings.items():
+        if isinstance(item, dict) and "value" in item and "source" in item:
+            yield prefix + name, item
+        elif isinstance(item, dict):
+            yield from _rows(item, f"{prefix}{name}.")
 
 
 def register(group: click.Group) -> None:

@@ -19,22 +19,23 @@ from .serve import build_config
 
 
 def _live_daemon(cfg: Any, ask: bool) -> tuple[Any, str, int | None]:
-    """``cfg`` with the budgets and home of the daemon live on ``cfg.socket`` (when ``ask``
+    """``cfg`` with the budgets and home of the daemon live on ``cfg.server.socket`` (when ``ask``
     and one is), the source of the budgets, and that daemon's pid."""
     import tierkv
 
     from ..daemon import socket_is_live
 
-    if not ask or not cfg.socket.exists() or not socket_is_live(cfg.socket):
+    if not ask or not cfg.server.socket.exists() or not socket_is_live(cfg.server.socket):
         return cfg, "configuration", None
-    with tierkv.connect(cfg.socket) as client:
+    with tierkv.connect(cfg.server.socket) as client:
         stats = client.stats()
     daemon = stats.get("daemon") or {}
     budgets = daemon.get("budgets") or {}
-    changes = {k: int(budgets[k]) for k in ("device_bytes", "host_bytes", "disk_bytes") if k in budgets}
+    changes: dict[str, Any] = {k: int(budgets[k]) for k in ("device_bytes", "host_bytes", "disk_bytes") if k in budgets}
     if isinstance(stats.get("home"), str):
         changes["home"] = Path(stats["home"])
-    return dataclasses.replace(cfg, **changes), f"the daemon at {cfg.socket}", daemon.get("pid")
+    store = dataclasses.replace(cfg.store, **changes)
+    return dataclasses.replace(cfg, store=store), f"the daemon at {cfg.server.socket}", daemon.get("pid")
 
 
 @click.command(name="doctor")
@@ -70,11 +71,12 @@ def doctor(config_file: Path | None, keys_dir: Path, as_json: bool, socket_path:
     failed = any(c.status == FAIL for c in checks)
     if as_json:
         click.echo(json.dumps({
-            "source": source, "home": str(cfg.home), "socket": str(cfg.socket),
-            "budgets": {k: getattr(cfg, k) for k in ("device_bytes", "host_bytes", "disk_bytes", "staging_bytes")},
+            "source": source, "home": str(cfg.store.home), "socket": str(cfg.server.socket),
+            "budgets": {"device_bytes": cfg.store.device_bytes, "host_bytes": cfg.store.host_bytes,
+                        "disk_bytes": cfg.store.disk_bytes, "staging_bytes": cfg.staging.region_bytes},
             "checks": [c.to_dict() for c in checks], "ok": not failed}, sort_keys=True))
     else:
-        click.echo(f"budgets of {source}: home {cfg.home}, socket {cfg.socket}")
+        click.echo(f"budgets of {source}: home {cfg.store.home}, socket {cfg.server.socket}")
         for c in checks:
             click.echo(f"{c.status:<4}  {c.name:<8}  {c.detail}" + (f" (fix: {c.fix})" if c.status != OK and c.fix else ""))
     if failed:

@@ -1,7 +1,7 @@
 """``tierkv serve``: run the daemon that owns a home and serves clients on a Unix socket.
 
 Thin: parse flags, read the config file and the environment (flag > environment > file >
-default, tierkv/daemon/config.py), hand a DaemonConfig to :class:`tierkv.daemon.Daemon`.
+default, tierkv/daemon/config/), hand a DaemonConfig to :class:`tierkv.daemon.Daemon`.
 See docs/operations.md.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from ..codec import CODECS
-from ..daemon import CONFIG_ENV, DaemonConfig, read_config_file, resolve
+from ..daemon import CONFIG_ENV, DaemonConfig, flat_flags, read_config_file, resolve
 from ..errors import TierKVError
 from ..policy import POLICIES
 
@@ -22,11 +22,12 @@ log = logging.getLogger("tierkv.serve")
 
 
 def build_config(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
-    """The daemon's configuration: ``flags`` (None = not given) over the environment over
-    the file (also what ``tierkv doctor`` checks and ``tierkv config show`` prints)."""
+    """The daemon's configuration: ``flags`` (by the options' flat names, ``host_bytes``;
+    None = not given) over the environment over the file (also what ``tierkv doctor``
+    checks and ``tierkv config show`` prints)."""
     config_file = config_file or (Path(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else None)
     file_values = read_config_file(config_file) if config_file else {}
-    return resolve(flags, file_values, os.environ, file_label=f"file {config_file}")
+    return resolve(flat_flags(flags), file_values, os.environ, file_label=f"file {config_file}")
 
 
 def unset_empty_lists(flags: dict[str, Any]) -> None:
@@ -63,7 +64,7 @@ _DAEMON_OPTIONS = [
                  help="Unix socket (default: $TIERKV_SOCKET, then the config file, then $XDG_RUNTIME_DIR/tierkv/tierkv.sock, "
                       "then /tmp/tierkv-UID/tierkv.sock when XDG_RUNTIME_DIR is unset; the directory is made 0700)."),
     click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-                 help="TOML config file (keys as in docs/operations.md); SIGHUP re-reads it."),
+                 help="TOML config file (a table per section, as in docs/operations.md); SIGHUP re-reads it."),
     click.option("--layout", default=None,
                  help="Optional: open a store for this page layout at start (num_layers=..,num_kv_heads=..,head_dim=..,"
                       "block_size=..,dtype=..). Not needed: clients declare their layout when they connect."),
@@ -142,7 +143,7 @@ _DAEMON_OPTIONS = [
 
 
 def daemon_options(fn: Any) -> Any:
-    """Apply serve's configuration options (flags of DaemonConfig fields, --config) to ``fn``."""
+    """Apply serve's configuration options (flags of the settings' flat names, keys.py; --config) to ``fn``."""
     for option in reversed(_DAEMON_OPTIONS):
         fn = option(fn)
     return fn

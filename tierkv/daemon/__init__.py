@@ -7,10 +7,11 @@ reaching into the rest of the package:
 
     Daemon                the daemon: opens the home, serves the socket (server.py)
     Client                StoreAPI over the socket, what tierkv.connect returns (client.py)
-    DaemonConfig          the daemon's configuration, one frozen dataclass (config.py)
+    DaemonConfig          the daemon's configuration: typed, frozen sections (config/)
     CONFIG_ENV            the environment variable naming the TOML config file
     read_config_file      that file's values, checked
     resolve               flags > environment > file > defaults, as one DaemonConfig
+    flat_flags            serve's flags (by their flat names) keyed by setting (store.host_bytes)
     shown                 each setting and where its value came from (config show)
     direct_store_options  the file's and environment's settings that apply to a store a
                           command opens itself (the file is the daemon's, read by every command)
@@ -36,7 +37,7 @@ The modules:
     security.py      socket directory and path checks, SO_PEERCRED, pid file
     regions.py       the staging region; cleanup of shm left by dead processes
     metrics.py       Prometheus metrics (own registry, 127.0.0.1 only)
-    config.py        DaemonConfig; flags > TOML file > environment; the home's layout
+    config/          DaemonConfig in sections; flag > environment > TOML file > default
     client.py        Client: the embedded store's API over the socket
     remote_lease.py  RemoteLease and the client's views of the shared pools
 
@@ -50,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .client import Client
-    from .config import CONFIG_ENV, DaemonConfig, direct_store_options, read_config_file, resolve, shown
+    from .config import (CONFIG_ENV, DaemonConfig, direct_store_options, flat_flags, read_config_file, resolve,
+                         shown)
     from .security import socket_dir_error, socket_is_live
     from .server import Daemon
 
@@ -58,12 +60,12 @@ if TYPE_CHECKING:
 _PUBLIC = {
     "Daemon": "server", "Client": "client",
     "DaemonConfig": "config", "CONFIG_ENV": "config", "read_config_file": "config", "resolve": "config",
-    "shown": "config", "direct_store_options": "config",
+    "shown": "config", "direct_store_options": "config", "flat_flags": "config",
     "socket_is_live": "security", "socket_dir_error": "security",
 }
 
-__all__ = ["CONFIG_ENV", "Client", "Daemon", "DaemonConfig", "direct_store_options", "read_config_file", "resolve",
-           "shown", "socket_dir_error", "socket_is_live"]
+__all__ = ["CONFIG_ENV", "Client", "Daemon", "DaemonConfig", "direct_store_options", "flat_flags", "read_config_file",
+           "resolve", "shown", "socket_dir_error", "socket_is_live"]
 assert sorted(__all__) == sorted(_PUBLIC)
 
 

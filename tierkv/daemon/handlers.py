@@ -92,10 +92,10 @@ class Handlers:
         self.bound = bound
         self.gc_stats = gc_stats
         self.reload_stats = reload_stats
-        self.tenancy = Tenancy(config.namespace_per_uid)
-        self.workers = Workers(config.workers)
+        self.tenancy = Tenancy(config.access.namespace_per_uid)
+        self.workers = Workers(config.server.workers)
         self.run = self.workers.run  # a store call in a worker thread
-        self.leases = LeaseTable(config.lease_timeout_s)
+        self.leases = LeaseTable(config.leases.timeout_s)
         self.quota = QuotaRules(config.quotas, on_quota_refusal)
         self._pin_lock = asyncio.Lock()  # pins checked and stored one at a time (pin_guard)
         self.fast_path_requests = 0  # requests answered as they arrived (fast_path.py counts them)
@@ -132,7 +132,7 @@ class Handlers:
     def apply_config(self, config: "DaemonConfig") -> None:
         """The settings a reload changed (reload.py): in force from the next request."""
         self.config = config
-        self.leases.timeout_s = config.lease_timeout_s
+        self.leases.timeout_s = config.leases.timeout_s
         self.quota.quotas = config.quotas
 
     # ---- layout and scope: derived on the trusted side --------------------------------------
@@ -186,7 +186,8 @@ class Handlers:
         header: dict[str, Any] = {
             "protocol": VERSION, "daemon_pid": os.getpid(), "lease_timeout_s": self.leases.timeout_s,
             "idle_timeout_s": conn.idle_timeout_s,
-            "namespace_per_uid": self.config.namespace_per_uid, "layouts": [e.layout_id for e in self.layouts.entries()],
+            "namespace_per_uid": self.config.access.namespace_per_uid,
+            "layouts": [e.layout_id for e in self.layouts.entries()],
             # What the daemon puts before this peer's namespaces (from SO_PEERCRED): the
             # client keys its manifests' chains as stored (Client.block_keys).
             "namespace_prefix": self.tenancy.namespace_prefix(conn.creds.uid),
@@ -194,7 +195,7 @@ class Handlers:
         }
         fds: list[int] = []
         if entry is not None and self.is_tenant(conn):
-            conn.tenant = TenantRegions(self.layouts.shm_dir, entry.layout, self.config.client_staging_bytes)
+            conn.tenant = TenantRegions(self.layouts.shm_dir, entry.layout, self.config.staging.per_client_bytes)
             header.update({"layout": entry.layout.to_dict(), "layout_id": entry.layout_id,
                            **conn.tenant.hello_fields(fds)})
         elif entry is not None:
@@ -219,7 +220,7 @@ class Handlers:
 
     def is_tenant(self, conn: "Connection") -> bool:
         """Another uid under namespace_per_uid: it maps only memory of its own connection."""
-        return self.config.namespace_per_uid and conn.creds.uid != os.getuid()
+        return self.config.access.namespace_per_uid and conn.creds.uid != os.getuid()
 
     def staging_of(self, conn: "Connection") -> tuple[StagingSlots, torch.Tensor]:
         """The staging slots and pool a connection puts through: its own for a tenant."""
@@ -255,7 +256,7 @@ class Handlers:
         if not staging.owns(conn.id, msg.slots):
             if staging.expired(conn.id, msg.slots):
                 raise StagingExpiredError(f"staging slots of this commit were held over staging_timeout_s = "
-                                          f"{self.config.staging_timeout_s:g} s and were taken back; nothing stored")
+                                          f"{self.config.staging.timeout_s:g} s and were taken back; nothing stored")
             raise ProtocolError("commit names staging slots this connection does not hold")
         staging.begin_commit(conn.id, msg.slots)  # no longer expire: this commit copies them
         try:
@@ -274,7 +275,7 @@ class Handlers:
     def expire_staging(self, tenant_staging: list[StagingSlots]) -> int:
         """Take back staging slots held over ``staging_timeout_s`` (leases.py, StagingSlots):
         the shared regions' and ``tenant_staging``, the tenants' own. Returns how many."""
-        timeout, n = self.config.staging_timeout_s, 0
+        timeout, n = self.config.staging.timeout_s, 0
         for staging in [e.staging for e in self.layouts.entries()] + tenant_staging:
             for conn_id, slots in staging.take_expired(timeout).items():
                 n += len(slots)
@@ -297,14 +298,14 @@ class Handlers:
     @contextlib.asynccontextmanager
     async def _pinning(self, conn: "Connection", local: "Store", want: int) -> AsyncIterator[None]:
         uid = conn.creds.uid
-        if not self.config.allowed_uids and not self.quota.others_connected(uid, (u for _, u in self.peers())):
+        if not self.config.access.allowed_uids and not self.quota.others_connected(uid, (u for _, u in self.peers())):
             yield  # a daemon of one user: nobody to share the disk tier with
             return
         # Checked and pinned under one lock: a check before an await let 16 concurrent
         # pinned puts pass it together (issue 34, item 9). Pins are rare (materialise):
         # serialising them costs the data path nothing.
         async with self._pin_lock:
-            tenant = self.tenancy.namespace_prefix(uid) if self.config.namespace_per_uid else None
+            tenant = self.tenancy.namespace_prefix(uid) if self.config.access.namespace_per_uid else None
             total = await self.run(local.pinned_blocks, "")
             own = await self.run(local.pinned_blocks, tenant) if tenant is not None else 0
             disk_slots = local.disk.segment_limit * local.disk.segment_pages  # this layout's share

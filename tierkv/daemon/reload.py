@@ -3,8 +3,8 @@ loudly refuse the rest (issue #34, item 12: a uid removed from ``allowed_uids`` 
 connection and mappings; turning on ``namespace_per_uid`` or changing quotas by reload was
 ignored without a log line).
 
-Every DaemonConfig field is in exactly one of :data:`LIVE` and :data:`AT_RESTART` (a test
-checks it), so that no setting is ignored silently. A changed setting of ``AT_RESTART`` gets
+Every setting (a key of DaemonConfig's sections: ``staging.timeout_s``) is in exactly one of
+:data:`LIVE` and :data:`AT_RESTART` (a test checks it), so that no setting is ignored silently. A changed setting of ``AT_RESTART`` gets
 a WARNING line naming it and why, and is listed as refused in the reload's result
 (:class:`ReloadResult`, logged and reported in ``stats()["daemon"]["reload"]``); it applies
 when the daemon restarts. Removing a uid from ``allowed_uids`` revokes it: its connections
@@ -21,32 +21,37 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import TierKVError
-from .config import REMOTE_FIELDS, DaemonConfig
+from .config import KEYS, DaemonConfig
+from .config.keys import value_of, with_values
 from .security import PeerRejectedError
 
 log = logging.getLogger("tierkv.daemon.server")  # the daemon's log (operators and tests filter on it)
 
-# Applied by a reload. ``max_inflight`` and ``client_staging_bytes`` (a tenant's own
-# regions) bound connections made after it; the quotas' ``idle_timeout_s`` too: a client
-# pings at a third of the timeout it was told at HELLO, so a shorter one applied to it
-# would close clients that are not idle. The other quotas apply at once.
-LIVE = ("lease_timeout_s", "staging_timeout_s", "client_staging_bytes", "allowed_uids", "max_connections",
-        "max_inflight", "quotas", "layout_idle_s")  # layout_idle_s: read at each tick of the loop (server.py)
+# Applied by a reload, by key (config/keys.py). ``server.max_inflight`` and
+# ``staging.per_client_bytes`` (a tenant's own regions) bound connections made after it; the
+# quotas' ``idle_timeout_s`` too: a client pings at a third of the timeout it was told at
+# HELLO, so a shorter one applied to it would close clients that are not idle. The other
+# quotas apply at once.
+LIVE = ("leases.timeout_s", "staging.timeout_s", "staging.per_client_bytes", "access.allowed_uids",
+        "server.max_connections", "server.max_inflight",
+        "layouts.idle_s",  # read at each tick of the loop (server.py)
+        *(key for key in KEYS if key.startswith("quotas.")))
 _ALLOCATED = "the tiers and the staging regions are allocated once, when the daemon starts"
 _OPENED = "each layout's store is opened with it"
 AT_RESTART: dict[str, str] = {
-    "device_bytes": _ALLOCATED, "host_bytes": _ALLOCATED, "disk_bytes": _ALLOCATED, "staging_bytes": _ALLOCATED,
-    "device": _ALLOCATED, "max_layouts": "the budgets are split 1/max_layouts when the daemon starts",
-    "home": "the daemon holds its home for life", "socket": "the socket is bound when the daemon starts",
-    "pid_file": "written when the daemon starts", "shm_dir": _ALLOCATED,
-    "layout": "a layout is opened at start; clients declare theirs at HELLO",
-    "workers": "the worker threads are made when the daemon starts",
-    "write_through": _OPENED, "eviction_policy": _OPENED, "page_codec": _OPENED,
-    "metrics_port": "the metrics endpoint is bound when the daemon starts", "metrics_host": "as metrics_port",
+    "store.device_bytes": _ALLOCATED, "store.host_bytes": _ALLOCATED, "store.disk_bytes": _ALLOCATED,
+    "staging.region_bytes": _ALLOCATED, "store.device": _ALLOCATED, "store.shm_dir": _ALLOCATED,
+    "layouts.max_open": "the budgets are split 1/layouts.max_open when the daemon starts",
+    "store.home": "the daemon holds its home for life", "server.socket": "the socket is bound when the daemon starts",
+    "server.pid_file": "written when the daemon starts",
+    "layouts.preload": "a layout is opened at start; clients declare theirs at HELLO",
+    "server.workers": "the worker threads are made when the daemon starts",
+    "store.write_through": _OPENED, "store.eviction_policy": _OPENED, "store.page_codec": _OPENED,
+    "metrics.port": "the metrics endpoint is bound when the daemon starts", "metrics.host": "as metrics.port",
     # Not live, by decision: admitted uids were handed descriptors of memory at HELLO that
     # the daemon cannot take back from their processes (a mapping outlives the socket).
     # Turned on live, tenants connected before would keep read-write mappings of the whole
@@ -54,11 +59,11 @@ AT_RESTART: dict[str, str] = {
     # false until they are all gone; turned off live, every tenant's blocks and manifests
     # (stored under uid<N>/) would vanish from under its open connections, and a uid's own
     # leases would cross namespaces. A restart makes new memory and states it cleanly.
-    "namespace_per_uid": "uids connected before were handed memory the daemon cannot take back from them "
-                         "(see tierkv/daemon/reload.py)",
-    **{name: "the remote tier is joined when the daemon starts" for name in REMOTE_FIELDS},
+    "access.namespace_per_uid": "uids connected before were handed memory the daemon cannot take back from them "
+                                "(see tierkv/daemon/reload.py)",
+    **{key: "the remote tier is joined when the daemon starts" for key in KEYS
+       if key.startswith(("remote.", "publish."))},
 }
-NOT_SETTINGS = ("sources",)  # where values came from, not what they are
 
 
 @dataclass(frozen=True)
@@ -127,17 +132,16 @@ class Reload:
         and refuse (log at WARNING, list in the result) every changed one of
         :data:`AT_RESTART`. Runs on the loop thread."""
         old = self.config
-        changed = [f.name for f in fields(DaemonConfig)
-                   if f.name not in NOT_SETTINGS and getattr(new, f.name) != getattr(old, f.name)]
-        refused = tuple(RefusedSetting(name, str(getattr(old, name)), str(getattr(new, name)), AT_RESTART[name])
-                        for name in changed if name in AT_RESTART)
+        changed = [key for key in KEYS if value_of(new, key) != value_of(old, key)]
+        refused = tuple(RefusedSetting(key, str(value_of(old, key)), str(value_of(new, key)), AT_RESTART[key])
+                        for key in changed if key in AT_RESTART)
         for r in refused:
             log.warning("SIGHUP: %s changed (%s -> %s) but is not applied: %s; it applies when the daemon "
                         "restarts", r.name, r.old, r.new, r.why)
-        sources = {**old.sources, **{name: new.sources[name] for name in LIVE if name in new.sources}}
-        self.config = replace(old, **{name: getattr(new, name) for name in LIVE}, sources=sources)
+        sources = {**old.sources, **{key: new.sources[key] for key in LIVE if key in new.sources}}
+        self.config = with_values(old, {key: value_of(new, key) for key in LIVE}, sources)
         self._apply(self.config)
-        revoked = tuple(sorted(set(old.allowed_uids) - set(new.allowed_uids) - {os.getuid()}))
+        revoked = tuple(sorted(set(old.access.allowed_uids) - set(new.access.allowed_uids) - {os.getuid()}))
         closed, warnings = self._revoke(revoked) if revoked else (0, ())
         result = ReloadResult(applied=tuple(n for n in changed if n in LIVE), refused=refused,
                               revoked_uids=revoked, closed_connections=closed, warnings=warnings)
@@ -154,7 +158,7 @@ class Reload:
                                                                    f"allowed_uids"))
         log.warning("SIGHUP: uid %s removed from allowed_uids: %d of its connections closed (their leases are "
                     "released, their staging freed, their tenant regions closed)", ", ".join(map(str, uids)), closed)
-        if self.config.namespace_per_uid:
+        if self.config.access.namespace_per_uid:
             return closed, ()
         # Without namespace_per_uid an admitted uid maps the shared tiers themselves (HELLO
         # hands it their descriptors), and closing its socket does not unmap them.

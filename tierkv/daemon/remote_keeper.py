@@ -44,14 +44,14 @@ class RemoteKeeper:
 
         cfg = self.config
         # Before any Mooncake client exists: the transfer engine reads it once, at setup.
-        os.environ[BIND_ENV] = cfg.resolved_remote_bind
-        rcfg = cfg.remote_config()
+        os.environ[BIND_ENV] = cfg.remote.resolved_bind
+        rcfg = cfg.remote.tier_config()
         kw: dict[str, Any] = {} if self._backend_factory is None else {"backend_factory": self._backend_factory}
         remote = RemoteTier(rcfg, store.layout, **kw)
         log.info("remote tier: master %s, metadata %s, this node %s (bind %s), lends %d MiB, key prefix %r",
-                 rcfg.master_address, rcfg.metadata_url, rcfg.local_hostname, cfg.resolved_remote_bind,
+                 rcfg.master_address, rcfg.metadata_url, rcfg.local_hostname, cfg.remote.resolved_bind,
                  rcfg.global_segment_bytes >> 20, rcfg.key_prefix)
-        return ClusterNode(store, remote, cfg.publish_policy())
+        return ClusterNode(store, remote, cfg.publish.policy())
 
     def start(self, entries: Callable[[], list[LayoutEntry]]) -> None:
         """Start the keeper thread over the layouts ``entries()`` lists (read each round: a
@@ -94,6 +94,6 @@ class RemoteKeeper:
         """Stop the keeper thread; waits for a connect in progress to give up."""
         self._stop.set()
         if self._thread is not None:
-            rcfg = self.config.remote_config()
+            rcfg = self.config.remote.tier_config()
             self._thread.join(rcfg.setup_timeout_s + rcfg.op_timeout_s + 5 if rcfg else 5)
             self._thread = None

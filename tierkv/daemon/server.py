@@ -123,21 +123,21 @@ class Daemon:
         (a CUDA device pool; a page-locked host pool) are mapped at 1/max_layouts instead
         (layouts.py)."""
         cfg = self.config
-        n = cfg.resolved_max_layouts
+        n = cfg.layouts.resolved_max_open
         cuda = torch.cuda.is_available()
-        device_cuda = (cfg.device or ("cuda" if cuda else "cpu")).startswith("cuda")
+        device_cuda = (cfg.store.device or ("cuda" if cuda else "cpu")).startswith("cuda")
         # Segments no bigger than the smallest share, as a tier of that size would have them.
-        segment_pages = max(1, min(StoreConfig.segment_pages, cfg.disk_bytes // n // layout.slot_bytes))
+        segment_pages = max(1, min(StoreConfig.segment_pages, cfg.store.disk_bytes // n // layout.slot_bytes))
         local = Store(StoreConfig(
-            home=home, layout=layout, device=cfg.device,
-            device_bytes=cfg.device_bytes // n if device_cuda else cfg.device_bytes,
-            host_bytes=cfg.host_bytes // n if cuda else cfg.host_bytes, disk_bytes=cfg.disk_bytes,
-            device_limit_bytes=limits.device_bytes, host_limit_bytes=limits.host_bytes,
-            disk_limit_bytes=limits.disk_bytes, segment_pages=segment_pages, write_through=cfg.write_through,
-            shm_dir=cfg.shm_dir, eviction_policy=cfg.eviction_policy, page_codec=cfg.page_codec,
+            home=home, layout=layout, device=cfg.store.device,
+            device_bytes=cfg.store.device_bytes // n if device_cuda else cfg.store.device_bytes,
+            host_bytes=cfg.store.host_bytes // n if cuda else cfg.store.host_bytes,
+            disk_bytes=cfg.store.disk_bytes, device_limit_bytes=limits.device_bytes, host_limit_bytes=limits.host_bytes,
+            disk_limit_bytes=limits.disk_bytes, segment_pages=segment_pages, write_through=cfg.store.write_through,
+            shm_dir=cfg.store.shm_dir, eviction_policy=cfg.store.eviction_policy, page_codec=cfg.store.page_codec,
             populate_memory=True,  # a daemon starts ahead of its clients: it has the idle time
-        ), socket_path=str(cfg.socket), home_lock=home_lock)
-        if not cfg.remote_enabled:
+        ), socket_path=str(cfg.server.socket), home_lock=home_lock)
+        if not cfg.remote.enabled:
             return local, local
         try:
             return self.remote_keeper.join_cluster(local), local
@@ -149,18 +149,19 @@ class Daemon:
         """Take the home and make the parts that serve it: layouts, metrics, handlers,
         serving; bind the socket, write the pid file, start the metrics endpoint."""
         cfg = self.config
-        if cfg.device is not None:
-            resolve_device(cfg.device)  # refuse to start: else every client's first store open fails
-        security.prepare_socket_dir(cfg.socket.parent, shared=bool(cfg.allowed_uids))
-        security.clear_socket_path(cfg.socket)  # refuse early, before taking the home
-        shm_dir = cfg.shm_dir or default_shm_dir()  # opening a store reaps dead processes' regions
-        n = cfg.resolved_max_layouts
-        budget = Budget(cfg.device_bytes, cfg.host_bytes, cfg.disk_bytes, cfg.staging_bytes // n,
-                        min(cfg.client_staging_bytes, cfg.staging_bytes // n))
-        layouts = self.layouts = Layouts(cfg.home, str(cfg.socket), n, budget, shm_dir, self._open_store)
+        if cfg.store.device is not None:
+            resolve_device(cfg.store.device)  # refuse to start: else every client's first store open fails
+        security.prepare_socket_dir(cfg.server.socket.parent, shared=bool(cfg.access.allowed_uids))
+        security.clear_socket_path(cfg.server.socket)  # refuse early, before taking the home
+        shm_dir = cfg.store.shm_dir or default_shm_dir()  # opening a store reaps dead processes' regions
+        n = cfg.layouts.resolved_max_open
+        staging = cfg.staging.region_bytes // n
+        budget = Budget(cfg.store.device_bytes, cfg.store.host_bytes, cfg.store.disk_bytes, staging,
+                        min(cfg.staging.per_client_bytes, staging))
+        layouts = self.layouts = Layouts(cfg.store.home, str(cfg.server.socket), n, budget, shm_dir, self._open_store)
         sock = None
         try:
-            layouts.start(cfg.layout)
+            layouts.start(cfg.layouts.preload)
             only = layouts.only()
             metrics = self.metrics = DaemonMetrics(lambda: merged_stats(layouts), self._daemon_stats,
                                                    only.layout.page_bytes if only is not None else 0)
@@ -171,22 +172,22 @@ class Daemon:
                 bound=lambda: [c.entry for c in connections.values()], gc_stats=self.gc_pauses.stats,
                 reload_stats=self.reload.last_dict, on_quota_refusal=lambda quota: refusals.labels(quota).inc())
             self.serving = Serving(cfg, self.handlers, metrics, connections, stop.is_set)
-            sock = security.bind_private_socket(cfg.socket, shared=bool(cfg.allowed_uids))
-            security.write_pid_file(cfg.resolved_pid_file)
-            if cfg.metrics_port is not None:
+            sock = security.bind_private_socket(cfg.server.socket, shared=bool(cfg.access.allowed_uids))
+            security.write_pid_file(cfg.server.resolved_pid_file)
+            if cfg.metrics.port is not None:
                 try:
-                    self.metrics_port = metrics.start(cfg.metrics_port, cfg.metrics_host)
+                    self.metrics_port = metrics.start(cfg.metrics.port, cfg.metrics.host)
                 except OSError as e:
-                    raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e.strerror or e}",
+                    raise ConfigError(f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {e.strerror or e}",
                                       hint="choose a free --metrics-port, or an address of this machine for "
                                            "--metrics-host") from None
-                log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, self.metrics_port)
+                log.info("metrics on http://%s:%d/metrics", cfg.metrics.host, self.metrics_port)
         except BaseException:
             # Undo in reverse: nothing of a daemon that failed to start may stay behind.
             if sock is not None:
                 sock.close()
-                cfg.socket.unlink(missing_ok=True)
-                cfg.resolved_pid_file.unlink(missing_ok=True)
+                cfg.server.socket.unlink(missing_ok=True)
+                cfg.server.resolved_pid_file.unlink(missing_ok=True)
             if self.handlers is not None:
                 self.handlers.workers.shutdown(wait=False)
             layouts.close()
@@ -202,7 +203,7 @@ class Daemon:
     def _admitted(self, uid: int) -> bool:
         """The gate's test: the daemon's own uid or one of ``allowed_uids`` (read live:
         SIGHUP changes it)."""
-        return uid == self._uid or uid in self.config.allowed_uids
+        return uid == self._uid or uid in self.config.access.allowed_uids
 
     # ---- a reload's effects (reload.py decides them) ---------------------------------------
     def _apply_settings(self, config: DaemonConfig) -> None:
@@ -210,7 +211,7 @@ class Daemon:
         if self.handlers is not None:
             self.handlers.apply_config(config)
         if self.layouts is not None:
-            self.layouts.set_client_quota(min(config.client_staging_bytes, self.layouts.budget.staging_bytes))
+            self.layouts.set_client_quota(min(config.staging.per_client_bytes, self.layouts.budget.staging_bytes))
         if self.fast is not None:
             self.fast.unread_reply_bytes = config.quotas.unread_reply_bytes
         if self.serving is not None:
@@ -261,10 +262,10 @@ class Daemon:
             loop.add_signal_handler(signal.SIGINT, stop.set)
             loop.add_signal_handler(signal.SIGHUP, self.reload.on_sighup)
         sweeper = asyncio.create_task(self._sweep_leases(handlers, layouts))
-        if self.config.remote_enabled:
+        if self.config.remote.enabled:
             self.remote_keeper.start(layouts.entries)
-        log.info("tierkv daemon (pid %d) serving %s on %s (layouts: %s)", os.getpid(), self.config.home,
-                 self.config.socket, ", ".join(e.layout_id for e in layouts.entries()) or "none yet")
+        log.info("tierkv daemon (pid %d) serving %s on %s (layouts: %s)", os.getpid(), self.config.store.home,
+                 self.config.server.socket, ", ".join(e.layout_id for e in layouts.entries()) or "none yet")
         self.ready.set()
         try:
             await stop.wait()
@@ -279,14 +280,14 @@ class Daemon:
             handlers.workers.shutdown(wait=True)
             self.remote_keeper.stop()
             layouts.close()  # flushes write-back blocks, releases the home
-            for p in (self.config.socket, self.config.resolved_pid_file):
+            for p in (self.config.server.socket, self.config.server.resolved_pid_file):
                 Path(p).unlink(missing_ok=True)
             metrics.stop()
             log.info("stopped cleanly")
 
     async def _sweep_leases(self, handlers: Handlers, layouts: Layouts) -> None:
         while True:
-            await asyncio.sleep(min(1.0, handlers.leases.timeout_s / 4, self.config.staging_timeout_s / 4))
+            await asyncio.sleep(min(1.0, handlers.leases.timeout_s / 4, self.config.staging.timeout_s / 4))
             await handlers.lease_ops.expire_leases()
             handlers.expire_staging([c.tenant.staging for c in self.connections.values() if c.tenant is not None])
             if any(e.over_limit for e in layouts.entries()):
@@ -301,7 +302,7 @@ class Daemon:
         for c in self.connections.values():
             if c.entry is not None:
                 c.entry.last_bound = now
-        in_use = {e.layout_id for e in layouts.entries() if now - e.last_bound < self.config.layout_idle_s}
+        in_use = {e.layout_id for e in layouts.entries() if now - e.last_bound < self.config.layouts.idle_s}
         if in_use and in_use != layouts.in_use:
             await handlers.run(layouts.rebalance, in_use, now)
 

@@ -77,18 +77,18 @@ class Serving:
 
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         creds = security.peer_credentials(writer.get_extra_info("socket"))
-        conn = Connection(next(self._ids), creds, writer, asyncio.Semaphore(self.config.max_inflight),
+        conn = Connection(next(self._ids), creds, writer, asyncio.Semaphore(self.config.server.max_inflight),
                           send_timeout_s=self.config.quotas.send_timeout_s,
                           idle_timeout_s=self.config.quotas.idle_timeout_s)
         reason = None
         # The gate (gate.py) refused other uids at accept; checked again here for a uid that
         # a reload removed from allowed_uids between the accept and this task.
-        if not security.peer_allowed(creds, self.config.allowed_uids):
+        if not security.peer_allowed(creds, self.config.access.allowed_uids):
             reason = "uid"
             err: TierKVError = security.PeerRejectedError(f"peer uid {creds.uid} (pid {creds.pid}) may not use this daemon")
-        elif len(self.connections) >= self.config.max_connections:
+        elif len(self.connections) >= self.config.server.max_connections:
             reason = "limit"
-            err = DaemonUnavailableError(f"the daemon serves {self.config.max_connections} connections already",
+            err = DaemonUnavailableError(f"the daemon serves {self.config.server.max_connections} connections already",
                                          hint="retry later; the operator can raise max_connections")
         elif (err2 := self._uid_connection_refusal(creds.uid)) is not None:
             reason, err = "uid_connections", err2
