@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
                 codec_diffs.extend(diffs[n_diffs:])  # not the exact paths' figure
                 del diffs[n_diffs:]
         with tierkv.open(home, layout, **store_opts) as store:
-            restore(store)  # a cold prefix's first restore reads it through (tierkv/read_through.py) ...
+            restore(store)  # a cold prefix's first restore reads it through (tierkv/core/read_through.py) ...
             restore(store)  # ... the second promotes it into the memory tiers
             tiers = store.lookup(prefix, scope).tiers
             add("restore_host_s", timed(lambda: restore(store)))

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from tierkv.policy import POLICIES
+from tierkv.core.policy import POLICIES
 from tierkv.traces import REFERENCES, Request, read_trace, simulate_policy
 from tierkv.workloads import trace_set
 

@@ -46,7 +46,7 @@ import torch
 import tierkv
 from tierkv import native
 from tierkv.daemon.gc_pauses import freeze_startup_heap
-from tierkv.policy import POLICIES
+from tierkv.core.policy import POLICIES
 from tierkv.traces import TRACE_BLOCK, Request, block_tokens, read_trace
 
 REPO = Path(__file__).resolve().parent.parent

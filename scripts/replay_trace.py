@@ -36,7 +36,7 @@ import torch
 import tierkv
 from tierkv.daemon.gc_pauses import GcPauses, freeze_startup_heap
 from tierkv.identity import Scope
-from tierkv.policy import POLICIES
+from tierkv.core.policy import POLICIES
 from tierkv.traces import (REFERENCES, TRACE_BLOCK, Request, SimResult, block_tokens, read_trace, simulate_policy,
                            simulate_tiers)
 from tierkv.workloads import trace_set

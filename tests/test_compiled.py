@@ -35,7 +35,7 @@ def test_wheels_compile_editable_installs_only_when_asked(argv, env, expected):
 
 
 def test_an_editable_install_that_skips_the_compile_keeps_an_earlier_build():
-    earlier = compiled.built({"tierkv.blocks": "00" * 32})
+    earlier = compiled.built({"tierkv.core.blocks": "00" * 32})
     skipped = compiled.plan(["editable_wheel"], {})
     assert compiled.keeps_earlier_build(earlier, skipped)
     assert not compiled.keeps_earlier_build(None, skipped)  # nothing built before: record the skip
@@ -89,12 +89,12 @@ def test_a_type_error_at_build_time_is_recorded_with_the_first_error(monkeypatch
     pytest.importorskip("mypyc")
 
     def refusing(paths, **kw):
-        print("tierkv/blocks.py:10: error: Incompatible types\ntierkv/holds.py:3: error: Name \"x\" is not defined")
+        print("tierkv/core/blocks.py:10: error: Incompatible types\ntierkv/core/holds.py:3: error: Name \"x\" is not defined")
         raise SystemExit(1)
 
     ran = _run_setup(monkeypatch, ["bdist_wheel"], {}, refusing)
     assert ran["handed"]["ext_modules"] == []
-    assert ran["NOT_BUILT"]["failed"] == "mypyc: tierkv/blocks.py:10: error: Incompatible types (and 1 more)"
+    assert ran["NOT_BUILT"]["failed"] == "mypyc: tierkv/core/blocks.py:10: error: Incompatible types (and 1 more)"
     captured = capsys.readouterr()
     assert "tierkv: WARNING: mypyc refused the metadata path" in captured.err
     assert "holds.py:3: error" in captured.out  # mypy's own report still printed
@@ -107,7 +107,7 @@ def test_the_compiled_list_lives_in_one_place():
         assert (ROOT / compiled.source(name)).is_file(), name
     for path in ("setup.py", "tierkv/native.py", "scripts/replay_ab.py"):
         text = (ROOT / path).read_text()
-        assert '"tierkv.blocks"' not in text and "'tierkv.blocks'" not in text, f"{path} repeats the list"
+        assert '"tierkv.core.blocks"' not in text and "'tierkv.core.blocks'" not in text, f"{path} repeats the list"
     # setup.py loads the file by path, before tierkv (and torch) can be imported.
     assert "import tierkv" not in (ROOT / "setup.py").read_text()
     assert not [line for line in (ROOT / "tierkv" / "compiled.py").read_text().splitlines()

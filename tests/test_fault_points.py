@@ -1,4 +1,4 @@
-"""Named fault points (tierkv/faults.py): no-ops until armed, armed only by name, and every
+"""Named fault points (tierkv/core/faults.py): no-ops until armed, armed only by name, and every
 name a test can arm is a call in the store (and the other way round)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv import faults
+from tierkv.core import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL = re.compile(r"""fault_point\(["']([^"']+)["']\)""")

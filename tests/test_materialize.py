@@ -119,7 +119,7 @@ def test_document_options_change_the_tokens(llama_lm, repo):
 
 
 def test_pin_covers_blocks_stored_by_an_earlier_unpinned_run(llama_lm, repo, store_factory):
-    from tierkv.store import Priority
+    from tierkv.core.store import Priority
 
     store = store_factory(llama_lm.layout)
     materialize(store, llama_lm, [repo], max_tokens=64)  # first 4 blocks, unpinned

@@ -18,8 +18,8 @@ import pytest
 from helpers.ci import skip_outside_ci
 
 import tierkv
-import tierkv.blocks
-import tierkv.ingest
+import tierkv.core.blocks
+import tierkv.core.ingest
 from tierkv import compiled, native
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def test_the_metadata_path_runs_compiled_where_there_is_a_compiler():
     state = native.status()
     if state["reason"] == compiled.EDITABLE_SKIPPED:  # a developer's install; CI builds with TIERKV_COMPILE=1
         skip_outside_ci(f"{state['reason']}: plain Python by choice")
-    assert native.running_compiled(tierkv.blocks) and native.running_compiled(tierkv.ingest), state["reason"]
+    assert native.running_compiled(tierkv.core.blocks) and native.running_compiled(tierkv.core.ingest), state["reason"]
     assert state["compiled"] == sorted(compiled.MODULES)  # the one list, all of it
     for name in compiled.MODULES:
         assert native.running_compiled(importlib.import_module(name)), name

@@ -14,13 +14,13 @@ from . import native
 
 native.install_guard()  # before any compiled module is imported: stale ones must not load
 
-from .blocks import Priority  # noqa: E402  (after the guard, as are the imports below)
+from .core.blocks import Priority  # noqa: E402  (after the guard, as are the imports below)
 from .config import StoreConfig  # noqa: E402
 from .errors import TierKVError  # noqa: E402
 from .identity import Scope, block_keys  # noqa: E402
 from .layout import PageLayout  # noqa: E402
 from .results import InvalidateResult, Lease, LookupResult, PutResult, VerifyResult  # noqa: E402
-from .store import Store  # noqa: E402
+from .core.store import Store  # noqa: E402
 
 if TYPE_CHECKING:
     from .daemon import Client

@@ -1,8 +1,8 @@
-"""The store contract: what :class:`~tierkv.store.Store` (embedded), the daemon client
+"""The store contract: what :class:`~tierkv.core.store.Store` (embedded), the daemon client
 (:class:`~tierkv.daemon.Client`, from :func:`tierkv.connect`) and
 :class:`~tierkv.cluster.node.ClusterNode` all offer, with the same results and errors.
 
-Callers (the CLI, :mod:`tierkv.transfer`, :mod:`tierkv.gc`, :mod:`tierkv.materialize`, the
+Callers (the CLI, :mod:`tierkv.transfer`, :mod:`tierkv.home.gc`, :mod:`tierkv.materialize`, the
 transformers and vLLM integrations) take a ``StoreAPI`` and never branch on which one they
 hold; ``tests/conformance/`` runs the same scenarios against all three.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
-from .blocks import Priority
+from .core.blocks import Priority
 
 if TYPE_CHECKING:
     import numpy as np
@@ -74,7 +74,7 @@ class StoreAPI(Protocol):
         prefix, promoted into the device tier. ``promote=False`` says the caller only copies
         the pages out and releases soon: a store may then serve a cold window from a buffer
         of the lease's own rather than the device tier (the embedded store does, once per
-        block: tierkv/read_through.py; a daemon's clients read its device tier, so a daemon
+        block: tierkv/core/read_through.py; a daemon's clients read its device tier, so a daemon
         always promotes).
 
         The caller must end the lease (``with`` or ``release`` in ``finally``); until then

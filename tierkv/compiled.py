@@ -22,10 +22,11 @@ from typing import Mapping, NamedTuple, Sequence
 # compiled modules is a C call). Each must pass ``mypy --strict``: the compiled code checks
 # argument and attribute types at run time where plain Python would not. A compiled class
 # cannot be patched at run time, nor its calls to its own methods hooked: tests make these
-# modules fail or crash at named fault points instead (tierkv/faults.py).
+# modules fail or crash at named fault points instead (tierkv/core/faults.py).
 MODULES: tuple[str, ...] = (
-    "tierkv.blocks", "tierkv.checksum", "tierkv.faults", "tierkv.holds", "tierkv.ingest", "tierkv.leasing",
-    "tierkv.matching", "tierkv.placement", "tierkv.policy", "tierkv.policy_mix", "tierkv.tiers.base",
+    "tierkv.checksum", "tierkv.core.blocks", "tierkv.core.faults", "tierkv.core.holds", "tierkv.core.ingest",
+    "tierkv.core.leasing", "tierkv.core.matching", "tierkv.core.placement", "tierkv.core.policy",
+    "tierkv.core.policy_mix", "tierkv.tiers.base",
 )
 MANIFEST = "_native.json"  # written by setup.py beside the package; read by tierkv/native.py
 

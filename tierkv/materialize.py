@@ -164,7 +164,7 @@ def materialize(
     already built by :func:`document_tokens` (the CLI builds it before opening the store,
     so a missing path or a document too long creates no home).
     """
-    from .store import Priority
+    from .core.store import Priority
 
     start = time.perf_counter()
     if prefix is None:

@@ -31,7 +31,7 @@ from .document import Document, DocumentOptions, build_document
 from .errors import ConfigError, NotFoundError
 from .materialize import PrefixTokens, check_length, check_prefix_model, materialize
 from .prefix_record import Changes, arrange, current_files, diff, source_entries, stored_tokens
-from .priority import Priority
+from .core.priority import Priority
 
 if TYPE_CHECKING:
     from .api import StoreAPI

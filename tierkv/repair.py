@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from .blocks import Priority
+from .core.blocks import Priority
 from .checksum import page_checksum
 from .config import StoreConfig
 from .codec import DEFAULT_CODEC
@@ -240,7 +240,7 @@ def rebuild_index(home: Path, *, map_size: int | None = None, progress: Progress
 
         # Build the new index beside the home (its parent has no segments/, so the pre-open
         # check sees a new index), then swap: the old one is moved aside, never deleted.
-        from .store import FORMAT_VERSION
+        from .core.store import FORMAT_VERSION
 
         staging = home / "index.rebuild"
         shutil.rmtree(staging, ignore_errors=True)

@@ -17,7 +17,7 @@ from .layout import PageLayout, kv_buffer, split_layers, unpack_into
 
 if TYPE_CHECKING:
     from .api import StoreAPI
-    from .blocks import Block
+    from .core.blocks import Block
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class TierStats:
 
 @dataclass(frozen=True)
 class CounterStats:
-    """Traffic since the store was opened (see :class:`tierkv.stats.Counters`). Per-tier
+    """Traffic since the store was opened (see :class:`tierkv.core.stats.Counters`). Per-tier
     maps are keyed by tier name ("device", "host", "disk"; a cluster node adds "remote")."""
 
     lookups: int = 0
@@ -141,7 +141,7 @@ class CounterStats:
     blocks_stored: int = 0
     lookups_per_s: float = 0.0
     mean_lookup_ms: float = 0.0
-    # Eviction policy (tierkv/policy.py), per tier: evictions by reason (priority class, or
+    # Eviction policy (tierkv/core/policy.py), per tier: evictions by reason (priority class, or
     # the policy segment of a normal block), hits in the ghost lists, new blocks the policy
     # put in its cold segment, and blocks a put could place in no tier at all.
     eviction_policy: str = ""
@@ -287,7 +287,7 @@ class Lease:
     until released. Use as a context manager, or call ``release()`` in ``finally``.
 
     A lease of ``acquire(..., promote=False)`` may instead hold its pages in a buffer of its
-    own (``pool`` is then that buffer, ``slots`` its rows; :mod:`tierkv.read_through`):
+    own (``pool`` is then that buffer, ``slots`` its rows; :mod:`tierkv.core.read_through`):
     the blocks are leased all the same, and the buffer goes back to the store on release."""
 
     store: "StoreAPI"  # the store (or client) that issued it: release() goes back there

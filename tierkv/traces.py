@@ -4,7 +4,7 @@ A trace is one JSON object a line with ``timestamp``, ``input_length``, ``output
 and ``hash_ids``: one id per 512-token block, equal ids meaning equal prefixes (so an id
 names a block *and* everything before it). Each request finds the longest cached prefix of
 its ids (its hits), then stores the rest. The simulators below replay that on a tree of
-ids with the store's rules (:mod:`tierkv.blocks`): leaf first (a block goes only after its
+ids with the store's rules (:mod:`tierkv.core.blocks`): leaf first (a block goes only after its
 extensions), the request's own chain is never a victim while it is stored, and blocks
 enter in chain order, each evicting as needed.
 
@@ -15,7 +15,7 @@ enter in chain order, each evicting as needed.
 - :func:`simulate_belady`: the offline optimum for this request model: the leaf whose next
   use is furthest goes (a parent is used whenever its child is, so the furthest next use
   always has a leaf; ties go to the deeper block);
-- :func:`simulate_policy`: any :mod:`tierkv.policy` policy, for fast experiments and as the
+- :func:`simulate_policy`: any :mod:`tierkv.core.policy` policy, for fast experiments and as the
   model the store's replay must agree with exactly. Each returns a :class:`SimResult`.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
-from .policy_mix import make_policy
+from .core.policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
+from .core.policy_mix import make_policy
 
 TRACE_BLOCK = 512  # tokens per hash id in Mooncake's traces
 _INF = 1 << 62
@@ -162,7 +162,7 @@ def _replay(trace: Sequence[Request], capacity: int, on_hit: Callable[[int, list
 
 
 def simulate_policy(trace: Sequence[Request], capacity: int, policy: str) -> SimResult:
-    """The store's rules with :mod:`tierkv.policy`'s ``policy`` ordering victims."""
+    """The store's rules with :mod:`tierkv.core.policy`'s ``policy`` ordering victims."""
     pol = make_policy(policy, capacity)
 
     def victim(ok: Callable[[int], bool]) -> int | None:
@@ -179,7 +179,7 @@ def simulate_policy(trace: Sequence[Request], capacity: int, policy: str) -> Sim
 
 
 def simulate_lru(trace: Sequence[Request], capacity: int) -> SimResult:
-    """tierkv's leaf-first LRU, with plain OrderedDicts (independent of tierkv.policy)."""
+    """tierkv's leaf-first LRU, with plain OrderedDicts (independent of tierkv.core.policy)."""
     order: OrderedDict[int, None] = OrderedDict()
 
     def touch(ks: list[int]) -> None:
@@ -329,7 +329,7 @@ class TieredResult:
 
 
 class _Tier:
-    """One simulated tier: residency, leaf-first victims, a :mod:`tierkv.policy` order."""
+    """One simulated tier: residency, leaf-first victims, a :mod:`tierkv.core.policy` order."""
 
     def __init__(self, parent: dict[int, int | None], capacity: int, policy: str) -> None:
         self.cache = _Cache(parent)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .blocks import Priority
+from .core.blocks import Priority
 from .bundle import BundleError, BundleHeader, BundleReader, Signer, VerifiedBundle, check_bundle, write_bundle
 from .errors import CapacityError, LayoutMismatchError, ModelVersionMismatchError, NotFoundError
 from .identity import Scope, block_keys

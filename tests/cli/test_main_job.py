@@ -129,7 +129,7 @@ def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
     from tierkv.hf import load_model, version_of
     from tierkv.document import DocumentOptions
     from tierkv.materialize import document_tokens
-    from tierkv.store import Priority
+    from tierkv.core.store import Priority
 
     home = tmp_path / "home"
     args = ("materialize", repo, "--model", llama_dir, "--home", home, "--name", "repo", "--no-progress")

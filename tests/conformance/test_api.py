@@ -302,7 +302,7 @@ def test_connect_is_typed():
     assert ret in (Client, "Client"), f"tierkv.connect() is annotated {ret!r}, not the client"
     # Declared, not only structurally alike (issubclass is refused for protocols with data members).
     from tierkv.cluster import ClusterNode
-    from tierkv.store import Store
+    from tierkv.core.store import Store
 
     for cls in (Store, Client, ClusterNode):
         assert StoreAPI in cls.__mro__, f"{cls.__name__} does not declare StoreAPI"

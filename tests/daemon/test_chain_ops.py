@@ -1,5 +1,5 @@
 """CHAIN_TOKENS, CHAIN_RESIDENCY and SET_PRIORITY_FROM: the client offers every store method
-the operations CLI, tierkv.transfer and tierkv.gc call, with the embedded store's results;
+the operations CLI, tierkv.transfer and tierkv.home.gc call, with the embedded store's results;
 ``ls pin unpin gc export import`` give the same JSON through ``--socket`` as with ``--home``."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tierkv import Priority, Scope, block_keys
 from tierkv.cli import main
 from tierkv.daemon.client import Client
 from tierkv.errors import NotFoundError
-from tierkv.store import Store
+from tierkv.core.store import Store
 
 from helpers.daemons import DaemonThread
 from daemon_helpers import LAYOUT, MiB, SCOPE, make_config, pages_for, prompt

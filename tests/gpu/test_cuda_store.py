@@ -195,7 +195,7 @@ def test_kv_is_copied_on_a_helper_thread_into_a_cache_made_in_inference_mode():
 def test_without_kvikio_cold_pages_reach_cuda_slots_through_a_bounded_staging(tmp_path, monkeypatch):
     """kvikio is an extra: without it, disk pages for CUDA slots are read in runs into the
     disk tier's staging buffer (STAGED_BYTES at a time), verified there and copied up."""
-    from tierkv import promotion
+    from tierkv.core import promotion
     from tierkv.tiers import disk as disk_module
 
     monkeypatch.setattr(disk_module, "probe_kvikio", lambda: (None, ""))

@@ -20,12 +20,12 @@ import torch
 pytest.importorskip("vllm")
 
 from tierkv.identity import Scope  # noqa: E402
-from tierkv.integrations import vllm_pages  # noqa: E402
-from tierkv.integrations.vllm_config import FP8_CACHE_DTYPES, ConnectorConfig, scope_of  # noqa: E402
-from tierkv.integrations.vllm_pages import KV_BY_CHANNELS, KV_BY_TOKENS, PagedKV, UnsupportedCacheError  # noqa: E402
-from tierkv.integrations.vllm_scheduler import LoadSpec, SchedulerSide, TierKVConnectorMetadata  # noqa: E402
-from tierkv.integrations.vllm_store import StoreHandle  # noqa: E402
-from tierkv.integrations.vllm_worker import WorkerSide  # noqa: E402
+from tierkv.integrations.vllm import pages as vllm_pages  # noqa: E402
+from tierkv.integrations.vllm.config import FP8_CACHE_DTYPES, ConnectorConfig, scope_of  # noqa: E402
+from tierkv.integrations.vllm.pages import KV_BY_CHANNELS, KV_BY_TOKENS, PagedKV, UnsupportedCacheError  # noqa: E402
+from tierkv.integrations.vllm.scheduler import LoadSpec, SchedulerSide, TierKVConnectorMetadata  # noqa: E402
+from tierkv.integrations.vllm.store import StoreHandle  # noqa: E402
+from tierkv.integrations.vllm.worker import WorkerSide  # noqa: E402
 from tierkv.layout import PageLayout  # noqa: E402
 from tierkv.results import LookupResult  # noqa: E402
 
@@ -151,7 +151,7 @@ def test_scatter_writes_only_the_given_blocks(split):
 def test_copy_in_from_scattered_and_consecutive_slots(split, ratio, scattered):
     # More runs than _MAX_RUN_COPIES take one indexed copy per layer and K/V, fewer one copy
     # per run: both put each pool page in its block and touch no other block.
-    from tierkv.integrations.vllm_pages import _MAX_RUN_COPIES
+    from tierkv.integrations.vllm.pages import _MAX_RUN_COPIES
 
     layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
     n_blocks, n = 40, _MAX_RUN_COPIES + 4
@@ -225,7 +225,7 @@ def test_fp8_caches_move_as_raw_bytes(fp8, split, ratio):
 
 
 def test_fp8_kv_format_names_the_bytes_and_their_scales():
-    from tierkv.integrations import vllm_config as vc
+    from tierkv.integrations.vllm import config as vc
 
     with mock.patch("vllm.v1.attention.backends.cpu_attn._get_attn_isa", return_value="vec"):
         auto = vc.kv_format(fake_vllm_config())
@@ -253,7 +253,7 @@ def test_fp8_kv_format_names_the_bytes_and_their_scales():
 
 @pytest.mark.parametrize("cache_dtype", ["nvfp4", "int8_per_token_head", "fp8_per_token_head", "fp8_inc", "fp8_ds_mla"])
 def test_other_quantised_caches_disable_the_connector_loudly(cache_dtype, caplog):
-    from tierkv.integrations.vllm import _identity
+    from tierkv.integrations.vllm.connector import _identity
 
     with caplog.at_level("WARNING", logger="tierkv.integrations.vllm"):
         assert _identity(fake_vllm_config(cache_dtype), ConnectorConfig(home="/x"), None) == (None, None)
@@ -261,7 +261,7 @@ def test_other_quantised_caches_disable_the_connector_loudly(cache_dtype, caplog
 
 
 def test_fp8_with_unquantised_layers_is_refused():
-    from tierkv.integrations.vllm_config import UnsupportedModelError, kv_format
+    from tierkv.integrations.vllm.config import UnsupportedModelError, kv_format
 
     with pytest.raises(UnsupportedModelError, match="kv_cache_dtype_skip_layers"):
         kv_format(fake_vllm_config("fp8", skip=["0"]))
@@ -275,7 +275,7 @@ def test_without_avx512_vllm_and_the_connector_refuse_fp8(cache_dtype):
     # raises this). The connector's identity asks the same function, so it says why too.
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from tierkv.integrations.vllm_config import UnsupportedModelError, kv_format
+    from tierkv.integrations.vllm.config import UnsupportedModelError, kv_format
 
     with pytest.raises(NotImplementedError, match="FP8 KV cache on CPU requires x86 with AVX-512 or AMX"):
         _get_attn_isa(torch.float32, B, 32, cache_dtype)
@@ -284,7 +284,7 @@ def test_without_avx512_vllm_and_the_connector_refuse_fp8(cache_dtype):
 
 
 def test_fp8_scales_other_than_one_disable_the_worker():
-    from tierkv.integrations import vllm_worker
+    from tierkv.integrations.vllm import worker as vllm_worker
 
     vllm_worker.check_unit_scales({"l.0.attn": (1.0, 1.0), "l.1.attn": (1.0, 1.0)})
     with pytest.raises(UnsupportedCacheError, match="k_scale=0.5"):
@@ -491,7 +491,7 @@ def test_the_queued_saves_are_checked_only_past_the_stored_prefix(monkeypatch):
     # A lookup that finds every full block leaves nothing for a queued save to add: the
     # prompt is not hashed again (a same-engine hit paid ~0.3 ms for it). One that finds
     # less still counts the queued blocks after it as stored.
-    import tierkv.integrations.vllm_scheduler as vs
+    import tierkv.integrations.vllm.scheduler as vs
 
     hashed = []
     real = vs.iter_block_keys
@@ -548,7 +548,7 @@ class BlockingPuts(FakeHandle):
 def test_saves_only_copy_and_a_full_queue_drops_instead_of_waiting():
     import time
 
-    from tierkv.integrations.vllm_scheduler import SaveSpec
+    from tierkv.integrations.vllm.scheduler import SaveSpec
 
     layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
     caches = {f"l.{i}.attn": torch.randn(8, 2, B, 64) for i in range(2)}
@@ -601,7 +601,7 @@ def test_a_dead_daemon_is_a_miss(tmp_path):
 
 
 def test_a_failing_daemon_is_left_alone_for_a_while(tmp_path):
-    from tierkv.integrations import vllm_store
+    from tierkv.integrations.vllm import store as vllm_store
 
     layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
     client = mock.Mock(layout=layout)
@@ -1107,7 +1107,7 @@ def test_second_turn_hits_the_first_turns_prompt_and_answer_after_a_restart(mode
 
 @pytest.mark.slow
 def test_ngram_speculative_decoding_saves_only_accepted_tokens(model_dir, tmp_path):
-    from tierkv.integrations.vllm_scheduler import SchedulerSide
+    from tierkv.integrations.vllm.scheduler import SchedulerSide
 
     home = tmp_path / "home"
     spec = dict(max_tokens=ANSWER_TOKENS, speculative_config=NGRAM)

@@ -144,7 +144,7 @@ def mode_torture(shm: str, home: str, seed: str, ops: str, small: str = "0", wb:
 # quarantine. A (module or class, name) is hooked where it is called (the name as its caller
 # looks it up), never process-wide: ``pwrite_all`` as the disk tier looks it up is its page
 # write. A plain name is a pair of fault points, "<name>:before" / "<name>:after"
-# (tierkv/faults.py), in the compiled modules, whose methods cannot be hooked.
+# (tierkv/core/faults.py), in the compiled modules, whose methods cannot be hooked.
 STEPS: dict[str, tuple[str, str] | str] = {
     "segment-create": ("tierkv.tiers.disk_files", "create_segment"),  # a new segment file, renamed, dir synced
     "segment-dir-sync": ("tierkv.tiers.segments", "fsync_dir"),  # segment renamed, directory not yet synced
@@ -158,7 +158,7 @@ STEPS: dict[str, tuple[str, str] | str] = {
     "index-delete": ("tierkv.index.Index", "delete_blocks"),  # after: deleted, slot not freed
     "slot-free": ("tierkv.tiers.disk.DiskTier", "free"),
     "record-wipe": ("tierkv.tiers.disk", "wipe_record"),
-    "invalidate": ("tierkv.operations.StoreOperations", "invalidate"),  # after: done, not acknowledged
+    "invalidate": ("tierkv.core.operations.StoreOperations", "invalidate"),  # after: done, not acknowledged
     "retire": "placement.retire",
     "quarantine": "placement.quarantine",
     "index-quarantine": ("tierkv.index.Index", "quarantine"),
@@ -187,7 +187,7 @@ def install_kill_point(point: str, n: int) -> None:
     step, when = point.split(":")
     target = STEPS[step]
     if isinstance(target, str):  # a fault point: count its hits
-        from tierkv import faults
+        from tierkv.core import faults
 
         hits = [0]
 

@@ -12,7 +12,7 @@ import torch
 import tierkv
 from tierkv import PageLayout, Scope
 from tierkv.identity import block_keys
-from tierkv.store import Store
+from tierkv.core.store import Store
 from tierkv.tiers import TierName
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
@@ -39,7 +39,7 @@ def toks(seed: int, n_blocks: int, extra: int = 0) -> list[int]:
 
 
 # A layout whose page is exactly 4 KiB (block size 4, as LAYOUT's): a put writes its pages to
-# disk straight from its device slots (tierkv/ingest.py), where LAYOUT's 1 KiB pages are
+# disk straight from its device slots (tierkv/core/ingest.py), where LAYOUT's 1 KiB pages are
 # copied into staging buffers first.
 LAYOUT_4K = PageLayout(num_layers=2, num_kv_heads=4, head_dim=16, block_size=4)
 assert LAYOUT_4K.page_bytes == LAYOUT_4K.slot_bytes == 4096
@@ -74,7 +74,7 @@ def tier_keys(store: Store) -> dict[str, set[bytes]]:
     out: dict[str, set[bytes]] = {t.value: set() for t in TierName}
     with store.placement.lock:
         for b in store.placement.table.blocks.values():
-            for t in b.loc:  # keyed by the tier's name (a plain str: see tierkv.blocks.Block)
+            for t in b.loc:  # keyed by the tier's name (a plain str: see tierkv.core.blocks.Block)
                 out[TierName(t).value].add(b.key)
     return out
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 import tierkv.identity
-import tierkv.matching
+import tierkv.core.matching
 from tierkv import Scope
 from tierkv.identity import ChainMemo, as_token_array, block_keys, same_bytes
 
@@ -58,7 +58,7 @@ def test_put_after_acquire_hashes_only_new_blocks_and_keys_are_exact(make_store,
     assert hits == 2
     store.put(second, second_pages[hits:], SCOPE, start_block=hits)
     # The lookup proved blocks 0-1 from the memo and hashed block 2, its first miss, which it
-    # does not remember (tierkv/placement.py, match): the put hashes its new blocks, no more.
+    # does not remember (tierkv/core/placement.py, match): the put hashes its new blocks, no more.
     assert hashed == want[2:]
     assert store.lookup(second, SCOPE).keys == tuple(want)
     # A put of other tokens after that lookup: nothing is reused, keys still exact.
@@ -100,7 +100,7 @@ def test_a_repeated_prompt_is_not_hashed_again_and_bad_stored_tokens_are_still_c
     t = toks(30, 3)
     store.put(t, pages_for(t, SCOPE), SCOPE)
     hashed = []
-    monkeypatch.setattr(tierkv.matching, "iter_block_keys", counting_keys(tierkv.matching.iter_block_keys, hashed))
+    monkeypatch.setattr(tierkv.core.matching, "iter_block_keys", counting_keys(tierkv.core.matching.iter_block_keys, hashed))
     assert store.lookup(t, SCOPE).keys == tuple(keys_of(t))
     assert hashed == []  # the put's keys proved the whole prompt
     longer = t + toks(31, 1)

@@ -332,7 +332,7 @@ def test_staged_promotion_goes_through_a_bounded_buffer(make_store, home, monkey
     """A promotion of stored pages is read through STAGED_BYTES of staging at a time, not a
     buffer the size of the prefix (1 GiB for an 8k-token prefix of an 8B model), and every
     page still arrives decoded and verified."""
-    from tierkv import promotion
+    from tierkv.core import promotion
 
     store = make_store(page_codec="int8")
     chain = toks(9, 3)

@@ -238,7 +238,7 @@ def test_failed_read_wakes_waiters(make_store):
 def test_waiting_for_a_stuck_read_is_bounded(make_store, monkeypatch):
     # Every wait has a bound: a second acquire of a block whose read (by another thread) is
     # stuck gives up after PROMOTION_WAIT_S with a shorter lease instead of hanging.
-    import tierkv.promotion as promotion
+    import tierkv.core.promotion as promotion
 
     monkeypatch.setattr(promotion, "PROMOTION_WAIT_S", 0.5)
     store = make_store()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tierkv import Priority
-from tierkv.blocks import Block, BlockTable
+from tierkv.core.blocks import Block, BlockTable
 from tierkv.errors import LeaseError
 from .kit import (SCOPE, assert_lease_exact, assert_prefix_order, keys_of, page_for, pages_for, put_chain,
                   tier_counts, tier_keys, toks)

@@ -1,4 +1,4 @@
-"""The eviction-listener seam (tierkv/eviction.py): told exactly when a block's last local
+"""The eviction-listener seam (tierkv/core/eviction.py): told exactly when a block's last local
 copy goes, with its page bytes and recorded checksum; filtered; never fails an eviction."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 from tierkv import Priority, Scope
 from tierkv.checksum import page_checksum
-from tierkv.eviction import EvictedBlock
+from tierkv.core.eviction import EvictedBlock
 
 from .kit import MV2, SCOPE, SLOT, keys_of, page_for, put_chain, toks
 

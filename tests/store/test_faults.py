@@ -10,7 +10,8 @@ from unittest import mock
 import pytest
 
 import tierkv
-from tierkv import PageLayout, faults
+from tierkv import PageLayout
+from tierkv.core import faults
 from tierkv.errors import (DiskWriteError, ForkedStoreError, IndexFullError, LayoutMismatchError, LeaseError,
                            NotFoundError, StoreLockedError)
 from tierkv.tiers import disk as disk_mod

@@ -1,4 +1,4 @@
-"""Eviction policies (tierkv/policy.py) and the trace references (tierkv/traces.py):
+"""Eviction policies (tierkv/core/policy.py) and the trace references (tierkv/traces.py):
 invariants every policy keeps in a real store, the references on hand-made traces with
 known answers, the adaptive policy beating LRU where it must, and the replay tool."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tierkv import Priority, StoreConfig
-from tierkv.policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy
-from tierkv.policy_mix import MixPolicy
+from tierkv.core.policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy
+from tierkv.core.policy_mix import MixPolicy
 from tierkv.traces import (Request, block_tokens, read_trace, simulate_belady, simulate_lru, simulate_lru2,
                            simulate_policy, simulate_tiers)
 from .kit import LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, random_tree_trace, tier_keys, toks

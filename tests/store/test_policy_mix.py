@@ -1,11 +1,11 @@
-"""tierkv/policy_mix.py: lru2's order and bounded history, mix's regret and leader, the
+"""tierkv/core/policy_mix.py: lru2's order and bounded history, mix's regret and leader, the
 invariants both keep, and where they must beat LRU (the store-level invariants, leaf first,
 leases and pins, run for every policy in tests/store/test_policy.py)."""
 from __future__ import annotations
 
 import random
 
-from tierkv.policy_mix import LRU2Policy, MixPolicy, make_policy
+from tierkv.core.policy_mix import LRU2Policy, MixPolicy, make_policy
 from tierkv.traces import Request, simulate_belady, simulate_lru, simulate_lru2, simulate_policy
 
 from .kit import random_tree_trace

@@ -1,4 +1,4 @@
-"""Read-through (tierkv/read_through.py): ``acquire(..., promote=False)`` of a window that is
+"""Read-through (tierkv/core/read_through.py): ``acquire(..., promote=False)`` of a window that is
 on disk only reads it into a buffer of the lease, never into the device tier, the first time;
 the second time it promotes. Every page is verified; a bad page is quarantined and ends the
 lease; the blocks stay leased (not evictable) until release; buffers are reused and bounded.
@@ -12,7 +12,7 @@ import torch
 
 from tierkv.errors import LeaseError
 from tierkv.layout import kv_buffer, kv_layers, split_layers, unpack_into, unpack_pages
-from tierkv.read_through import KEEP_BUFFERS, POOL, release_buffers
+from tierkv.core.read_through import KEEP_BUFFERS, POOL, release_buffers
 
 from .kit import (LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, pages_for, put_chain, slot_offset, tier_keys,
                   toks)

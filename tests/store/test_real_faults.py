@@ -30,7 +30,7 @@ def _open(home: Path, tmp_path: Path, **kw):
     return open_store(home, shm_dir=tmp_path / "shm", **kw)
 
 
-# Both write paths of a durable put (tierkv/ingest.py): 1 KiB pages copied into staging
+# Both write paths of a durable put (tierkv/core/ingest.py): 1 KiB pages copied into staging
 # buffers, and 4 KiB pages written from the device slots the put copied them into.
 WRITE_PATHS = pytest.mark.parametrize("layout", [LAYOUT, LAYOUT_4K], ids=["staged", "from-device-slots"])
 
@@ -118,7 +118,7 @@ def test_read_eio_is_a_miss_never_a_deletion(tmp_path, direct_reads):
 
 def test_read_through_eio_is_a_miss_never_a_deletion(tmp_path):
     """The same for a read into a lease's own buffer (acquire(promote=False), as a restore
-    reads a cold prefix: tierkv/read_through.py): a miss, nothing quarantined, every block
+    reads a cold prefix: tierkv/core/read_through.py): a miss, nothing quarantined, every block
     served byte-identical once the device answers."""
     home = tmp_path / "home"
     chains = [toks(1100 + i, 4) for i in range(4)]

@@ -501,7 +501,7 @@ def test_read_many_reads_runs_in_flight_and_fails_only_after_every_read_has_ende
 
 def test_a_put_copies_into_reserved_device_slots_beside_its_disk_write_and_frees_them_if_it_fails(make_store):
     """A write-through put whose device tier has room takes its device slots before the
-    disk write and fills them on a helper thread meanwhile (tierkv/ingest.py). The pages
+    disk write and fills them on a helper thread meanwhile (tierkv/core/ingest.py). The pages
     read back exactly; when the disk write fails, the put leaves no slot taken and no
     block behind, and the next put (the disk degraded) still stores in memory."""
     from unittest import mock

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from ..blocks import Priority
+from ..core.blocks import Priority
 from .common import emit, fmt_bytes, print_columns, print_table, warn
 from .targets import check_model_version, model_versions_of, short, target, target_options
 
@@ -94,7 +94,7 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
     --keep-model for the model you serve. Every named prefix kept is listed. With --socket
     the daemon runs it over every store it serves (every tenant's prefixes are kept; under
     namespace_per_uid only the daemon's user may run it)."""
-    from ..gc import collect
+    from ..home.gc import collect
 
     versions = [v for v in (check_model_version(v) for v in keep_versions) if v]
     with target(home, socket_path) as store:

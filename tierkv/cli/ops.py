@@ -3,7 +3,7 @@
 
 Each command opens its target with :func:`open_target` (the home directly, or a running
 daemon with ``--socket``), calls the library and prints a table, or one JSON object with
-``--json``. The logic lives in the library (tierkv.operations, tierkv.gc, tierkv.bundle).
+``--json``. The logic lives in the library (tierkv.core.operations, tierkv.home.gc, tierkv.bundle).
 
 The commands live in inspection.py (stats, ls, verify), mutation.py (invalidate, pin, unpin,
 gc) and bundles.py (export, import); targets.py holds what they share. This module collects

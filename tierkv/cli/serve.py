@@ -16,7 +16,7 @@ import click
 from ..codec import CODECS
 from ..daemon import CONFIG_ENV, DaemonConfig, flat_flags, read_config_file, resolve
 from ..errors import TierKVError
-from ..policy import POLICIES
+from ..core.policy import POLICIES
 
 log = logging.getLogger("tierkv.serve")
 

@@ -1,6 +1,6 @@
 """A store that also reads and writes the cluster-wide remote tier.
 
-:class:`ClusterNode` wraps an embedded :class:`~tierkv.store.Store` through its public API
+:class:`ClusterNode` wraps an embedded :class:`~tierkv.core.store.Store` through its public API
 (docs/cluster.md, "How ClusterNode sits on the store"). ``lookup`` counts the blocks beyond the
 local prefix that the remote tier holds (one batched existence check); ``acquire`` first
 *pulls* them: fetches, verifies against the request (key, model version, namespace,
@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 from ..api import StoreAPI
-from ..blocks import Priority
+from ..core.blocks import Priority
 from ..errors import TierKVError
 from ..identity import Scope, as_token_array
 from ..results import (
     ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
 )
-from ..store import Store
+from ..core.store import Store
 from .remote import RemoteMeta, RemotePutResult, RemoteTier
 from .publish_policy import Event, PublishPolicy
 from .publisher import Publisher

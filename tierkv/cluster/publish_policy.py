@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..blocks import Priority
+from ..core.blocks import Priority
 
 
 class Event(str, Enum):

@@ -18,12 +18,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..blocks import Priority
+from ..core.blocks import Priority
 from ..checksum import page_checksum
 from ..errors import TierKVError
-from ..eviction import EvictedBlock
+from ..core.eviction import EvictedBlock
 from ..identity import Scope, as_token_array
-from ..store import Store
+from ..core.store import Store
 from .publish_policy import Event, PublishPolicy
 from .remote import RemoteMeta, RemotePutResult, RemoteTier
 

@@ -28,8 +28,8 @@ The modules:
     routes.py        the dispatch table's entries: an opcode's message and handler, typed together
     server.py        the Daemon: lifecycle, signals; owns the parts below
     serving.py       accepting a connection, its read loop, running each request
-    handlers.py      what each request does; owns lease_handlers.py, operations.py
-    operations.py    the requests across layouts, run on the home as the peer's uid sees it
+    handlers.py      what each request does; owns lease_handlers.py, operation_handlers.py
+    operation_handlers.py  the requests across layouts, run on the home as the peer's uid sees it
     workers.py       the worker threads store calls run in; releases queued for them
     reload.py        SIGHUP: the settings in force, applied live or refused
     remote_keeper.py the remote tier (cluster) joined and kept connected

@@ -33,9 +33,9 @@ import torch
 
 from ..backoff import Backoff
 from ..api import StoreAPI
-from ..blocks import Priority
+from ..core.blocks import Priority
 from ..errors import CapacityError, ConfigError, LeaseError, NotPermittedError, ProtocolError
-from ..gc import GcResult
+from ..home.gc import GcResult
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import (
@@ -294,7 +294,7 @@ class Client(StoreAPI):
 
     def gc(self, keep_model_versions: Sequence[str] = (), keep_namespaces: Sequence[str] = (),
            dry_run: bool = False) -> GcResult:
-        """``tierkv.gc.collect`` run by the daemon over every store it serves (GC): every
+        """``tierkv.home.gc.collect`` run by the daemon over every store it serves (GC): every
         tenant's named prefixes are kept. NotPermittedError for a tenant under
         ``namespace_per_uid``."""
         f = self._transport.call_frame(Op.GC, m.Gc(tuple(keep_model_versions), tuple(keep_namespaces), dry_run))

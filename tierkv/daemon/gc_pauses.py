@@ -17,7 +17,7 @@ Two measures:
 - :class:`GcPauses` times every collection (``gc.callbacks``) and reports counts and the
   longest pause per generation in the daemon's ``stats``, so an operator can see them.
 
-Stored blocks are one tracked object each (tierkv.blocks.Block says how), so a full
+Stored blocks are one tracked object each (tierkv.core.blocks.Block says how), so a full
 collection over a large table costs a third of what it did.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ and invalidate, verify and stats cover all stores (stats adds a per-layout break
 :class:`Handlers` owns what the handlers share (the lease table, the quota rules, the
 tenancy, the worker threads: workers.py) and two parts it hands them to: the lease handlers
 (acquire, release, renew: lease_handlers.py) and the operations across layouts
-(operations.py); HELLO, lookup, staging, commit, prefetch and priorities are its own. Its
+(operation_handlers.py); HELLO, lookup, staging, commit, prefetch and priorities are its own. Its
 dispatch table maps each opcode to a :class:`~tierkv.daemon.routes.Route`: the message class
 and the bound handler of whichever owns it, typed together.
 """
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, AsyncContextManager, AsyncIterator, Calla
 
 import torch
 
-from ..blocks import Priority
+from ..core.blocks import Priority
 from ..errors import CapacityError, ConfigError, ProtocolError, QuotaExceededError, StagingExpiredError
 from ..home.directory import layout_id
 from ..home.tenancy import Tenancy
@@ -38,7 +38,7 @@ from .layouts import LayoutEntry, Layouts
 from .lease_handlers import LeaseHandlers
 from .leases import LeaseTable, StagingSlots
 from .messages import Answer
-from .operations import OperationHandlers
+from .operation_handlers import OperationHandlers
 from .protocol import VERSION, Op
 from .quotas import PinnedCounts, QuotaRules
 from .routes import Route
@@ -46,7 +46,7 @@ from .tenant_regions import TenantRegions
 from .workers import Workers
 
 if TYPE_CHECKING:
-    from ..store import Store
+    from ..core.store import Store
     from ..tiers.memory import MemoryTier
     from .config import DaemonConfig
     from .connection import Connection

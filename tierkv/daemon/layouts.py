@@ -25,7 +25,7 @@ slot positions as well as counts. So memory above a limit is never touched, the
 background populator stops at the limit, and lowering a limit evicts down to it (the policy's
 victims), moves the memory-tier blocks still placed above it to free slots below, evicts
 what cannot move, and gives the pages above back (MADV_REMOVE) as they go
-(tierkv/tier_limits.py); on disk, segments above the limit are emptied and deleted and no
+(tierkv/core/tier_limits.py); on disk, segments above the limit are emptied and deleted and no
 new one is made while as many files exist. The sum of the limits
 never exceeds a budget, so the memory and files actually in use never do either, except
 for what a lowering could not evict yet: a leased, in-flight or pinned block (and its prefix)
@@ -61,7 +61,7 @@ from ..errors import CapacityError, ConfigError, LayoutInUseError, NotFoundError
 from ..home.lock import HomeLock, LentLock
 from ..home.directory import CREATOR, LAYOUTS_DIR, find_layouts, layout_id, read_creator, remove_store_files
 from ..layout import PageLayout
-from ..store import Store
+from ..core.store import Store
 from ..tiers.shm import SharedRegion
 from . import regions
 from .leases import StagingSlots

@@ -260,7 +260,7 @@ class Invalidate:
 
 @dataclass(frozen=True)
 class Gc:
-    """GC: tierkv.gc's rule, run by the daemon over every store it serves."""
+    """GC: tierkv.home.gc's rule, run by the daemon over every store it serves."""
 
     keep_model_versions: tuple[str, ...] = ()
     keep_namespaces: tuple[str, ...] = ()

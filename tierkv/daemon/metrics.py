@@ -112,7 +112,7 @@ class StoreCollector(Collector):
 
 
 def policy_metrics(s: Any) -> Iterator[Any]:
-    """The eviction policy's figures (tierkv/policy.py): evictions by tier and reason, ghost
+    """The eviction policy's figures (tierkv/core/policy.py): evictions by tier and reason, ghost
     hits, new blocks put in the cold segment, blocks no tier could take; lookup and
     acquire hit rates by tier."""
     ev = CounterMetricFamily("tierkv_evictions_by_reason", "Blocks evicted, by tier and reason "

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..store import Store
+from ..core.store import Store
 from .config import BIND_ENV, DaemonConfig
 
 if TYPE_CHECKING:

@@ -50,7 +50,7 @@ from ..devices import resolve_device
 from ..errors import ConfigError, TierKVError
 from ..home.lock import LentLock
 from ..layout import PageLayout
-from ..store import Store
+from ..core.store import Store
 from ..tiers.shm import default_shm_dir
 from . import security
 from .config import DaemonConfig
@@ -61,7 +61,7 @@ from .gc_pauses import GcPauses, freeze_startup_heap
 from .handlers import Handlers
 from .layouts import Layouts, ServedStore
 from .metrics import DaemonMetrics
-from .operations import merged_stats
+from .operation_handlers import merged_stats
 from .reload import Reload
 from .remote_keeper import RemoteKeeper
 from .serving import OP_NAMES, Serving

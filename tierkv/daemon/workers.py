@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, ParamSpec, Protocol, TypeVar
 
 from ..results import Lease
-from ..store import Store
+from ..core.store import Store
 
 log = logging.getLogger("tierkv.daemon.handlers")  # the request handlers' log
 RELEASE_DRAIN_S = 0.002  # queued releases wait at most this for a store call to end them

@@ -30,7 +30,7 @@ from ..layout import PageLayout, kv_layers, pack_pages
 from ..lease_windows import LeaseWindows
 from .config import layout_from_model
 
-from ..blocks import Priority
+from ..core.blocks import Priority
 
 if TYPE_CHECKING:
     from ..api import StoreAPI
@@ -39,7 +39,7 @@ DEFAULT_CHUNK_TOKENS = 2048
 # Blocks leased per restore window (at most RESTORE_WINDOW_BYTES of pages), and windows
 # leased ahead of the copy: a window large enough that its reads are a few large requests,
 # small enough that the copy left after the last read is short and that the read-through
-# buffers of a cold restore (tierkv/read_through.py: one per window in flight, faulted in
+# buffers of a cold restore (tierkv/core/read_through.py: one per window in flight, faulted in
 # by their first reads) stay small (scripts/bench_ttft.py; docs/performance.md).
 RESTORE_WINDOW_BLOCKS = 32
 RESTORE_WINDOW_BYTES = 24 << 20
@@ -139,7 +139,7 @@ def restore_cache(store: "StoreAPI", tokens: Sequence[int], scope: Scope, blocks
     disk reads run back to back while this thread copies the windows already read into the
     cache's buffer, so only the last window's copy follows the last read. The windows are
     leased with ``promote=False``: a prefix read from disk for the first time is read into
-    the leases' own buffers, not the device tier (tierkv/read_through.py; the next restore
+    the leases' own buffers, not the device tier (tierkv/core/read_through.py; the next restore
     promotes it). Every copied page was verified by its lease; the restore ends at the
     first block that cannot be leased (evicted, corrupt, the device tier full)."""
     if blocks == 0:

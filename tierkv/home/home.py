@@ -1,7 +1,7 @@
 """Every store of a home as one :class:`~tierkv.api.StoreAPI`: what the ``--home``
 commands open, so that they reach every page layout of a home a daemon made
 (``HOME/layouts/<id>/``), and what the daemon's cross-layout operations run on (a view over
-the stores it serves, the connection's own first: tierkv/daemon/operations.py), so that
+the stores it serves, the connection's own first: tierkv/daemon/operation_handlers.py), so that
 ``--home`` and ``--socket`` answer by the same rules.
 
 Chains and manifests are found in whichever store holds them (a manifest naming its
@@ -9,7 +9,7 @@ Chains and manifests are found in whichever store holds them (a manifest naming 
 ``check_integrity`` and ``stats`` cover every store, and ``stats`` has the daemon's shape
 (sums, with ``layouts``: each store's own figures). Like a daemon client that declared no
 layout, it stores and reads pages only when the home holds one layout. ``tierkv gc`` runs
-its rule (tierkv/gc.py) on a Home whether through ``--home`` or the daemon's GC, so both see
+its rule (tierkv/home/gc.py) on a Home whether through ``--home`` or the daemon's GC, so both see
 every tenant's blocks and manifests (issue #34, item 5).
 
 Rejected: a command looping over the stores itself (each command would re-implement the
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..api import StoreAPI
-from ..blocks import Priority
+from ..core.blocks import Priority
 from ..errors import ConfigError, NotFoundError
 from ..identity import Scope
 from ..layout import PageLayout
@@ -34,7 +34,7 @@ from ..results import (
     ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, RemoveLayoutResult, Residency, StoreStats, VerifyResult,
     namespace_page,
 )
-from ..store import Store
+from ..core.store import Store
 from .directory import LAYOUTS_DIR, find_layouts, layout_id, remove_store_files
 from .lock import HomeLock
 from .stats import merge_stats

@@ -21,7 +21,7 @@ def merge_stats(per_layout: dict[str, dict[str, Any]], home: str) -> dict[str, A
     """The stats of several layouts' stores (each StoreStats' JSON shape) as one: blocks,
     bytes and counters summed, rates recomputed from the sums, ``layout`` the only layout's
     or None, and ``layouts`` with each store's own figures (layout id -> its stats)."""
-    from ..stats import Counters, acquire_rates
+    from ..core.stats import Counters, acquire_rates
 
     stores = list(per_layout.values())
     out: dict[str, Any] = _sum(stores) if stores else {

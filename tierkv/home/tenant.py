@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..api import StoreAPI
 from ..errors import NotFoundError
 from ..identity import Scope
-from ..priority import Priority
+from ..core.priority import Priority
 from ..results import ChainTokens, InvalidateResult, Residency, StoreStats, VerifyResult, namespace_page
 from .tenancy import Tenancy
 

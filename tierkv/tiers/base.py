@@ -18,7 +18,7 @@ class TierName(str, Enum):
     DISK = "disk"
 
 
-# A tier's name as a plain str: the key of tierkv.blocks.Block.loc. A TierName member finds
+# A tier's name as a plain str: the key of tierkv.core.blocks.Block.loc. A TierName member finds
 # the same dict entry, but through the slower path of a str subclass (~30 ns a lookup), and
 # ``.value`` is a descriptor call: the hot paths look the key up here once.
 TIER_KEY: dict[TierName, str] = {t: t.value for t in TierName}

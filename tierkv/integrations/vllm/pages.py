@@ -22,7 +22,7 @@ fp8 caches (``kv_cache_dtype`` fp8/fp8_e4m3/fp8_e5m2, allocated by vLLM as uint8
 as bytes: pages hold the codes the engine's kernels wrote, bit for bit. Whether those
 kernels lay fp8 K out as the ``tokens`` split says matters only for reading pages written
 elsewhere; a page vLLM saved and loads back is the same tile bytes either way, and fp8
-model versions name the CPU kernel ISA (vllm_config.kv_format), so only engines with the
+model versions name the CPU kernel ISA (config.kv_format), so only engines with the
 same kernels share them.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..layout import PageLayout
+from ...layout import PageLayout
 
 KV_BY_TOKENS = "tokens"
 KV_BY_CHANNELS = "channels"

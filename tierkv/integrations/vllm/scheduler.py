@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ..identity import Scope, as_token_array, block_keys, iter_block_keys
-from ..layout import PageLayout
-from .vllm_config import cacheable, scope_of
-from .vllm_stats import Counters
-from .vllm_store import StoreHandle
+from ...identity import Scope, as_token_array, block_keys, iter_block_keys
+from ...layout import PageLayout
+from .config import cacheable, scope_of
+from .stats import Counters
+from .store import StoreHandle
 
 log = logging.getLogger(__name__)
 RECENT_SAVES = 1 << 16  # block keys of planned saves remembered (32 bytes each)

@@ -1,6 +1,6 @@
 """Ingest: ``put``, the write path of the store, and its undo.
 
-:class:`Ingest` is given the store's :class:`~tierkv.placement.Placement` (its lock, table,
+:class:`Ingest` is given the store's :class:`~tierkv.core.placement.Placement` (its lock, table,
 tiers and index, and the allocation and write-back it does). The order that makes a put
 crash-safe: claim the keys and disk slots under the lock; outside it, write the pages and
 fsync them, then commit the index; only then enter the blocks in the table and return.
@@ -17,16 +17,16 @@ import numpy as np
 import torch
 
 from .blocks import Block
-from .checksum import page_rows, row_checksums
-from .errors import PageFormatError
-from .identity import Scope, as_token_array, same_bytes
-from .index import BlockRecord
+from ..checksum import page_rows, row_checksums
+from ..errors import PageFormatError
+from ..identity import Scope, as_token_array, same_bytes
+from ..index import BlockRecord
 from .placement import Placement
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
 from .priority import EPHEMERAL, PINNED, Priority
-from .results import PutResult
-from .tiers import TierName
-from .tiers.base import TIER_KEY
+from ..results import PutResult
+from ..tiers import TierName
+from ..tiers.base import TIER_KEY
 
 log = logging.getLogger(__name__)
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
@@ -96,7 +96,7 @@ class Ingest:
             )
         bs = self.layout.block_size
         step = 4 * bs
-        # A byte view of the tokens, not a copy (tierkv/placement.py, match): each new block
+        # A byte view of the tokens, not a copy (tierkv/core/placement.py, match): each new block
         # copies its own ids out of it.
         raw = arr.data.cast("B")
         # Keys this store computed before from these very token bytes (the lookup before
@@ -112,7 +112,7 @@ class Ingest:
         copying: Future[None] | None = None
         with self._lock:
             get = self.table.blocks.get  # = table.get, bound once: called for every block
-            # The eviction policy's insertion class (tierkv/policy.py): did the request find
+            # The eviction policy's insertion class (tierkv/core/policy.py): did the request find
             # a cached prefix, and which block is the put's last.
             cont = HINT_CONTINUATION if start_block > 0 or (keys and keys[0] in self.table.blocks) else HINT_FRESH
             writing, mv, ns = self._writing, scope.model_version, scope.namespace  # bound once: read per block

@@ -13,7 +13,7 @@ from the leased pool slots straight into vLLM's blocks.
 
 Saves run in ``wait_for_save`` after the forward, but only the copy out of vLLM's blocks
 happens there (so vLLM may free or reuse the blocks as soon as the call returns); the
-durable put runs on the :class:`~.vllm_saver.SaveQueue` writer thread, and a save that does
+durable put runs on the :class:`~.saver.SaveQueue` writer thread, and a save that does
 not fit in the bounded queue is dropped and counted instead of stalling the engine.
 """
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..layout import PageLayout
-from .vllm_pages import PagedKV, UnsupportedCacheError, backend_kv_split, layer_kv_scales
-from .vllm_saver import PendingSave, SaveQueue
-from .vllm_scheduler import LoadSpec, SaveSpec, TierKVConnectorMetadata
-from .vllm_stats import Counters
-from .vllm_store import StoreHandle
+from ...layout import PageLayout
+from .pages import PagedKV, UnsupportedCacheError, backend_kv_split, layer_kv_scales
+from .saver import PendingSave, SaveQueue
+from .scheduler import LoadSpec, SaveSpec, TierKVConnectorMetadata
+from .stats import Counters
+from .store import StoreHandle
 
 log = logging.getLogger(__name__)
 DEFAULT_SAVE_QUEUE_BYTES = 256 << 20  # pages copied out of vLLM and not yet written

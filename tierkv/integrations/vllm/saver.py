@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..identity import Scope
+from ...identity import Scope
 
 log = logging.getLogger(__name__)
 

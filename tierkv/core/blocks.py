@@ -3,7 +3,7 @@
 :class:`BlockTable` is the one owner of a block's locations: only :meth:`place` and
 :meth:`unplace` change them (and keep the per-tier LRU lists in step). Leases and in-flight
 I/O are counted on the block and changed only through the paired methods of the table's
-``holds`` part, which check each transition (tierkv/holds.py: ``lease``/``unlease``,
+``holds`` part, which check each transition (tierkv/core/holds.py: ``lease``/``unlease``,
 ``busy``/``unbusy``, and ``held`` for a scope); :meth:`victim` never returns a block that is leased, busy,
 pinned, or that still has a child block in the same tier (leaf first: a block without its
 prefix is useless, so prefixes outlive their extensions).
@@ -16,16 +16,16 @@ from .holds import Holds
 from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy
 from .policy_mix import make_policy
 from .priority import NORMAL, PINNED, Priority
-from .tiers.base import TIER_KEY, TierName
+from ..tiers.base import TIER_KEY, TierName
 
 if TYPE_CHECKING:
-    from .tiers.base import SlotAllocator
+    from ..tiers.base import SlotAllocator
 
 TIERS = (TierName.DEVICE, TierName.HOST, TierName.DISK)
 _TIER_NAMES = tuple(TIER_KEY[t] for t in TIERS)  # fastest first: the keys of Block.loc
 PRIORITIES = tuple(Priority)  # iterating the enum itself costs more than a victim choice
 _PRIORITY_NAME = {p: p.name.lower() for p in Priority}
-_PINNED: Final = PINNED  # bound here once (tierkv/priority.py says why)
+_PINNED: Final = PINNED  # bound here once (tierkv/core/priority.py says why)
 _NORMAL: Final = NORMAL
 _DISK: Final = TierName.DISK
 
@@ -100,10 +100,10 @@ class Block:
 
 class BlockTable:
     """Blocks, their locations and victim choice; leases and busy counts through
-    ``self.holds`` (:class:`tierkv.holds.Holds`, a part this table owns)."""
+    ``self.holds`` (:class:`tierkv.core.holds.Holds`, a part this table owns)."""
 
     def __init__(self, policy: str = DEFAULT_POLICY, capacities: dict[TierName, int] | None = None) -> None:
-        """``policy`` names the eviction order of every tier (see :mod:`tierkv.policy`);
+        """``policy`` names the eviction order of every tier (see :mod:`tierkv.core.policy`);
         ``capacities`` (slots per tier) bound the policies' ghost lists."""
         self.blocks: dict[bytes, Block] = {}
         # The paired lease and busy methods (the counts themselves are on each block).

@@ -16,13 +16,13 @@ import json
 from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable
 
 from ..api import StoreAPI
-from ..blocks import Priority
+from ..core.blocks import Priority
 from ..errors import LayoutInUseError, NotFoundError, ProtocolError
 from ..home.home import Home
 from ..home.tenancy import Tenancy
 from ..home.tenant import TenantView
 from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult
-from ..store import Store
+from ..core.store import Store
 from . import messages as m
 from .layouts import LayoutEntry, Layouts
 from .leases import LeaseTable
@@ -127,14 +127,14 @@ class OperationHandlers:
         return {"removed_blocks": r.removed_blocks, "freed_bytes": r.freed_bytes, "dry_run": msg.dry_run}, b""
 
     async def gc(self, conn: "Connection", msg: m.Gc) -> Answer:
-        """``tierkv gc --socket``: tierkv.gc's rule run here, over every store this daemon
+        """``tierkv gc --socket``: tierkv.home.gc's rule run here, over every store this daemon
         serves as one (Home, as ``gc --home`` sees the home), so that it sees every
         tenant's manifests and namespaces. Through a connection's tenant view it found no
         model version (hidden from tenants) and removed nothing without a word (issue #34,
         item 5). Removing other tenants' blocks is the daemon's uid's (NotPermittedError
         for a tenant under namespace_per_uid). The result (which can list many prefixes)
         travels as JSON in the payload, as stats does."""
-        from ..gc import collect
+        from ..home.gc import collect
 
         self.tenancy.check_whole_store(conn.creds.uid, "gc")
         r = await self.run(collect, self.home_view(conn), msg.keep_model_versions, msg.keep_namespaces, msg.dry_run)

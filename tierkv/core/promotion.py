@@ -1,6 +1,6 @@
 """Promotion: copying leased blocks' pages up into the device tier, and settling each one.
 
-:class:`Promotion` is given the store's :class:`~tierkv.placement.Placement`. ``acquire``
+:class:`Promotion` is given the store's :class:`~tierkv.core.placement.Placement`. ``acquire``
 plans under the store lock one :class:`PlannedRead` per block to bring up
 (:meth:`Promotion.plan_read`): the block is leased and busy (nothing moves or frees it), a
 device slot is reserved, and an event (:meth:`Promotion.read_of`) lets another acquire of the
@@ -33,9 +33,9 @@ from typing import Any, Callable
 import torch
 
 from .blocks import Block
-from .checksum import page_checksum
+from ..checksum import page_checksum
 from .placement import Placement
-from .tiers import TierName
+from ..tiers import TierName
 
 log = logging.getLogger(__name__)
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
@@ -182,7 +182,7 @@ class Promotion:
             r.outcome, r.detail, r.error = ReadOutcome.IO_ERROR, str(e), e
 
     def read_into_buffer(self, plan: list[PlannedRead], targets: list[memoryview], pages: torch.Tensor) -> int | None:
-        """Read-through (tierkv/read_through.py): the planned disk pages into ``targets``
+        """Read-through (tierkv/core/read_through.py): the planned disk pages into ``targets``
         (whole slots of a buffer; ``pages[r.slot]`` is the page part of ``targets[r.slot]``),
         each verified there. Nothing is placed: each failure is noted as a promotion's is
         (a bad page quarantined, an I/O error a miss). Returns the chain position of the

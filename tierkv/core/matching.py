@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence, cast
 
 from .blocks import Block
-from .identity import iter_block_keys, same_bytes
+from ..identity import iter_block_keys, same_bytes
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from .identity import Scope
+    from ..identity import Scope
     from .placement import Placement
 
 

@@ -1,8 +1,8 @@
 """Store operations: pinning, named manifests, invalidation, scrubbing and statistics.
 
-:class:`StoreOperations` is given the store's :class:`~tierkv.placement.Placement`: it reads
+:class:`StoreOperations` is given the store's :class:`~tierkv.core.placement.Placement`: it reads
 the block table, tiers and index under the placement's lock, and changes blocks only through
-the placement (``retire``, ``quarantine``, ``flush_to_disk``). :class:`~tierkv.store.Store`
+the placement (``retire``, ``quarantine``, ``flush_to_disk``). :class:`~tierkv.core.store.Store`
 checks that it is usable (open, same process) before it calls any of these.
 """
 from __future__ import annotations
@@ -13,19 +13,18 @@ import numpy as np
 import torch
 
 from .blocks import TIERS, Block, Priority
-from .checksum import page_checksum
-from .errors import NotFoundError
-from .manifest_names import check_name
-from .identity import as_token_array
+from ..checksum import page_checksum
+from ..errors import NotFoundError
+from ..manifest_names import check_name
+from ..identity import as_token_array
 from .matching import match_chain
 from .placement import Placement
-from .results import (
-    ChainTokens, CounterStats, InvalidateResult, Residency, StoreStats, TierStats, VerifyResult, namespace_page,
-)
-from .tiers import TierName
+from ..results import (ChainTokens, CounterStats, InvalidateResult, Residency, StoreStats, TierStats, VerifyResult,
+                       namespace_page)
+from ..tiers import TierName
 
 if TYPE_CHECKING:
-    from .identity import Scope
+    from ..identity import Scope
 
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 

@@ -1,7 +1,7 @@
 """Placement: which tier a block's pages live in, and the only code that moves them.
 
 :class:`Placement` owns the block table, the three tiers, the index, the store lock and the
-eviction listeners; :class:`tierkv.store.Store` builds it, and the parts that read and write
+eviction listeners; :class:`tierkv.core.store.Store` builds it, and the parts that read and write
 pages (ingest, promotion, the store operations) are given it. Every method here runs with
 ``lock`` held and changes locations only through ``BlockTable.place`` / ``unplace`` paired
 with the tiers' ``alloc`` / ``free``. Making room evicts the policy's victims (leaf first,
@@ -14,7 +14,7 @@ A block that is being moved is marked ``busy`` for the duration, so that the nes
 evictions a move can trigger (device -> host -> disk) never pick the same block.
 
 Each step that moves a block (evict, demote, write-back, retire, quarantine) has named fault
-points at its start and its return (tierkv/faults.py), where the crash tests kill the process.
+points at its start and its return (tierkv/core/faults.py), where the crash tests kill the process.
 """
 from __future__ import annotations
 
@@ -24,23 +24,23 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from .blocks import Block, BlockTable
-from .errors import DiskWriteError, IndexWriteError
+from ..errors import DiskWriteError, IndexWriteError
 from .eviction import EvictionListeners
 from .faults import fault_point
-from .identity import ChainMemo
-from .index import BlockRecord
+from ..identity import ChainMemo
+from ..index import BlockRecord
 from .priority import EPHEMERAL
 from .stats import Counters
-from .tiers.base import TIER_KEY, TierName
+from ..tiers.base import TIER_KEY, TierName
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     import torch
 
-    from .config import StoreConfig
-    from .index import Index
-    from .tiers import DiskTier, MemoryTier
+    from ..config import StoreConfig
+    from ..index import Index
+    from ..tiers import DiskTier, MemoryTier
 
 log = logging.getLogger(__name__)
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
@@ -54,7 +54,7 @@ class Placement:
         self.config = config
         self.layout = config.layout
         self.index, self.device, self.host, self.disk = index, device, host, disk
-        self.lock = threading.RLock()  # the table and the slot allocators (tierkv.store: what runs outside it)
+        self.lock = threading.RLock()  # the table and the slot allocators (tierkv.core.store: what runs outside it)
         self.table = BlockTable(config.eviction_policy, {
             DEVICE: device.slots.capacity, HOST: host.slots.capacity, DISK: disk.capacity_slots,
         })

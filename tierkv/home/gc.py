@@ -34,11 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .errors import NotFoundError
-from .results import stats_all_namespaces
+from ..errors import NotFoundError
+from ..results import stats_all_namespaces
 
 if TYPE_CHECKING:
-    from .api import StoreAPI
+    from ..api import StoreAPI
 
 
 @dataclass(frozen=True)

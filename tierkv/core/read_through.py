@@ -18,7 +18,7 @@ time is promoted as usual: a prefix used again is worth its place in memory (the
 Ownership: the blocks of the window are leased under the store lock before any read, so
 nothing evicts or frees their disk slots meanwhile (as for a promotion); a block that fails
 its read ends the lease there (quarantined when its page is proven bad, a miss otherwise,
-:class:`~tierkv.promotion.Promotion` classifies and settles it). The buffer belongs to the
+:class:`~tierkv.core.promotion.Promotion` classifies and settles it). The buffer belongs to the
 lease until its release, then returns to the process's :class:`BufferPool`, which keeps at
 most ``KEEP_BUFFERS`` for every store of the process: a store opened after another one
 closed reads into memory already faulted in, as a plain file's reader reuses its heap
@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 from .blocks import Block
 from .placement import Placement
 from .promotion import PlannedRead, Promotion
-from .results import Lease
-from .tiers import TierName
-from .tiers.base import TIER_KEY
-from .tiers.diskio import BounceBuffer
+from ..results import Lease
+from ..tiers import TierName
+from ..tiers.base import TIER_KEY
+from ..tiers.diskio import BounceBuffer
 
 if TYPE_CHECKING:
     from .store import Store

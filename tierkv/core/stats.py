@@ -28,7 +28,7 @@ class Counters:
     acquire_hits: dict[str, int] = field(default_factory=_per_tier)  # blocks leased, by the tier found in
     evictions: dict[str, int] = field(default_factory=_per_tier)
     promoted_bytes: int = 0
-    read_through_bytes: int = 0  # pages read from disk into a lease's own buffer (tierkv/read_through.py)
+    read_through_bytes: int = 0  # pages read from disk into a lease's own buffer (tierkv/core/read_through.py)
     demoted_bytes: int = 0
     quarantined: int = 0
     quarantine_failed: int = 0  # bad pages the index could not record (they stay, never served)

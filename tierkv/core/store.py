@@ -23,29 +23,28 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .api import StoreAPI
+from ..api import StoreAPI
 from .blocks import Block, Priority
-from .codec import open_home_codec
-from .config import StoreConfig
-from .errors import ForkedStoreError, LayoutMismatchError, NotFoundError, TierKVError
+from ..codec import open_home_codec
+from ..config import StoreConfig
+from ..errors import ForkedStoreError, LayoutMismatchError, NotFoundError, TierKVError
 from .eviction import EvictedBlock
-from .home.lock import HomeLock, LentLock
-from .identity import Scope, as_token_array
-from .index import NO_DISK, Index
-from .layout import PageLayout
+from ..home.lock import HomeLock, LentLock
+from ..identity import Scope, as_token_array
+from ..index import NO_DISK, Index
+from ..layout import PageLayout
 from .matching import match_chain
 from .ingest import Ingest
 from .operations import StoreOperations
 from .placement import Placement
-from .process import current_pid
+from ..process import current_pid
 from .leasing import Leasing
 from .promotion import Promotion
 from .read_through import ReadThrough
-from .results import (
-    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
-)
-from .tiers import DiskTier, MemoryTier, TierName
-from .tiers.shm import default_shm_dir, reap_stale_regions
+from ..results import (ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats,
+                       VerifyResult)
+from ..tiers import DiskTier, MemoryTier, TierName
+from ..tiers.shm import default_shm_dir, reap_stale_regions
 
 _PRIORITIES = {int(p): p for p in Priority}  # an index record's priority (read once per block at open)
 
@@ -59,15 +58,15 @@ class Store(StoreAPI):
 
     Built from parts, each given what it needs in its constructor:
 
-    - ``placement`` (:class:`~tierkv.placement.Placement`) owns the block table, the tiers,
+    - ``placement`` (:class:`~tierkv.core.placement.Placement`) owns the block table, the tiers,
       the index, the lock and the eviction listeners; it allocates, evicts, demotes, writes
       back, retires and quarantines, and is the only code that moves pages between tiers;
-    - ``ingest`` (:class:`~tierkv.ingest.Ingest`): ``put``;
-    - ``promotion`` (:class:`~tierkv.promotion.Promotion`): the reads that bring leased
+    - ``ingest`` (:class:`~tierkv.core.ingest.Ingest`): ``put``;
+    - ``promotion`` (:class:`~tierkv.core.promotion.Promotion`): the reads that bring leased
       blocks into the device tier;
-    - ``leasing`` (:class:`~tierkv.leasing.Leasing`): ``acquire`` and ``release``, the
+    - ``leasing`` (:class:`~tierkv.core.leasing.Leasing`): ``acquire`` and ``release``, the
       leases' bookkeeping around those reads;
-    - ``operations`` (:class:`~tierkv.operations.StoreOperations`): pinning, manifests,
+    - ``operations`` (:class:`~tierkv.core.operations.StoreOperations`): pinning, manifests,
       chains, invalidate, verify, stats.
 
     Lookup and prefetch, opening and closing live here. Every public method checks that the
@@ -170,10 +169,10 @@ class Store(StoreAPI):
 
     def add_eviction_listener(self, fn: Callable[[EvictedBlock], None],
                               wants: Callable[[str, Priority], bool] | None = None) -> None:
-        """Call ``fn`` with an :class:`~tierkv.eviction.EvictedBlock` (metadata and a CPU
+        """Call ``fn`` with an :class:`~tierkv.core.eviction.EvictedBlock` (metadata and a CPU
         copy of the page) whenever a block that ``wants(namespace, priority)`` accepts
         leaves its last local tier. ``fn`` runs under the store lock: it must be quick and
-        must not call the store (see :mod:`tierkv.eviction`)."""
+        must not call the store (see :mod:`tierkv.core.eviction`)."""
         self.placement.eviction_listeners.add(fn, wants)
 
     def remove_eviction_listener(self, fn: Callable[[EvictedBlock], None]) -> None:
@@ -200,8 +199,8 @@ class Store(StoreAPI):
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
                 start_block: int = 0, promote: bool = True) -> Lease:
-        """:meth:`tierkv.api.StoreAPI.acquire` (tierkv/leasing.py; ``promote=False``:
-        tierkv/read_through.py). The lease also stops short at a block another thread's read
+        """:meth:`tierkv.api.StoreAPI.acquire` (tierkv/core/leasing.py; ``promote=False``:
+        tierkv/core/read_through.py). The lease also stops short at a block another thread's read
         of which does not finish within ``PROMOTION_WAIT_S``; a read I/O error leaves the
         block stored and the disk tier read-degraded."""
         self._check_usable()
@@ -239,11 +238,11 @@ class Store(StoreAPI):
 
         return self._executor.submit(run)
 
-    # ---- put (tierkv.ingest) -------------------------------------------------------------
+    # ---- put (tierkv.core.ingest) -------------------------------------------------------------
     def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
             start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
             priority: Priority = Priority.NORMAL) -> PutResult:
-        """See :meth:`tierkv.ingest.Ingest.put`."""
+        """See :meth:`tierkv.core.ingest.Ingest.put`."""
         self._check_usable()
         return self.ingest.put(tokens, pages, scope, start_block=start_block, block_extra=block_extra,
                                priority=priority)
@@ -256,7 +255,7 @@ class Store(StoreAPI):
         n = len(arr) // bs if n_blocks is None else max(0, min(n_blocks, len(arr) // bs))
         return self.placement.chain_memo.chain_keys(arr, scope.seed, bs, n, block_extra)
 
-    # ---- operations (tierkv.operations) ---------------------------------------------------
+    # ---- operations (tierkv.core.operations) ---------------------------------------------------
     def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
         self._check_usable()
         return self.operations.set_priority(tokens, scope, priority)
@@ -371,7 +370,7 @@ class Store(StoreAPI):
         """Let each tier hold at most this many bytes from now on (None: keep its limit; at
         most the ``*_bytes`` it was opened with) and bring it under the new limits: the
         normal eviction down to the count, then blocks placed above a limit move below it,
-        or are evicted (tierkv/tier_limits.py). A limit bounds slot positions as well as
+        or are evicted (tierkv/core/tier_limits.py). A limit bounds slot positions as well as
         counts, so the memory beyond it is never touched and is given back.
 
         Blocks that cannot go now (leased, being read, pinned on disk, or a prefix of one of

@@ -1,7 +1,7 @@
 """Eviction policies: the order in which one tier's blocks of one priority class are offered
 as victims.
 
-A policy only orders keys; :class:`tierkv.blocks.BlockTable` owns locations and decides
+A policy only orders keys; :class:`tierkv.core.blocks.BlockTable` owns locations and decides
 what may go (leased, busy, pinned-on-disk and non-leaf blocks are skipped), so every policy
 keeps the same invariants. The table calls, with the store lock held:
 
@@ -14,7 +14,7 @@ keeps the same invariants. The table calls, with the store lock held:
   evict; nothing is mutated while it iterates);
 - ``segment(key)``: which part of the policy holds the key (for eviction reasons in stats).
 
-Two policies here, two more in :mod:`tierkv.policy_mix` (``lru2``: LRU-2 with a bounded
+Two policies here, two more in :mod:`tierkv.core.policy_mix` (``lru2``: LRU-2 with a bounded
 history of evicted blocks; ``mix``: a regret-weighted choice between ``arc`` and ``lru2``,
 issue #33):
 
@@ -78,7 +78,7 @@ HINT_TAIL = 2  # bit: the block is the last one of its put (the deepest of the r
 # replays of these same classes. Any rather than bytes: compiled (setup.py), an annotation
 # is a type check at every call.
 Key = Any
-POLICIES = ("lru", "arc", "lru2", "mix")  # the last two: tierkv/policy_mix.py
+POLICIES = ("lru", "arc", "lru2", "mix")  # the last two: tierkv/core/policy_mix.py
 DEFAULT_POLICY = "arc"
 _SEEN = -1  # an ARC list's value for a key seen again since it entered (no insertion class)
 _NOT_LISTED = -2  # pop()'s default: the key is not in that list (an int: no boxing, compiled)

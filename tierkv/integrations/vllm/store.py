@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..backoff import Backoff
-from ..identity import Scope
-from ..layout import PageLayout
-from ..results import Lease, LookupResult
-from .vllm_config import ConnectorConfig
+from ...backoff import Backoff
+from ...identity import Scope
+from ...layout import PageLayout
+from ...results import Lease, LookupResult
+from .config import ConnectorConfig
 
 log = logging.getLogger(__name__)
 # After a failure the store is left alone for RETRY_MIN_S, doubling per consecutive failure up
@@ -135,7 +135,7 @@ class StoreHandle:
         # A daemon client whose connection failed may be dead: reconnect on a later call,
         # after the back-off. Errors about one call (bad tokens, a full tier) and every error
         # of an embedded store leave the store in place.
-        from ..errors import DaemonUnavailableError, ProtocolError, TierKVError
+        from ...errors import DaemonUnavailableError, ProtocolError, TierKVError
 
         per_call = isinstance(e, TierKVError) and not isinstance(e, (DaemonUnavailableError, ProtocolError))
         if self.config.socket is not None and not per_call:

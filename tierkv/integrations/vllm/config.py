@@ -22,10 +22,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import check_sizes
-from ..identity import Scope, enc_field, enc_str
-from ..layout import PageLayout, dtype_name
-from ..model_version import model_version
+from ...config import check_sizes
+from ...identity import Scope, enc_field, enc_str
+from ...layout import PageLayout, dtype_name
+from ...model_version import model_version
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@
         "kv_connector_extra_config": {"socket": "/run/tierkv.sock"}}'
 
 vLLM makes one connector object per role: the scheduler's answers how many prompt tokens
-tierkv can supply and plans loads and saves (:mod:`.vllm_scheduler`); each worker's moves
-pages between tierkv and its KV caches (:mod:`.vllm_worker`). Blocks are keyed by tierkv's
-own chained keys, rooted in the model version of the served weights (:mod:`.vllm_config`),
+tierkv can supply and plans loads and saves (:mod:`.scheduler`); each worker's moves
+pages between tierkv and its KV caches (:mod:`.worker`). Blocks are keyed by tierkv's
+own chained keys, rooted in the model version of the served weights (:mod:`.config`),
 so a store is shared safely across engines, restarts and models.
 
 Failure policy: whatever goes wrong in tierkv - a miss, an error, a timeout, a dead daemon,
@@ -31,13 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..layout import PageLayout
-from .vllm_config import (VLLM_VERSION, ConnectorConfig, UnsupportedModelError, kv_format, layout_from_vllm,
-                          served_model_version)
-from .vllm_scheduler import SchedulerSide, TierKVConnectorMetadata
-from .vllm_stats import STAT_KEYS, TierKVConnectorStats, interval_stats
-from .vllm_store import StoreHandle
-from .vllm_worker import WorkerSide
+from ...layout import PageLayout
+from .config import (VLLM_VERSION, ConnectorConfig, UnsupportedModelError, kv_format, layout_from_vllm,
+                     served_model_version)
+from .scheduler import SchedulerSide, TierKVConnectorMetadata
+from .stats import STAT_KEYS, TierKVConnectorStats, interval_stats
+from .store import StoreHandle
+from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

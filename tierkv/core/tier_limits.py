@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .tiers import TierName
+from ..tiers import TierName
 
 if TYPE_CHECKING:
     from .blocks import Block

@@ -1,8 +1,8 @@
 """Leasing: ``acquire`` and ``release``, the bookkeeping of leases around the reads.
 
 :class:`Leasing` is given the store that owns it (a :class:`~tierkv.results.Lease` names
-its store, which releases it), the :class:`~tierkv.placement.Placement` (lock, table,
-tiers) and the :class:`~tierkv.promotion.Promotion` (the reads into the device tier).
+its store, which releases it), the :class:`~tierkv.core.placement.Placement` (lock, table,
+tiers) and the :class:`~tierkv.core.promotion.Promotion` (the reads into the device tier).
 
 Ownership: ``acquire`` leases each block of the window under the store lock before any
 read starts, so nothing evicts, moves or frees a block it is about to hand out; a block
@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from .blocks import Block
-from .errors import LeaseError
-from .identity import Scope
+from ..errors import LeaseError
+from ..identity import Scope
 from .matching import match_chain
 from .placement import Placement
 from .promotion import PlannedRead, Promotion
 from .read_through import ReadThrough
-from .results import Lease
-from .tiers import TierName
-from .tiers.base import TIER_KEY
+from ..results import Lease
+from ..tiers import TierName
+from ..tiers.base import TIER_KEY
 
 DEVICE = TierName.DEVICE
 DEVICE_KEY = TIER_KEY[DEVICE]  # Block.loc's key (tiers.base.TIER_KEY)
@@ -71,14 +71,14 @@ class Leasing:
 
     def acquire(self, arr: np.ndarray, scope: Scope, block_extra: Sequence[Sequence[str | bytes]] | None,
                 max_blocks: int | None, start_block: int, promote: bool = True) -> Lease:
-        """:meth:`tierkv.store.Store.acquire` of validated token ids ``arr``."""
+        """:meth:`tierkv.core.store.Store.acquire` of validated token ids ``arr``."""
         placement, promotion, table = self.placement, self.promotion, self.table
         holds = table.holds
         with self._lock:
             chain = self.window(arr, scope, block_extra, max_blocks, start_block)
             table.touch_chain(chain)
             through = not promote and self.read_through.wants(chain)
-            if through:  # read into the lease's own buffer (tierkv/read_through.py)
+            if through:  # read into the lease's own buffer (tierkv/core/read_through.py)
                 for b in chain:
                     holds.lease(b)  # before any read: nothing evicts or frees these disk slots
             else:
@@ -147,7 +147,7 @@ class Leasing:
 
     def acquire_resident(self, arr: np.ndarray, scope: Scope, block_extra: Sequence[Sequence[str | bytes]] | None,
                          max_blocks: int | None, start_block: int) -> Lease | None:
-        """:meth:`tierkv.store.Store.acquire_resident` of validated token ids ``arr``."""
+        """:meth:`tierkv.core.store.Store.acquire_resident` of validated token ids ``arr``."""
         if not self._lock.acquire(blocking=False):
             return None
         try:

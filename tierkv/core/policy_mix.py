@@ -1,6 +1,6 @@
 """Eviction orders that learn which rule suits the trace (issue #33): ``lru2`` (LRU-2 with a
 bounded history of evicted blocks) and ``mix`` (a regret-weighted choice between ``arc``
-and ``lru2``). Same contract as :mod:`tierkv.policy` (``make_policy`` below builds
+and ``lru2``). Same contract as :mod:`tierkv.core.policy` (``make_policy`` below builds
 every policy): a policy only orders keys, the block table decides what may go.
 
 ``lru2``: a block seen in one use is ranked by that use, below every block seen in two
@@ -247,7 +247,7 @@ class MixPolicy(EvictionPolicy):
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
     """A fresh policy of any of POLICIES for one tier of ``capacity`` slots (the ghost bound
-    scales with it). Here, not in tierkv/policy.py: this module builds on that one's classes."""
+    scales with it). Here, not in tierkv/core/policy.py: this module builds on that one's classes."""
     if name == "lru":
         return LRUPolicy()
     if name == "arc":

@@ -1,6 +1,6 @@
 """Holds on stored blocks: leases (a reader owns the pages) and busy counts (I/O in flight).
 
-:class:`Holds` is a part of :class:`tierkv.blocks.BlockTable`, which owns one as
+:class:`Holds` is a part of :class:`tierkv.core.blocks.BlockTable`, which owns one as
 ``table.holds`` (composition, issue #32: no class shares state through a base class). It
 keeps no state of its own: the counts live on each block, where the table's victim search
 reads them, and only these methods change them; so the part needs nothing passed in, and a
@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-from .errors import LeaseError
+from ..errors import LeaseError
 from .priority import EPHEMERAL
-from .tiers.base import TIER_KEY, TierName
+from ..tiers.base import TIER_KEY, TierName
 
 if TYPE_CHECKING:
     from .blocks import Block
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 class Holds:
     """Lease and busy counts of the table's blocks (see the module docstring): one per
-    :class:`tierkv.blocks.BlockTable`, as its ``holds``."""
+    :class:`tierkv.core.blocks.BlockTable`, as its ``holds``."""
 
     @staticmethod
     def lease(block: Block) -> None:
