@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -281,6 +281,18 @@ class StoreStats(Mapping[str, Any]):
         return len(self.as_dict())
 
 
+class LeaseHold(Protocol):
+    """What holds a lease elsewhere (a daemon, for its client) and ends it unless renewed."""
+
+    lease_id: int
+
+    def check(self) -> None:
+        """Raise LeaseError once the holder has ended the lease (timed out)."""
+
+    def renew(self) -> None:
+        """Restart the holder's timeout."""
+
+
 @dataclass(eq=False)
 class Lease:
     """Blocks held in the device tier for the caller: never evicted, moved or overwritten
@@ -299,6 +311,9 @@ class Lease:
     released: bool = False
     start_block: int = 0  # the chain position of the first leased block
     read_through: Any = field(default=None, repr=False)  # the buffer of a read-through lease (returned on release)
+    # A lease a daemon holds for this client (daemon/remote_lease.DaemonHold): its id, and the
+    # timeout after which the daemon ends it unless renewed. None for an embedded store's.
+    hold: "LeaseHold | None" = field(default=None, repr=False)
 
     @property
     def num_blocks(self) -> int:
@@ -309,11 +324,24 @@ class Lease:
         """Tokens of the prefix up to the lease's last block (all cached and verified)."""
         return (self.start_block + len(self.slots)) * self.layout.block_size if self.slots else 0
 
+    @property
+    def lease_id(self) -> int:
+        """The daemon's id of this lease (0: a miss, or a lease of an embedded store)."""
+        return self.hold.lease_id if self.hold is not None else 0
+
+    def renew(self) -> None:
+        """Restart a daemon's idle timeout of this lease; an embedded store's lease has none."""
+        self._check()
+        if self.hold is not None:
+            self.hold.renew()
+
     def _check(self) -> None:
         if self.released:
             from .errors import LeaseError
 
             raise LeaseError("lease used after release")
+        if self.hold is not None:
+            self.hold.check()
 
     def __repr__(self) -> str:
         # Bounded, whatever the lease's size: counts and the first slot, never the keys (32
@@ -322,10 +350,7 @@ class Lease:
         first = f", slots={self.slots[0]}..{self.slots[-1]}" if self.slots else ""
         return (f"{type(self).__name__}(blocks={len(self.slots)}, start_block={self.start_block}{first}, "
                 f"layout={lo.dtype}-l{lo.num_layers}-h{lo.num_kv_heads}-d{lo.head_dim}-b{lo.block_size}, "
-                f"released={self.released}{self._repr_extra()})")
-
-    def _repr_extra(self) -> str:
-        return ""
+                f"released={self.released}{f', lease_id={self.lease_id}' if self.hold is not None else ''})")
 
     def page(self, i: int) -> torch.Tensor:
         """A view of block ``i``'s page in the device pool (valid until release)."""

@@ -8,7 +8,7 @@ import torch
 
 import tierkv
 from tierkv import Priority, Scope
-from tierkv.daemon.client import RemoteLease
+from tierkv.daemon.remote_lease import DaemonHold
 from tierkv.errors import LeaseError, NotFoundError, PageFormatError
 
 from helpers.daemons import DaemonThread
@@ -32,7 +32,7 @@ def test_same_results_and_bytes_as_the_embedded_store(daemon, workdir):
                 la, lb = embedded.lookup(toks, scope), client.lookup(toks, scope)
                 assert (la.tokens_matched, la.keys) == (lb.tokens_matched, lb.keys)
                 with embedded.acquire(toks, scope) as ea, client.acquire(toks, scope, max_blocks=None) as ca:
-                    assert isinstance(ca, RemoteLease) and isinstance(ca, tierkv.Lease)
+                    assert isinstance(ca, tierkv.Lease) and isinstance(ca.hold, DaemonHold)
                     assert (ea.keys, ea.num_blocks, ea.tokens_matched) == (ca.keys, ca.num_blocks, ca.tokens_matched)
                     assert torch.equal(ea.pages(), ca.pages())
                     for i in range(ca.num_blocks):

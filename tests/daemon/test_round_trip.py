@@ -183,7 +183,7 @@ def test_resident_acquires_run_on_the_loop_and_the_rest_in_a_worker(daemon):
 
 
 def test_a_lease_repr_is_short_whatever_its_size(daemon):
-    """Issue #37, item 10: a RemoteLease's repr printed what it holds (the pool tensor, then
+    """Issue #37, item 10: a daemon lease's repr printed what it holds (the pool tensor, then
     every 32-byte key); printing a lease in a log line or a debugger must stay one short line."""
     with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(64 * 16, seed=23)
@@ -191,7 +191,7 @@ def test_a_lease_repr_is_short_whatever_its_size(daemon):
         with c.acquire(toks, SCOPE) as lease:
             assert lease.num_blocks == 64
             text = repr(lease)
-            assert text.startswith("RemoteLease(blocks=64, start_block=0, slots=") and len(text) < 200, text
+            assert text.startswith("Lease(blocks=64, start_block=0, slots=") and len(text) < 200, text
             assert f"lease_id={lease.lease_id}" in text and "float32-l2-h2-d16-b16" in text
             assert "tensor" not in text and "\\x" not in text and str(lease) == text
         assert "released=True" in repr(lease)

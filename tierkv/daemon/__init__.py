@@ -39,7 +39,7 @@ The modules:
     metrics.py       Prometheus metrics (own registry, 127.0.0.1 only)
     config/          DaemonConfig in sections; flag > environment > TOML file > default
     client.py        Client: the embedded store's API over the socket
-    remote_lease.py  RemoteLease and the client's views of the shared pools
+    remote_lease.py  DaemonHold (a lease as the daemon holds it) and the client's views of the shared pools
 
 The tenant rules (``namespace_per_uid``) are not here: they are tierkv/home/tenancy.py's,
 applied by tierkv/home/tenant.py's TenantView, which the handlers run requests on.

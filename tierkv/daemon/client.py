@@ -46,7 +46,7 @@ from ..tiers.shm import SharedRegion
 from . import messages as m
 from .client_transport import ClientTransport
 from .protocol import VERSION, Op, close_fds
-from .remote_lease import RemoteLease, map_pools
+from .remote_lease import DaemonHold, map_pools
 
 
 class Client(StoreAPI):
@@ -63,7 +63,7 @@ class Client(StoreAPI):
         ``daemon_uid``: the uid the daemon runs as when it is neither root nor this user
         (the listener's uid is checked before anything is sent or mapped)."""
         self._transport = ClientTransport(Path(socket_path), timeout, connect_timeout, daemon_uid)
-        self._leases: dict[int, RemoteLease] = {}
+        self._leases: dict[int, Lease] = {}
         self._prefetch_lock = threading.Lock()  # makes _prefetcher once
         self._prefetcher: ThreadPoolExecutor | None = None  # waits for prefetch replies (made on first use)
         self._regions: list[SharedRegion] = []
@@ -130,7 +130,7 @@ class Client(StoreAPI):
 
     def acquire(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                 block_extra: Sequence[Sequence[str | bytes]] | None = None, max_blocks: int | None = None,
-                start_block: int = 0, promote: bool = True) -> RemoteLease:
+                start_block: int = 0, promote: bool = True) -> Lease:
         # ``promote`` is a hint the daemon has no use for: its clients read its device tier.
         self._need_layout()
         if start_block < 0:
@@ -141,15 +141,15 @@ class Client(StoreAPI):
         n_pool = self.device_pool.shape[0]
         if len(slots) != len(r.keys) or (slots and not (min(slots) >= 0 and max(slots) < n_pool)):
             raise ProtocolError(f"daemon returned device slots outside the pool of {n_pool}")
-        lease = RemoteLease(store=self, layout=self.layout, keys=r.keys, slots=slots, pool=self.device_pool,
-                            lease_id=int(r.fields["lease_id"]), timeout_s=self.lease_timeout_s,
-                            start_block=start_block)
+        lease = Lease(store=self, layout=self.layout, keys=r.keys, slots=slots, pool=self.device_pool,
+                      start_block=start_block,
+                      hold=DaemonHold(self, int(r.fields["lease_id"]), self.lease_timeout_s))
         if lease.lease_id:  # 0: a miss, nothing held
             self._leases[lease.lease_id] = lease
         return lease
 
     def release(self, lease: Lease) -> None:
-        if lease.store is not self or not isinstance(lease, RemoteLease):
+        if lease.store is not self or not isinstance(lease.hold, DaemonHold):
             raise LeaseError("lease released on a client that did not issue it")
         if lease.released:
             raise LeaseError("lease released twice")
@@ -157,17 +157,20 @@ class Client(StoreAPI):
         self._leases.pop(lease.lease_id, None)
         if lease.lease_id == 0:
             return  # a miss: the daemon holds nothing for it
-        if time.monotonic() - lease.renewed_at > self.lease_timeout_s:
+        if lease.hold.expired():
             raise LeaseError(f"lease {lease.lease_id} expired ({self.lease_timeout_s:g} s without renew); "
                              "the daemon released it already")
         # One write, no round trip: the daemon ends the lease before any later request of
         # this connection reaches the store (handlers.py), so this client reads its writes.
         self._transport.send_oneway(Op.RELEASE, m.Release((lease.lease_id,), reply=False))
 
-    def renew(self, lease: RemoteLease) -> None:
-        """Restart the lease's idle timeout."""
-        self._transport.call(Op.RENEW, m.LeaseRef(lease.lease_id))
-        lease.renewed_at = time.monotonic()
+    def renew(self, lease: Lease) -> None:
+        """Restart the lease's idle timeout (``lease.renew()`` does the same)."""
+        lease.renew()
+
+    def renew_id(self, lease_id: int) -> None:
+        """Restart the idle timeout of the daemon's lease ``lease_id`` (its DaemonHold's renew)."""
+        self._transport.call(Op.RENEW, m.LeaseRef(lease_id))
 
     def block_keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, n_blocks: int | None = None,
                    block_extra: Sequence[Sequence[str | bytes]] | None = None) -> list[bytes]:

@@ -1,43 +1,46 @@
 """What a client sees of the daemon's pools: shared-memory regions viewed as page pools,
-the CUDA IPC pool (untested), and :class:`RemoteLease`, a lease whose pages are read in
-place from the daemon's device tier.
+the CUDA IPC pool (untested), and :class:`DaemonHold`, the daemon's side of a lease whose
+pages the client reads in place from the daemon's device tier.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import LeaseError, ProtocolError
 from ..layout import PageLayout
-from ..results import Lease
 from ..tiers.shm import SharedRegion
 
+if TYPE_CHECKING:
+    from .client import Client
 
-@dataclass(eq=False, repr=False)  # Lease's bounded repr, with the lease id
-class RemoteLease(Lease):
-    """A lease held by the daemon for this client; same attributes as :class:`Lease`.
-    It ends at :meth:`release`, when the client disconnects, or after the daemon's lease
-    timeout without :meth:`renew`; using it after that raises LeaseError."""
 
-    lease_id: int = 0
-    timeout_s: float = 600.0
+@dataclass
+class DaemonHold:
+    """A client's lease as the daemon holds it: the daemon's id and idle timeout. A part of
+    the :class:`~tierkv.results.Lease` the client's ``acquire`` returns (``lease.hold``):
+    the lease ends at ``release``, when the client disconnects, or after ``timeout_s``
+    without :meth:`renew`; using it after that raises LeaseError."""
+
+    client: "Client"
+    lease_id: int
+    timeout_s: float
     renewed_at: float = field(default_factory=time.monotonic)
 
-    def _check(self) -> None:
-        super()._check()
-        if time.monotonic() - self.renewed_at > self.timeout_s:
+    def expired(self) -> bool:
+        return time.monotonic() - self.renewed_at > self.timeout_s
+
+    def check(self) -> None:
+        if self.expired():
             raise LeaseError(f"lease {self.lease_id} expired ({self.timeout_s:g} s without renew); its pages may "
                              "have been reused", hint="call lease.renew() while holding a lease for long")
 
-    def _repr_extra(self) -> str:
-        return f", lease_id={self.lease_id}"
-
     def renew(self) -> None:
-        self._check()
-        self.store.renew(self)  # type: ignore[attr-defined]
+        self.client.renew_id(self.lease_id)
+        self.renewed_at = time.monotonic()
 
 
 def pool_view(region: SharedRegion, layout: PageLayout, slots: int, stride_bytes: int) -> torch.Tensor:
