@@ -19,7 +19,8 @@ from .config import StoreConfig  # noqa: E402
 from .errors import TierKVError  # noqa: E402
 from .identity import Scope, block_keys  # noqa: E402
 from .layout import PageLayout  # noqa: E402
-from .results import InvalidateResult, Lease, LookupResult, PutResult, VerifyResult  # noqa: E402
+from .results import InvalidateResult, LookupResult, PutResult, VerifyResult  # noqa: E402
+from .lease import Lease
 from .core.store import Store  # noqa: E402
 
 if TYPE_CHECKING:

@@ -36,9 +36,8 @@ if TYPE_CHECKING:
 
     from .identity import Scope
     from .layout import PageLayout
-    from .results import (
-        ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
-    )
+    from .results import ChainTokens, InvalidateResult, LookupResult, PutResult, Residency, StoreStats, VerifyResult
+    from .lease import Lease
 
 
 def _missing(name: str) -> NotImplementedError:

@@ -15,8 +15,9 @@ from tierkv.api import StoreAPI
 from tierkv.errors import DaemonUnavailableError, LeaseError, NotFoundError, TierKVError
 from tierkv.identity import block_keys
 from tierkv.results import (
-    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, TierStats, VerifyResult,
+    ChainTokens, InvalidateResult, LookupResult, PutResult, Residency, StoreStats, TierStats, VerifyResult,
 )
+from tierkv.lease import Lease
 
 from .kit import BS, KINDS, LAYOUT, MV_A, MV_B, SCOPE, open_impl, pages_for, remove, short_dir, tokens
 

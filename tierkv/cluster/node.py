@@ -33,9 +33,8 @@ from ..api import StoreAPI
 from ..core.blocks import Priority
 from ..errors import TierKVError
 from ..identity import Scope, as_token_array
-from ..results import (
-    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats, VerifyResult,
-)
+from ..results import ChainTokens, InvalidateResult, LookupResult, PutResult, Residency, StoreStats, VerifyResult
+from ..lease import Lease
 from ..core.store import Store
 from .remote import RemoteMeta, RemotePutResult, RemoteTier
 from .publish_policy import Event, PublishPolicy

@@ -1,6 +1,6 @@
 """Leasing: ``acquire`` and ``release``, the bookkeeping of leases around the reads.
 
-:class:`Leasing` is given the store that owns it (a :class:`~tierkv.results.Lease` names
+:class:`Leasing` is given the store that owns it (a :class:`~tierkv.lease.Lease` names
 its store, which releases it), the :class:`~tierkv.core.placement.Placement` (lock, table,
 tiers) and the :class:`~tierkv.core.promotion.Promotion` (the reads into the device tier).
 
@@ -26,7 +26,7 @@ from .matching import match_chain
 from .placement import Placement
 from .promotion import PlannedRead, Promotion
 from .read_through import ReadThrough
-from ..results import Lease
+from ..lease import Lease
 from ..tiers import TierName
 from ..tiers.base import TIER_KEY
 

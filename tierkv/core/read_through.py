@@ -11,7 +11,7 @@ one destination buffer only. So ``acquire(..., promote=False)`` reads a window w
 are all on disk only, read through for the first time since the store opened, into one
 of a few reusable aligned buffers (faulted in by their first reads), verifies every page
 there, and hands out
-a :class:`~tierkv.results.Lease` whose pool is that buffer. A block read through a second
+a :class:`~tierkv.lease.Lease` whose pool is that buffer. A block read through a second
 time is promoted as usual: a prefix used again is worth its place in memory (the same
 "seen once" rule as the eviction policy's recent list).
 
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from .blocks import Block
 from .placement import Placement
 from .promotion import PlannedRead, Promotion
-from ..results import Lease
+from ..lease import Lease
 from ..tiers import TierName
 from ..tiers.base import TIER_KEY
 from ..tiers.diskio import BounceBuffer

@@ -41,8 +41,8 @@ from ..process import current_pid
 from .leasing import Leasing
 from .promotion import Promotion
 from .read_through import ReadThrough
-from ..results import (ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, Residency, StoreStats,
-                       VerifyResult)
+from ..results import ChainTokens, InvalidateResult, LookupResult, PutResult, Residency, StoreStats, VerifyResult
+from ..lease import Lease
 from ..tiers import DiskTier, MemoryTier, TierName
 from ..tiers.shm import default_shm_dir, reap_stale_regions
 

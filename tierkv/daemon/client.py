@@ -39,9 +39,10 @@ from ..home.gc import GcResult
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import (
-    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, RemoveLayoutResult, Residency, StoreStats,
+    ChainTokens, InvalidateResult, LookupResult, PutResult, RemoveLayoutResult, Residency, StoreStats,
     VerifyResult, namespace_page,
 )
+from ..lease import Lease
 from ..tiers.shm import SharedRegion
 from . import messages as m
 from .client_transport import ClientTransport

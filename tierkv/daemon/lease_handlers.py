@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..errors import LeaseError, QuotaExceededError
 from ..identity import Scope
-from ..results import Lease
+from ..lease import Lease
 from . import messages as m
 from .messages import Answer
 from .layouts import LayoutEntry, Layouts, ServedStore

@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..results import Lease
+from ..lease import Lease
 from ..tiers.base import SlotAllocator
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @dataclass
 class DaemonHold:
     """A client's lease as the daemon holds it: the daemon's id and idle timeout. A part of
-    the :class:`~tierkv.results.Lease` the client's ``acquire`` returns (``lease.hold``):
+    the :class:`~tierkv.lease.Lease` the client's ``acquire`` returns (``lease.hold``):
     the lease ends at ``release``, when the client disconnects, or after ``timeout_s``
     without :meth:`renew`; using it after that raises LeaseError."""
 

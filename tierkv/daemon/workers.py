@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, ParamSpec, Protocol, TypeVar
 
-from ..results import Lease
+from ..lease import Lease
 from ..core.store import Store
 
 log = logging.getLogger("tierkv.daemon.handlers")  # the request handlers' log

@@ -31,9 +31,10 @@ from ..errors import ConfigError, NotFoundError
 from ..identity import Scope
 from ..layout import PageLayout
 from ..results import (
-    ChainTokens, InvalidateResult, Lease, LookupResult, PutResult, RemoveLayoutResult, Residency, StoreStats, VerifyResult,
-    namespace_page,
+    ChainTokens, InvalidateResult, LookupResult, PutResult, RemoveLayoutResult, Residency, StoreStats,
+    VerifyResult, namespace_page,
 )
+from ..lease import Lease
 from ..core.store import Store
 from .directory import LAYOUTS_DIR, find_layouts, layout_id, remove_store_files
 from .lock import HomeLock

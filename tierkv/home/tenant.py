@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from ..results import Lease, LookupResult, PutResult
+    from ..results import LookupResult, PutResult
+    from ..lease import Lease
     from .home import Home
 
 class TenantView(StoreAPI):

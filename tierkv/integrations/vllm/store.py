@@ -23,7 +23,8 @@ import torch
 from ...backoff import Backoff
 from ...identity import Scope
 from ...layout import PageLayout
-from ...results import Lease, LookupResult
+from ...results import LookupResult
+from ...lease import Lease
 from .config import ConnectorConfig
 
 log = logging.getLogger(__name__)
