@@ -78,7 +78,7 @@ HINT_TAIL = 2  # bit: the block is the last one of its put (the deepest of the r
 # replays of these same classes. Any rather than bytes: compiled (setup.py), an annotation
 # is a type check at every call.
 Key = Any
-POLICIES = ("lru", "arc", "lru2", "mix")  # the last two: tierkv/policy_mix.py
+POLICIES = ("lru", "arc", "lru2", "mix", "leader")  # lru2, mix: tierkv/policy_mix.py; leader: tierkv/policy_leader.py
 DEFAULT_POLICY = "arc"
 _SEEN = -1  # an ARC list's value for a key seen again since it entered (no insertion class)
 _NOT_LISTED = -2  # pop()'s default: the key is not in that list (an int: no boxing, compiled)

@@ -48,7 +48,7 @@ class DaemonConfig:
     host_bytes: int = 1 * GiB
     disk_bytes: int = 16 * GiB
     write_through: bool = True
-    eviction_policy: str = DEFAULT_POLICY  # tierkv/policy.py: "arc", "lru", "lru2" or "mix"
+    eviction_policy: str = DEFAULT_POLICY  # tierkv/policy.py: "arc", "lru", "lru2", "mix" or "leader"
     # tierkv/codec.py: how new homes store pages in the host and disk tiers ("none" or "int8");
     # None: each home's own ("none" for a new one). Read when a layout's store is opened.
     page_codec: str | None = None
