@@ -16,7 +16,8 @@ keeps the same invariants. The table calls, with the store lock held:
 
 Two policies here, two more in :mod:`tierkv.policy_mix` (``lru2``: LRU-2 with a bounded
 history of evicted blocks; ``mix``: a regret-weighted choice between ``arc`` and ``lru2``,
-issue #33):
+issue #33) and one in :mod:`tierkv.policy_leader` (``leader``: exact shadow caches of LRU
+and both LRU-2s, victims from the one with the most recent hits, issue #33):
 
 ``lru``: the original rule. One recency list; a touched chain moves leaf first, root last,
 so a prefix is always more recent than its extensions and the head is normally a leaf.
