@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import tierkv
+from tierkv.policy import POLICIES
 import tierkv.blocks
 import tierkv.ingest
 import tierkv.placement
@@ -114,7 +115,7 @@ def test_plain_python_and_compiled_stores_give_the_same_hits():
     assert plain["native"]["compiled"] == []
     assert compiled["native"]["compiled"] == native.check(env={})[0]  # this install's build, if any
     rows = lambda r: [(x["capacity"], x["policy"], x["block_hit_rate"]) for x in r["rows"] if x["kind"] == "store"]  # noqa: E731
-    assert rows(compiled) == rows(plain) and len(rows(plain)) == 8  # 2 capacities x (lru, arc, lru2, mix)
+    assert rows(compiled) == rows(plain) and len(rows(plain)) == 2 * len(POLICIES)  # 2 capacities x every policy
 
 
 def test_a_leftover_extension_that_the_manifest_does_not_list_imports_from_source(tmp_path, monkeypatch):
