@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 import tierkv
-from tierkv.policy import POLICIES
 import tierkv.blocks
 import tierkv.ingest
 import tierkv.placement
 from tierkv import native
+from tierkv.policy import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXT = importlib.machinery.EXTENSION_SUFFIXES[0]
