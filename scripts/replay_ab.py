@@ -30,6 +30,7 @@ import importlib
 import importlib.util
 import json
 import re
+import runpy
 import statistics
 import subprocess
 import sys
@@ -67,15 +68,24 @@ def import_revision(rev: str, into: Path, compile_it: bool = False) -> ModuleTyp
     return importlib.import_module("tierkv_base")
 
 
+def compiled_list(src: Path) -> list[str]:
+    """The modules revision ``src`` compiles: tierkv/compiled.py's MODULES (stdlib-only, so it
+    runs by path), or, before issue #32, the COMPILED list in its setup.py."""
+    contract = src / "tierkv_base" / "compiled.py"
+    if contract.exists():
+        return list(runpy.run_path(str(contract))["MODULES"])
+    listed = re.search(r"^COMPILED = (\[.*?\])", (src / "setup.py").read_text(), re.S | re.M)
+    if listed is None:
+        raise SystemExit("the base revision names no compiled modules: run without --compile-base")
+    return list(ast.literal_eval(listed.group(1)))
+
+
 def compile_revision(src: Path) -> None:
     """Compile ``src/tierkv_base``'s metadata path in place with mypyc (a minute or two):
     the modules its own setup.py lists, under the package's new name, and the manifest
     tierkv.native checks (else the base would run as plain Python against a compiled tree,
     and the ratio would measure the compiler)."""
-    listed = re.search(r"^COMPILED = (\[.*?\])", (src / "setup.py").read_text(), re.S | re.M)
-    if listed is None:
-        raise SystemExit("the base revision's setup.py names no compiled modules: run without --compile-base")
-    modules = [m.replace("tierkv.", "tierkv_base.", 1) for m in ast.literal_eval(listed.group(1))]
+    modules = [m.replace("tierkv.", "tierkv_base.", 1) for m in compiled_list(src)]
     paths = [m.replace(".", "/") + ".py" for m in modules]
     script = (
         "import sys\nfrom setuptools import setup\nfrom mypyc.build import mypycify\n"

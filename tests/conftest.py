@@ -21,6 +21,20 @@ def _drop_repo_root_from_sys_path() -> None:
 
 _drop_repo_root_from_sys_path()
 
+
+def _one_thread_in_forked_children() -> None:
+    # Several tests fork (a child as another uid, a child that crashes mid-write) and use torch
+    # in the child. torch's CPU build parallelises with GNU OpenMP, whose thread pool does not
+    # survive fork(): once the parent ran a parallel region, the child's first one waits forever
+    # for threads that do not exist (seen in CI: a 300 s hang in the full suite, never alone).
+    # One thread in the child never enters a parallel region.
+    import torch
+
+    os.register_at_fork(after_in_child=lambda: torch.set_num_threads(1))
+
+
+_one_thread_in_forked_children()
+
 import pytest
 
 from helpers import tiny_models

@@ -18,7 +18,7 @@ from tierkv.bundle import (
     BUNDLE_VERSION, END, MAGIC, BundleError, BundleHeader, BundleReader, page_digest, read_header, verify_bundle,
     write_bundle,
 )
-from tierkv.keys import Keyring
+from tierkv.signing import Keyring
 from tierkv.transfer import Trust, UntrustedBundleError, export_prefix, import_bundle
 from tierkv.errors import CapacityError, LayoutMismatchError, ModelVersionMismatchError
 
@@ -348,18 +348,19 @@ def test_import_streams_pages_in_bounded_chunks(tmp_path, keyring, trust):
     assert peak < 16 * LAYOUT.page_bytes + (4 << 20), f"peak {peak} bytes"
 
 
-def test_verify_model_accepts_real_pages_and_refuses_forged_ones(tmp_path):
-    """An unsigned bundle is trusted only when a sample of its blocks, recomputed by the
-    model, matches (--verify-model)."""
+def _real_and_forged(tmp_path: Path, n_tokens: int, forged_block: int):
+    """A tiny model's directory, its layout, and two unsigned bundles of the same prefix:
+    the model's own pages, and the same with block ``forged_block`` replaced by noise
+    (valid checksums: only the model can tell)."""
     from helpers import tiny_models
     from tierkv.hf import load_model
-    from tierkv.transfer import model_checker
 
     model_dir = tiny_models.save_model_dir(tmp_path / "model")
     lm = load_model(model_dir, block_size=4)
     layout = lm.layout
-    ids = list(np.random.default_rng(3).integers(5, 300, size=32))
-    with tierkv.open(tmp_path / "a", layout, device="cpu", device_bytes=64 * layout.page_bytes, host_bytes=0,
+    ids = list(np.random.default_rng(3).integers(5, 300, size=n_tokens))
+    n = n_tokens // layout.block_size
+    with tierkv.open(tmp_path / "a", layout, device="cpu", device_bytes=2 * n * layout.page_bytes, host_bytes=0,
                      disk_bytes=16 << 20) as a:
         lm.prefill(ids, store=a, need_logits=False)
         scope = lm.scope()
@@ -370,15 +371,64 @@ def test_verify_model_accepts_real_pages_and_refuses_forged_ones(tmp_path):
             real_pages = lease.pages().clone()
     tokens = np.asarray(ids, dtype="<i4")
     forged_pages = real_pages.clone()
-    forged_pages[5] = torch.randn_like(forged_pages[5])
-    header = BundleHeader(layout=layout, model_version=lm.model_version, namespace="default", tokens=32, blocks=8,
-                          last_block_key=keys[-1].hex(), tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest(),
-                          name="forged", manifest={})
+    forged_pages[forged_block] = torch.randn_like(forged_pages[forged_block])
+    header = BundleHeader(layout=layout, model_version=lm.model_version, namespace="default", tokens=n_tokens,
+                          blocks=n, last_block_key=keys[-1].hex(),
+                          tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest(), name="forged", manifest={})
     write_bundle(tmp_path / "forged.tkv", header, tokens, iter(forged_pages))
-    check = Trust(model_check=model_checker(model_dir), sample=8)  # every block: the forged one is found
+    return model_dir, layout, tmp_path / "real.tkv", tmp_path / "forged.tkv"
+
+
+def test_verify_model_accepts_real_pages_and_refuses_forged_ones(tmp_path):
+    """An unsigned bundle is trusted only when every block, recomputed by the model,
+    matches (--verify-model)."""
+    from tierkv.transfer import model_checker
+
+    model_dir, layout, real, forged = _real_and_forged(tmp_path, 32, forged_block=5)
+    check = Trust(model_check=model_checker(model_dir))
     with tierkv.open(tmp_path / "b", layout, device="cpu", device_bytes=64 * layout.page_bytes, host_bytes=0,
                      disk_bytes=16 << 20) as b:
         with pytest.raises(UntrustedBundleError, match="block 5"):
-            import_bundle(b, tmp_path / "forged.tkv", trust=check)
+            import_bundle(b, forged, trust=check)
         assert b.stats()["blocks"] == 0
-        assert import_bundle(b, tmp_path / "real.tkv", trust=check).stored == 8
+        assert import_bundle(b, real, trust=check).stored == 8
+        b.check_integrity()
+
+
+def test_verify_model_finds_one_forged_block_in_64(tmp_path):
+    """Issue 34, item 6: the model check sampled 4 blocks (first, last, two at random), so a
+    64-block bundle with one forged block in the middle was accepted 4 times in 4 and the
+    forged page served as a hit. Every block is checked now: refused every time."""
+    from tierkv.transfer import model_checker
+
+    model_dir, layout, real, forged = _real_and_forged(tmp_path, 256, forged_block=37)
+    check = Trust(model_check=model_checker(model_dir))
+    with tierkv.open(tmp_path / "b", layout, device="cpu", device_bytes=128 * layout.page_bytes, host_bytes=0,
+                     disk_bytes=16 << 20) as b:
+        for _ in range(4):
+            with pytest.raises(UntrustedBundleError, match="block 37"):
+                import_bundle(b, forged, trust=check)
+        assert b.stats()["blocks"] == 0 and b.list_manifests() == {}
+        assert import_bundle(b, real, trust=check).stored == 64
+        b.check_integrity()
+
+
+def test_a_model_check_that_skips_pages_vouches_for_nothing(tmp_path):
+    """A model check must see every page: one that returns after the first chunk (a
+    sampling or truncated check) does not make the bundle trusted."""
+    from unittest import mock
+
+    import tierkv.bundle
+
+    tokens, pages = tokens_of(40), pages_of(10)
+    write_bundle(tmp_path / "u.tkv", header_for(tokens), tokens, iter(pages))
+
+    def first_chunk_only(header, tokens, chunks):
+        next(iter(chunks))
+
+    with tierkv.open(tmp_path / "b", LAYOUT, device="cpu", device_bytes=64 * LAYOUT.page_bytes, host_bytes=0,
+                     disk_bytes=16 << 20) as b, \
+            mock.patch.object(tierkv.bundle, "CHUNK_BYTES", 4 * LAYOUT.page_bytes):  # chunks of 4 pages
+        with pytest.raises(UntrustedBundleError, match="saw 4 of the bundle's 10 blocks"):
+            import_bundle(b, tmp_path / "u.tkv", trust=Trust(model_check=first_chunk_only))
+        assert b.stats()["blocks"] == 0

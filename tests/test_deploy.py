@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,29 +106,41 @@ def parse_dockerfile(text: str) -> list[list[tuple[str, str]]]:
     return stages
 
 
-def test_container_recipe_copies_what_exists_and_runs_serve_as_a_user():
-    from tierkv.cli.serve import build_config, serve
+def check_recipe(recipe: Path, config: Path) -> tuple[list, str, dict, Any]:
+    """What both container recipes must hold: two stages, COPY sources in the repository, a
+    non-root user stopped by SIGTERM, `tierkv serve` as the entry point. Returns the stages,
+    the build stage's RUN lines, the final stage's instructions and the configuration its CMD
+    gives `tierkv serve` (with ``config`` in the place of /etc/tierkv/daemon.toml)."""
+    from tierkv.cli.serve import build_config, serve, unset_empty_lists
 
-    stages = parse_dockerfile(DOCKERFILE.read_text())
+    stages = parse_dockerfile(recipe.read_text())
     assert len(stages) == 2
     for op, args in (i for s in stages for i in s):
         if op == "COPY" and not args.startswith("--from"):
             for src in shlex.split(args)[:-1]:
                 assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
-    # torch is the version the test command pins, from the CPU index (no CUDA build).
-    pinned = re.search(r"torch==([\w.]+)", (ROOT / "scripts" / "test.sh").read_text()).group(1)
     run_lines = " ".join(a for op, a in stages[0] if op == "RUN")
-    assert f"torch=={pinned}" in run_lines and "download.pytorch.org/whl/cpu" in run_lines
     final = dict(stages[1])
     assert final["USER"] not in ("root", "0") and final["STOPSIGNAL"] == "SIGTERM"
     entry, cmd = json.loads(final["ENTRYPOINT"]), json.loads(final["CMD"])
     assert Path(entry[0]).name == "tierkv" and entry[1:] == ["serve"]
-    args = [str(CONTAINER_CONFIG) if a == "/etc/tierkv/daemon.toml" else a for a in cmd]
-    ctx = serve.make_context("serve", args)
-    params = dict(ctx.params)
+    args = [str(config) if a == "/etc/tierkv/daemon.toml" else a for a in cmd]
+    params = dict(serve.make_context("serve", args).params)
     config_file, socket = params.pop("config_file"), params.pop("socket_path")
     params.pop("log_level")
-    cfg = build_config({**params, "socket": socket, "local_only_namespaces": None}, config_file)
+    params["socket"] = socket
+    unset_empty_lists(params)
+    return stages, run_lines, final, build_config(params, config_file)
+
+
+PINNED_TORCH = re.compile(r"torch==([\w.]+)")
+
+
+def test_container_recipe_copies_what_exists_and_runs_serve_as_a_user():
+    _, run_lines, final, cfg = check_recipe(DOCKERFILE, CONTAINER_CONFIG)
+    # torch is the version the test command pins, from the CPU index (no CUDA build).
+    pinned = PINNED_TORCH.search((ROOT / "scripts" / "test.sh").read_text()).group(1)
+    assert f"torch=={pinned}" in run_lines and "download.pytorch.org/whl/cpu" in run_lines
     assert str(cfg.home) in json.loads(final["VOLUME"]) and str(cfg.socket) in final["ENV"]
     assert cfg.device == "cpu" and cfg.metrics_port == 9464
     # The memory tiers fit in the --shm-size the header asks for.
@@ -150,3 +163,23 @@ def test_container_recipe_builds(tmp_path):
     r = subprocess.run([docker, "run", "--rm", "--entrypoint", "tierkv", "tierkv-test:cpu", "--version"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("tierkv "), r.stderr
+
+
+def test_cuda_container_recipe_installs_the_gpu_extra_and_serves_from_the_gpu():
+    """deploy/container/Dockerfile.cuda: the same shape as the CPU recipe, with torch's CUDA
+    build, tierkv's `gpu` extra (kvikio), the device tier on cuda:0 and metrics published."""
+    recipe = ROOT / "deploy" / "container" / "Dockerfile.cuda"
+    stages, run_lines, final, cfg = check_recipe(recipe, ROOT / "deploy" / "container" / "daemon-cuda.toml")
+    for op, args in (i for s in stages for i in s):
+        if op == "COPY" and not args.startswith("--from"):
+            for src in shlex.split(args)[:-1]:
+                assert f"!{src}" in (ROOT / ".dockerignore").read_text(), f"COPY {src}: not in the build context"
+    pinned = PINNED_TORCH.search((ROOT / "scripts" / "test.sh").read_text()).group(1)
+    assert f"torch=={pinned}" in run_lines and "download.pytorch.org/whl/cu" in run_lines
+    assert '"/src[gpu]"' in run_lines
+    assert cfg.device == "cuda:0" and cfg.metrics_port == 9464 and cfg.metrics_host == "0.0.0.0"
+    assert str(cfg.home) in json.loads(final["VOLUME"]) and str(cfg.socket) in final["ENV"]
+    text = recipe.read_text()
+    assert "--gpus all" in text and "--ipc host" in text and "-p 9464:9464" in text
+    shm = int(re.search(r"--shm-size (\d+)g", text).group(1)) << 30
+    assert cfg.host_bytes + cfg.staging_bytes <= shm  # the device tier is GPU memory

@@ -47,7 +47,7 @@ def home_layout(home: str | os.PathLike[str]) -> PageLayout:
     """The page layout an existing home was created with (read without opening the store).
     Raises NotFoundError when ``home`` holds no store."""
     from .errors import NotFoundError
-    from .home import peek_layout
+    from .home.lock import peek_layout
 
     layout = peek_layout(Path(home))
     if layout is None:

@@ -97,6 +97,21 @@ class StoreAPI(Protocol):
         leased, so a later ``acquire`` may still find some of it evicted."""
         raise _missing("prefetch")
 
+    def block_keys(self, tokens: "Sequence[int] | np.ndarray | torch.Tensor", scope: "Scope", n_blocks: int | None = None,
+                   block_extra: "Sequence[Sequence[str | bytes]] | None" = None) -> list[bytes]:
+        """The keys this store keeps the full blocks of ``tokens`` in ``scope`` under (the
+        first ``n_blocks``; default all): what a manifest's ``last_block_key`` must be. A
+        daemon under ``namespace_per_uid`` stores a peer's blocks in its own namespaces,
+        so these are not always :func:`tierkv.identity.block_keys` of ``scope`` (this default:
+        a store that keeps ``scope`` as given)."""
+        from .identity import as_token_array, block_keys
+
+        layout = getattr(self, "layout", None)
+        if layout is None:
+            raise _missing("block_keys")
+        keys = block_keys(as_token_array(tokens), scope, layout.block_size, block_extra)
+        return keys if n_blocks is None else keys[: max(0, n_blocks)]
+
     # ---- write path ------------------------------------------------------------------------
     def put(self, tokens: "Sequence[int] | np.ndarray | torch.Tensor", pages: "torch.Tensor", scope: "Scope", *,
             start_block: int = 0, block_extra: "Sequence[Sequence[str | bytes]] | None" = None,

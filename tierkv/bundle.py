@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
@@ -86,7 +85,7 @@ def write_bundle(path: Path, header: BundleHeader, tokens: np.ndarray, pages: It
                  signer: Signer | None = None) -> int:
     """Write a bundle to ``path`` (via a temp file, fsynced, then renamed, so a failed
     export never leaves a half bundle under the final name), signed by ``signer`` when one
-    is given (:meth:`tierkv.keys.Keyring.sign`). Returns the file size."""
+    is given (:meth:`tierkv.signing.Keyring.sign`). Returns the file size."""
     _check_byteorder()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -132,7 +131,15 @@ class VerifiedBundle:
     content_sha256: bytes
     page_digests: tuple[bytes, ...]  # BLAKE2b-128 of each page, for the second pass
     signer: bytes | None  # the public key whose signature verified; None: unsigned
-    samples: dict[int, torch.Tensor]  # block index -> page, the blocks asked to keep
+    path: Path  # the file checked: a later pass re-reads it against page_digests
+
+    def pages(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """A second pass over the pages, as :meth:`BundleReader.iter_pages` chunks, each page
+        checked against the first pass's digest (BundleError if the file changed since)."""
+        with BundleReader(self.path, self.header.layout) as r:
+            if r.header != self.header or not np.array_equal(r.tokens, self.tokens):
+                raise BundleError(f"{self.path} changed since it was checked")
+            yield from r.iter_pages(digests=self.page_digests)
 
 
 def page_blake(data: Any) -> bytes:
@@ -261,7 +268,7 @@ class BundleReader:
             return  # unsigned
         if extra or got != len(trailer) or trailer[:8] != SIG or self.version < 2:
             raise BundleError(f"{self.path} has data after its end marker that is not a signature")
-        from .keys import verify_signature
+        from .signing import verify_signature
 
         public, signature = bytes(trailer[8:40]), bytes(trailer[40:])
         if not verify_signature(public, signature, SIGNED_DOMAIN + content):
@@ -285,29 +292,18 @@ def read_header(path: Path) -> BundleHeader:
         return r.header
 
 
-def check_bundle(path: Path, layout: PageLayout | None = None, sample: int = 0) -> VerifiedBundle:
+def check_bundle(path: Path, layout: PageLayout | None = None) -> VerifiedBundle:
     """Read the whole bundle and check everything (BundleError on any damage, a bad
-    signature included; LayoutMismatchError for another ``layout``). Keeps ``sample`` pages
-    (the first, the last and others chosen at random, unpredictably to the file's maker)
-    for a spot check against the model."""
+    signature included; LayoutMismatchError for another ``layout``). Keeps no page: a
+    second pass (:meth:`VerifiedBundle.pages`) re-reads them against these digests."""
     with BundleReader(path, layout) as r:
         r.check_tokens()
-        n = r.header.blocks
-        want: set[int] = set()
-        if sample > 0:
-            want = {0, n - 1}
-            rng = random.SystemRandom()
-            while len(want) < min(sample, n):
-                want.add(rng.randrange(n))
         digests: list[bytes] = []
-        samples: dict[int, torch.Tensor] = {}
-        for start, pages in r.iter_pages():
+        for _, pages in r.iter_pages():
             flat = pages.view(pages.shape[0], -1).view(torch.uint8)
             for j in range(pages.shape[0]):
                 digests.append(page_blake(flat[j].numpy()))
-                if start + j in want:
-                    samples[start + j] = pages[j].clone()
-        return VerifiedBundle(r.header, r.tokens, r.sha.digest(), tuple(digests), r.signer, samples)
+        return VerifiedBundle(r.header, r.tokens, r.sha.digest(), tuple(digests), r.signer, Path(path))
 
 
 def verify_bundle(path: Path, layout: PageLayout | None = None) -> BundleHeader:

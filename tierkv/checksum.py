@@ -19,7 +19,8 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float16, torch.float64, torch.ui
 
 def page_checksum(key: bytes, page: torch.Tensor) -> int:
     data = page.detach().cpu().contiguous().view(torch.uint8).numpy()
-    return xxhash.xxh3_64_intdigest(data.data, seed=int.from_bytes(key[:8], "little"))
+    digest: int = xxhash.xxh3_64_intdigest(data.data, seed=int.from_bytes(key[:8], "little"))  # xxhash: Any to mypyc
+    return digest
 
 
 def page_rows(pages: torch.Tensor) -> np.ndarray:

@@ -192,20 +192,17 @@ def check_socket(cfg: DaemonConfig) -> Check:
 
 def check_keyring(keys_dir: Path) -> Check:
     """The keyring decides which bundles ``import`` trusts: another user able to write it
-    could add a trusted key; one able to read ``signing.key`` could sign as this user."""
+    could add a trusted key; one able to read ``signing.key`` could sign as this user. The
+    rule is tierkv.signing's, which every read and write of the keyring enforces too."""
+    from .signing import keyring_problems
+
     if not keys_dir.exists():
         return Check("keyring", OK, f"{keys_dir}: no keyring yet (made 0700 on the first `tierkv keys generate`)")
-    problems = []
-    for path, bad, what in ((keys_dir, 0o022, "writable by others"), (keys_dir / "trusted", 0o022, "writable by others"),
-                            (keys_dir / "signing.key", 0o077, "readable by others")):
-        if path.exists():
-            st = path.lstat()
-            if st.st_mode & bad or st.st_uid != os.getuid():
-                owner = "" if st.st_uid == os.getuid() else f", owned by uid {st.st_uid}"
-                problems.append(f"{path} mode {stat.S_IMODE(st.st_mode):04o}{owner} ({what})")
+    problems = keyring_problems(keys_dir)
     if problems:
-        return Check("keyring", FAIL, "; ".join(problems),
-                     f"chmod 700 {keys_dir} {keys_dir / 'trusted'}; chmod 600 {keys_dir / 'signing.key'}")
+        return Check("keyring", FAIL, "; ".join(f"{p} {what}" for p, what in problems),
+                     f"chmod 700 {keys_dir} {keys_dir / 'trusted'}; chmod 600 {keys_dir / 'signing.key'}; "
+                     f"chmod go-w and chown to yourself every file in {keys_dir / 'trusted'}")
     return Check("keyring", OK, f"{keys_dir}: private to this user")
 
 

@@ -147,6 +147,14 @@ class LeaseError(TierKVError):
     default_hint = "use a lease only between acquire() and release(), from the store that issued it"
 
 
+class StagingExpiredError(LeaseError):
+    """A COMMIT named staging slots the daemon took back: they were held longer than its
+    ``staging_timeout_s`` (issue #34, item 10). Nothing of that commit was stored."""
+
+    default_hint = ("write the pages and commit within the daemon's staging_timeout_s of staging them, then put "
+                    "again; the operator sets staging_timeout_s")
+
+
 class CapacityError(TierKVError):
     default_hint = "raise the tier capacity or ask for fewer blocks at once"
 

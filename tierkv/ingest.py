@@ -16,14 +16,14 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from .blocks import Block, Priority
+from .blocks import Block
 from .checksum import page_rows, row_checksums
 from .errors import PageFormatError
 from .identity import Scope, as_token_array, same_bytes
 from .index import BlockRecord
 from .placement import Placement
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL
-from .priority import EPHEMERAL, PINNED
+from .priority import EPHEMERAL, PINNED, Priority
 from .results import PutResult
 from .tiers import TierName
 from .tiers.base import TIER_KEY

@@ -22,6 +22,7 @@ import numpy as np
 from .blocks import Block
 from .errors import LeaseError
 from .identity import Scope
+from .matching import match_chain
 from .placement import Placement
 from .promotion import PlannedRead, Promotion
 from .read_through import ReadThrough
@@ -51,7 +52,7 @@ class Leasing:
         """The matched chain's blocks ``start_block .. start_block + max_blocks`` (held: the lock)."""
         if start_block < 0:
             raise ValueError("start_block must be >= 0")
-        chain = self.placement.match(arr, scope, block_extra)[start_block:]
+        chain = match_chain(self.placement, arr, scope, block_extra)[start_block:]
         return chain if max_blocks is None else chain[:max_blocks]
 
     def asked(self, arr: np.ndarray, max_blocks: int | None, start_block: int) -> int:

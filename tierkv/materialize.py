@@ -13,39 +13,37 @@ the key of the last stored block.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .document import Document, DocumentOptions, build_document
+from .prefix_record import arrange, diff, source_entries, stored_tokens, tokens_sha256
 from .errors import ConfigError, LayoutMismatchError, ModelVersionMismatchError, NotFoundError
 from .hf.model import LoadedModel
 from .hf.prefill import DEFAULT_CHUNK_TOKENS, Progress, cached_prefill
-from .identity import as_token_array, block_keys
+from .identity import block_keys
 from .layout import PageLayout, layout_fix
 
 if TYPE_CHECKING:
     from .api import StoreAPI
 
 MANIFEST_KIND = "prefix"
-MANIFEST_FORMAT = 1
-
-
-def tokens_sha256(tokens: Sequence[int]) -> str:
-    """SHA-256 of token ids as little-endian int32 (the encoding block keys use)."""
-    return hashlib.sha256(as_token_array(tokens).tobytes()).hexdigest()
+MANIFEST_FORMAT = 2  # 2: the order it used, appended sections and tail_tokens (tierkv.refresh)
 
 
 @dataclass(frozen=True)
 class PrefixTokens:
-    """A document and its token ids, cut to ``max_tokens`` when that was asked for."""
+    """A document and its token ids, cut to ``max_tokens`` when that was asked for.
+    ``record``: how the ids were made, for the manifest (:class:`tierkv.refresh.Arranged`);
+    empty for a document prefilled as built."""
 
     document: Document
     tokens: list[int]
     document_tokens: int  # before any cut
+    record: dict[str, Any] = field(default_factory=dict)
 
 
 def document_tokens(
@@ -55,8 +53,10 @@ def document_tokens(
     *,
     max_tokens: int | None = None,
     on_warning: Callable[[str], None] | None = None,
+    order: Sequence[str] | None = None,
 ) -> PrefixTokens:
-    """Build and tokenize the document of ``paths``.
+    """Build and tokenize the document of ``paths``; ``order``: the file order a manifest
+    recorded (files it does not name follow).
 
     Raises ConfigError when it is longer than the model's context and ``max_tokens`` does
     not cut it short enough (the message gives both numbers), plus what
@@ -65,8 +65,14 @@ def document_tokens(
     if max_tokens is not None and max_tokens <= 0:
         raise ConfigError(f"--max-tokens must be positive, got {max_tokens}")
     document = build_document(paths, options, on_warning=on_warning)
+    if order is not None:
+        document = arrange(document, order)
     tokens = lm.encode_document(document.text)
-    total = len(tokens)
+    return PrefixTokens(document, check_length(lm, tokens, max_tokens), len(tokens))
+
+
+def check_length(lm: LoadedModel, tokens: list[int], max_tokens: int | None) -> list[int]:
+    """``tokens`` cut to ``max_tokens``; ConfigError when they still exceed the model's context."""
     if max_tokens is not None:
         tokens = tokens[:max_tokens]
     limit = lm.context_length
@@ -75,7 +81,7 @@ def document_tokens(
             f"the document has {len(tokens)} tokens; the model's context is {limit} tokens",
             hint=f"pass --max-tokens {limit} (or fewer) to cut it, or materialise fewer files",
         )
-    return PrefixTokens(document, tokens, total)
+    return tokens
 
 
 @dataclass(frozen=True)
@@ -97,10 +103,21 @@ class MaterializeResult:
 
 
 def build_manifest(lm: LoadedModel, prefix: PrefixTokens, roots: Sequence[str | os.PathLike[str]],
-                   options: DocumentOptions, max_tokens: int | None, pin: bool, namespace: str = "default") -> dict:
-    """The manifest of a materialised prefix (see the module docstring for why no token ids)."""
-    keys = block_keys(prefix.tokens, lm.scope(namespace), lm.layout.block_size)
+                   options: DocumentOptions, max_tokens: int | None, pin: bool, namespace: str = "default",
+                   keys: list[bytes] | None = None) -> dict:
+    """The manifest of a materialised prefix (see the module docstring for why no token ids);
+    ``keys``: the blocks' keys as the store keeps them (StoreAPI.block_keys; default: the
+    scope's own)."""
+    if keys is None:
+        keys = block_keys(prefix.tokens, lm.scope(namespace), lm.layout.block_size)
+    stored = len(keys) * lm.layout.block_size
     return {
+        "order": options.order,
+        "sources": source_entries(prefix.document),
+        "appended": [],
+        "stale_bytes": 0,
+        "document_sha256": prefix.document.sha256,
+        **prefix.record,
         "kind": MANIFEST_KIND,
         "format": MANIFEST_FORMAT,
         "model_version": lm.model_version,
@@ -111,11 +128,12 @@ def build_manifest(lm: LoadedModel, prefix: PrefixTokens, roots: Sequence[str | 
         "blocks": len(keys),
         "last_block_key": keys[-1].hex() if keys else None,
         "tokens_sha256": tokens_sha256(prefix.tokens),
-        "document_sha256": prefix.document.sha256,
+        # The ids after the last full block: with the stored chain they give back the ids of
+        # a document whose older sections are no longer on disk (tierkv.refresh).
+        "tail_tokens": [int(t) for t in prefix.tokens[stored:]],
         "roots": [str(Path(r).resolve()) for r in roots],
         "options": options.to_dict(),
         "max_tokens": max_tokens,
-        "sources": [{"path": f.path, "sha256": f.sha256, "bytes": f.size} for f in prefix.document.files],
         "pinned": pin,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -167,7 +185,8 @@ def materialize(
         store.set_priority(prefix.tokens, scope, priority)
     manifest = None
     if name is not None:
-        manifest = build_manifest(lm, prefix, paths, options, max_tokens, pin, namespace)
+        manifest = build_manifest(lm, prefix, paths, options, max_tokens, pin, namespace,
+                                  keys=store.block_keys(prefix.tokens, scope))
         if previous and all(previous.get(k) == manifest[k] for k in ("tokens_sha256", "model_version", "namespace")):
             manifest["created_at"] = previous.get("created_at", manifest["created_at"])  # the same prefix
         store.save_manifest(name, manifest)
@@ -230,9 +249,11 @@ def stored_prefix_tokens(store: "StoreAPI", name: str, manifest: dict[str, Any],
                          block_size: int, on_warning: Callable[[str], None] | None = None) -> list[int]:
     """The token ids of prefix ``name`` read back from its stored chain (``chain_tokens`` of
     its last block): what a bundle carries, so an imported prefix serves without its source
-    tree at the path it had where it was made (issue #37, item 4). Whole blocks only: a
-    prefix whose last tokens fill no block comes back without them (said through
-    ``on_warning``). ConfigError when the chain is not stored whole or is not the prefix's."""
+    tree at the path it had where it was made (issue #37, item 4). With the ids after the
+    last full block that a manifest of format 2 keeps (``tail_tokens``), all of them; before
+    that, whole blocks only: a prefix whose last tokens fill no block comes back without them
+    (said through ``on_warning``). ConfigError when the chain is not stored whole or is not
+    the prefix's."""
     last = manifest.get("last_block_key")
     hint = f"restore {missing[0]}, import the prefix's bundle again, or run `tierkv materialize ... --name {name}`"
     if not last:
@@ -242,7 +263,8 @@ def stored_prefix_tokens(store: "StoreAPI", name: str, manifest: dict[str, Any],
     except NotFoundError:
         raise ConfigError(f"the sources of prefix {name!r} do not exist ({', '.join(missing)}) and its blocks are "
                           "not all stored", hint=hint) from None
-    if tokens_sha256(tokens) == manifest.get("tokens_sha256"):
+    if tokens_sha256(tokens + [int(t) for t in manifest.get("tail_tokens", [])]) == manifest.get("tokens_sha256"):
+        return tokens + [int(t) for t in manifest.get("tail_tokens", [])]  # the tail included (or empty)
         return tokens
     total = int(manifest.get("tokens", 0))
     if len(tokens) != int(manifest.get("blocks", -1)) * block_size or not 0 < total - len(tokens) < block_size:
@@ -268,15 +290,27 @@ def load_prefix(
     """
     manifest = store.get_manifest(name)
     check_prefix_model(name, manifest, lm)
+    namespace = str(manifest.get("namespace", "default"))
     missing = [r for r in manifest["roots"] if not os.path.exists(r)]
     if missing:
         tokens = stored_prefix_tokens(store, name, manifest, missing, lm.layout.block_size, on_warning)
-        return LoadedPrefix(tokens, str(manifest.get("namespace", "default")), manifest)
+        return LoadedPrefix(tokens, namespace, manifest)
+    changed = ConfigError(f"the sources of prefix {name!r} changed since it was materialised",
+                          hint=f"run `tierkv materialize --refresh {name}`")
     options = DocumentOptions.from_dict(manifest.get("options", {}))
-    prefix = document_tokens(lm, manifest["roots"], options, max_tokens=manifest.get("max_tokens"), on_warning=on_warning)
+    if manifest.get("appended"):
+        # A refreshed prefix holds older versions of some files, which are no longer on
+        # disk: its ids are those of its stored chain, once its current files are checked.
+        if diff(manifest, build_document(manifest["roots"], options, on_warning=on_warning)).any:
+            raise changed
+        try:
+            return LoadedPrefix(stored_tokens(store, manifest), namespace, manifest)
+        except NotFoundError:
+            raise ConfigError(f"prefix {name!r} holds older versions of its files and its blocks are no longer all "
+                              "stored", hint=f"run `tierkv materialize --refresh {name}` (it rebuilds the prefix "
+                                             "from the files as they are)") from None
+    prefix = document_tokens(lm, manifest["roots"], options, max_tokens=manifest.get("max_tokens"),
+                             on_warning=on_warning, order=[s["path"] for s in manifest.get("sources", [])])
     if tokens_sha256(prefix.tokens) != manifest.get("tokens_sha256"):
-        raise ConfigError(
-            f"the sources of prefix {name!r} changed since it was materialised",
-            hint=f"run `tierkv materialize ... --name {name}` again",
-        )
-    return LoadedPrefix(prefix.tokens, str(manifest.get("namespace", "default")), manifest)
+        raise changed
+    return LoadedPrefix(prefix.tokens, namespace, manifest)

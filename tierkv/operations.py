@@ -15,7 +15,9 @@ import torch
 from .blocks import TIERS, Block, Priority
 from .checksum import page_checksum
 from .errors import NotFoundError
+from .manifest_names import check_name
 from .identity import as_token_array
+from .matching import match_chain
 from .placement import Placement
 from .results import (
     ChainTokens, CounterStats, InvalidateResult, Residency, StoreStats, TierStats, VerifyResult, namespace_page,
@@ -43,7 +45,7 @@ class StoreOperations:
         number of blocks changed. Pinned blocks are written to disk if they are not yet."""
         arr = as_token_array(tokens)
         with self._lock:
-            chain = self.placement.match(arr, scope, None)
+            chain = match_chain(self.placement, arr, scope, None)
             return self._set_priority_blocks(chain, priority)
 
     def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
@@ -71,9 +73,9 @@ class StoreOperations:
         return len(chain)
 
     def save_manifest(self, name: str, manifest: dict) -> None:
-        """Record a named prefix (JSON-able dict) durably."""
-        if not name or "/" in name or len(name) > 200:
-            raise ValueError(f"bad manifest name {name!r}: 1-200 characters, no '/'")
+        """Record a named prefix (JSON-able dict) durably. InvalidNameError for a name
+        tierkv.manifest_names refuses."""
+        check_name(name)
         self.index.put_manifest(name, manifest)
 
     def get_manifest(self, name: str) -> dict:

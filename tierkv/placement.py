@@ -12,29 +12,33 @@ whole prefixes and everything on it is reachable after a restart.
 
 A block that is being moved is marked ``busy`` for the duration, so that the nested
 evictions a move can trigger (device -> host -> disk) never pick the same block.
+
+Each step that moves a block (evict, demote, write-back, retire, quarantine) has named fault
+points at its start and its return (tierkv/faults.py), where the crash tests kill the process.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import TYPE_CHECKING, Sequence
 
 from .blocks import Block, BlockTable
 from .errors import DiskWriteError, IndexWriteError
 from .eviction import EvictionListeners
-from .identity import ChainMemo, iter_block_keys, same_bytes
+from .faults import fault_point
+from .identity import ChainMemo
 from .index import BlockRecord
 from .priority import EPHEMERAL
 from .stats import Counters
 from .tiers.base import TIER_KEY, TierName
 
 if TYPE_CHECKING:
-    import numpy as np
+    from contextlib import AbstractContextManager
+
     import torch
 
     from .config import StoreConfig
-    from .identity import Scope
     from .index import Index
     from .tiers import DiskTier, MemoryTier
 
@@ -63,47 +67,6 @@ class Placement:
     def tier(self, t: str) -> "MemoryTier":
         """The memory tier named ``t`` (a TierName, or its plain str: the keys of Block.loc)."""
         return self.device if t == DEVICE else self.host
-
-    # ---- matching ------------------------------------------------------------------------
-    def match(self, arr: "np.ndarray", scope: "Scope",
-              block_extra: "Sequence[Sequence[str | bytes]] | None") -> list[Block]:
-        """The longest chain of stored blocks for ``arr`` whose token ids equal the
-        request's (held: the lock). A block whose stored ids differ is a collision or a
-        corrupt record: quarantined, and the chain ends there. Keys of a prefix hashed
-        before (byte-equal tokens, same seed) come from the chain memo, and their blocks'
-        stored ids are compared in one piece (a mismatch: the block-by-block walk)."""
-        bs = self.layout.block_size
-        step = 4 * bs
-        raw = arr.data.cast("B")  # a view: tobytes() of each prompt was a replay's page faults
-        get = self.table.blocks.get
-        memo = self.chain_memo if block_extra is None else None
-        proven = memo.proven(scope.seed, raw, step, len(raw) // step) if memo is not None else ()
-        chain: list[Block] = []
-        if proven:  # a miss inside it ends the chain; stored ids disagreeing: hash and walk
-            found: list[Block | None] = list(map(get, proven))  # no block in the table is dead (check_integrity)
-            if None in found:
-                del found[found.index(None):]
-            chain = cast("list[Block]", found)  # free at run time; compiled, a check that it is a list
-            if not same_bytes(b"".join([b.tokens for b in chain]), raw[: len(chain) * step]):
-                chain, proven = [], ()
-            elif len(chain) < len(proven):
-                return chain
-        hashed = list(proven)  # every key computed, the first miss's too (a put needs it next)
-        for i, key in enumerate(iter_block_keys(arr, scope.seed, bs, block_extra, start=len(proven),
-                                                parent=proven[-1] if proven else None, raw=raw), len(proven)):
-            hashed.append(key)
-            b = get(key)
-            if b is None or b.dead:
-                break
-            if not same_bytes(b.tokens, raw[i * step : (i + 1) * step]):
-                self.stats_counters.token_mismatch += 1
-                self.quarantine(b, "stored token ids differ from the request's")
-                break
-            chain.append(b)
-        # Only the first miss hashed: the put re-hashes it rather than the memo copy the prefix.
-        if memo is not None and len(hashed) > len(proven) + 1:
-            memo.remember(scope.seed, raw, step, hashed)
-        return chain
 
     # ---- allocation with eviction -----------------------------------------------------
     def alloc_mem(self, t: TierName) -> int | None:
@@ -176,6 +139,7 @@ class Placement:
     def evict(self, b: Block, t: TierName) -> None:
         """Take ``b`` out of tier ``t``: demote it to the host when it leaves the device, and
         write it back to disk when this was its last copy (ephemeral blocks are just dropped)."""
+        fault_point("placement.evict:before")
         self.stats_counters.evictions[TIER_KEY[t]] += 1
         moves = (t == DISK or (t == DEVICE and HOST not in b.loc and self.host.slots.capacity)
                  or (DISK not in b.loc and self.disk.capacity_slots and not self.disk.degraded))
@@ -191,6 +155,7 @@ class Placement:
             self.tier(t).slots.free(table.unplace(b, t, True))
             if not b.loc:
                 table.remove(b)
+            fault_point("placement.evict:after")
             return
         with self.table.held([b]):  # the nested evictions a move triggers never pick b
             if (t == DEVICE and HOST not in b.loc and self.host.slots.capacity
@@ -210,6 +175,7 @@ class Placement:
             # Its last local copy is going: listeners (a cluster node) may keep it elsewhere.
             self.eviction_listeners.notify(b, t.value, lambda: self._page_copy(b, t))
         self.free(b, t, evicted=True)
+        fault_point("placement.evict:after")
 
     def _page_copy(self, b: Block, t: TierName) -> "torch.Tensor":
         """A CPU copy of ``b``'s page in tier ``t`` (held: the lock)."""
@@ -218,12 +184,13 @@ class Placement:
         return self.tier(t).page(b.loc[t]).detach().to("cpu", copy=True)
 
     def _demote(self, b: Block, src: TierName, dst: TierName) -> None:
+        fault_point("placement.demote:before")
         slot = self.alloc_mem(dst)
-        if slot is None:
-            return
-        self.tier(dst).write(slot, self.tier(src).page(b.loc[src]))
-        self.table.place(b, dst, slot)
-        self.stats_counters.demoted_bytes += self.layout.page_bytes
+        if slot is not None:  # else no room below: the eviction drops this copy
+            self.tier(dst).write(slot, self.tier(src).page(b.loc[src]))
+            self.table.place(b, dst, slot)
+            self.stats_counters.demoted_bytes += self.layout.page_bytes
+        fault_point("placement.demote:after")
 
     def flush_to_disk(self, b: Block, page: "torch.Tensor | None" = None) -> bool:
         """Write a block that is not on disk to disk and index it (write-back on eviction,
@@ -244,6 +211,13 @@ class Placement:
         return self._write_back(b, page, ancestors)
 
     def _write_back(self, b: Block, page: "torch.Tensor | None", keep: list[Block]) -> bool:
+        # One call for the fault points around the step, which returns from six places.
+        fault_point("placement.write_back:before")
+        done = self._copy_to_disk(b, page, keep)
+        fault_point("placement.write_back:after")
+        return done
+
+    def _copy_to_disk(self, b: Block, page: "torch.Tensor | None", keep: list[Block]) -> bool:
         if DISK in b.loc:
             return True
         if not self.disk.capacity_slots or self.disk.degraded or (page is None and not b.loc):
@@ -287,14 +261,18 @@ class Placement:
         """Make ``b`` unreachable now (index first, unless the caller already committed the
         delete); free its pages now, or when its last lease or in-flight read ends. Returns
         the bytes freed now."""
+        fault_point("placement.retire:before")
         if DISK in b.loc and not index_done:
             self.index.delete_blocks([b.key])
         self.table.detach(b)
+        freed = 0
         if b.leases or b.busy:
             if b not in self._dead:
                 self._dead.append(b)
-            return 0
-        return self._free_detached(b)
+        else:
+            freed = self._free_detached(b)
+        fault_point("placement.retire:after")
+        return freed
 
     def _free_detached(self, b: Block) -> int:
         freed = 0
@@ -307,7 +285,7 @@ class Placement:
         b.loc.clear()
         return freed
 
-    def held(self, blocks: Sequence[Block]):  # type: ignore[no-untyped-def]
+    def held(self, blocks: Sequence[Block]) -> "AbstractContextManager[list[Block]]":
         """``with self.held(blocks):`` keeps them busy for the scope; blocks retired
         meanwhile are freed at its end if nothing else holds them."""
         return self.table.held(blocks, self._free_if_unheld)
@@ -347,13 +325,16 @@ class Placement:
         checks it again it is never served; it is quarantined at a later read or open.
         Dropping it from memory only would free its disk slot while the index still points
         there, and a new page in that slot would be lost to the stale record at the next open."""
+        fault_point("placement.quarantine:before")
         try:
             self.quarantine_key(b.key, reason)  # records the reason and deletes the entry in one commit
         except IndexWriteError as e:
             self.stats_counters.quarantine_failed += 1
             log.error("could not quarantine block %s (%s): %s", b.key.hex()[:16], reason, e)
+            fault_point("placement.quarantine:after")
             return False
         self.retire(b, index_done=True)
+        fault_point("placement.quarantine:after")
         return True
 
     def record(self, b: Block, disk_loc: int) -> BlockRecord:

@@ -5,7 +5,8 @@ index's own record for the page, written and fsynced with the page before the in
 So when the index is damaged or lost, :func:`rebuild_index`
 
 1. takes the home lock (nobody else may have the home open);
-2. quarantines segments whose header is damaged or of another layout than the majority;
+2. takes the home's layout from a record of it (:func:`home_layout`), never from a count of
+   segments, and quarantines segments whose header is damaged or of another layout or codec;
 3. moves the old index aside (``index.damaged-<time>``: kept for inspection, never read);
 4. reads every slot's record and page: a record whose own checksum fails, that does not
    decode, names another model version than its segment, or whose page fails the page
@@ -21,6 +22,7 @@ synced); its bytes are still exactly the page of its key.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -35,9 +37,10 @@ import torch
 from .blocks import Priority
 from .checksum import page_checksum
 from .config import StoreConfig
-from .errors import IndexDamagedError, NotFoundError
-from .home import HomeLock
-from .index import BlockRecord, Index
+from .codec import DEFAULT_CODEC
+from .errors import CodecMismatchError, IndexDamagedError, IndexReadError, LayoutMismatchError, NotFoundError
+from .home.lock import HomeLock
+from .index import BlockRecord, Index, peek_meta
 from .index_check import check_index
 from .layout import PageLayout
 from .tiers.disk import SEG_RE, location
@@ -75,28 +78,86 @@ def _quarantine(path: Path, reason: str) -> None:
     path.rename(path.with_name(path.name + ".bad"))
 
 
-def _read_headers(home: Path) -> tuple[list[tuple[int, Path, SegmentHeader]], int]:
-    """Readable segments of the home's layout (the majority's), and how many were quarantined."""
+def _read_headers(home: Path) -> tuple[list[tuple[int, Path, SegmentHeader]], list[tuple[Path, str]]]:
+    """Segments whose header reads, and (path, why) of those whose header is damaged."""
     good: list[tuple[int, Path, SegmentHeader]] = []
-    bad = 0
+    damaged: list[tuple[Path, str]] = []
     for seg_id, path in _segments(home):
         try:
             good.append((seg_id, path, read_header(path)))
         except (SegmentFormatError, OSError) as e:
-            _quarantine(path, str(e))
-            bad += 1
-    if not good:
-        return [], bad
-    # A home's segments share one layout and one page codec (tierkv/codec.py).
-    (layout_json, codec), _ = Counter((h.layout.to_json(), h.page_codec) for _, _, h in good).most_common(1)[0]
-    keep = []
-    for seg_id, path, h in good:
-        if (h.layout.to_json(), h.page_codec) == (layout_json, codec):
-            keep.append((seg_id, path, h))
-        else:
-            _quarantine(path, f"layout {h.layout.to_json()} differs from the home's {layout_json}")
-            bad += 1
-    return keep, bad
+            damaged.append((path, str(e)))
+    return good, damaged
+
+
+def _recorded_meta(home: Path, name: str) -> str | None:
+    """A value of the (possibly damaged) index's meta, or None where it cannot be read."""
+    try:
+        return peek_meta(home / "index", name)
+    except (IndexDamagedError, IndexReadError):
+        return None
+
+
+def home_layout(home: Path, headers: list[tuple[int, Path, SegmentHeader]]) -> tuple[PageLayout, str, str]:
+    """(layout, page codec, where the layout came from) of the store at ``home``.
+
+    Issue #34, item 7: the layout was the majority of the segments' headers, so one own
+    segment beside two foreign ones rebuilt the home as the foreign layout (its own segment
+    renamed ``.bad``; the home no longer opened with its real layout). A count of files is
+    not a record: the layout comes from, in order,
+
+    1. the index's recorded layout and codec (index meta), when the damaged index still
+       reads that far;
+    2. for a daemon's ``HOME/layouts/<id>``, the directory's name (the daemon named it
+       after the layout; ``find_layouts`` skips a directory whose name is not its layout's);
+       the codec then from its segments, which must agree;
+    3. only where neither exists (a root store whose index is gone): the segments, and only
+       when every readable one names the same layout and codec. Any disagreement is refused
+       (LayoutMismatchError naming each layout found): with no record, choosing one would
+       be a guess, and a wrong guess quarantines the home's own pages.
+
+    Rejected: always refusing without a record (the common repair, an index lost with only
+    the home's own segments, would then need the layout typed in by hand)."""
+    from .home.directory import LAYOUTS_DIR, layout_id
+
+    found = Counter((h.layout.to_json(), h.page_codec) for _, _, h in headers)
+    seen = ", ".join(f"{n} segment(s) of {lo} codec {c}" for (lo, c), n in found.most_common()) or "none"
+    raw = _recorded_meta(home, "layout")
+    try:
+        recorded = None if raw is None else PageLayout.from_dict(json.loads(raw))
+    except (ValueError, TypeError, KeyError):  # damage inside the record: no record
+        recorded = None
+    codec = _recorded_meta(home, "page_codec") if recorded is not None else None
+    by_name = home.name if home.parent.name == LAYOUTS_DIR else None
+    if recorded is not None:
+        layout, source = recorded, "the index's recorded layout"
+        if by_name is not None and layout_id(layout) != by_name:
+            raise LayoutMismatchError(f"{home}: its index records layout {layout_id(layout)} but its directory "
+                                      f"is named for {by_name}", hint="move the store to HOME/layouts/"
+                                      f"{layout_id(layout)} (or out of layouts/), then run verify --repair again")
+    elif by_name is not None:
+        mine = [h for _, _, h in headers if layout_id(h.layout) == by_name]
+        if not mine:
+            raise NotFoundError(f"{home} holds no readable segment of its layout {by_name} (found: {seen})",
+                                hint="check --home; nothing was changed")
+        layout, source = mine[0].layout, f"the directory name {by_name}"
+    else:
+        if len({lo for lo, _ in found}) > 1:
+            raise LayoutMismatchError(
+                f"{home}: the index is gone with its record of the layout, and the segments name different "
+                f"layouts ({seen}); refusing to guess which is the home's", hint="move the segments of the other "
+                "layouts out of HOME/segments (`tierkv` reads each one's layout from its header), then run "
+                "verify --repair again; nothing was changed")
+        layout, source = headers[0][2].layout, "its segments (all of one layout)"
+    if codec is None:
+        codecs = {h.page_codec for _, _, h in headers if h.layout == layout}
+        if len(codecs) > 1:
+            raise CodecMismatchError(f"{home}: the segments of layout {layout_id(layout)} name different page "
+                                     f"codecs ({', '.join(sorted(codecs))}) and no index records the home's",
+                                     hint="move the segments of the other codec out of HOME/segments, then run "
+                                     "verify --repair again; nothing was changed")
+        codec = codecs.pop() if codecs else DEFAULT_CODEC
+    return layout, codec, source
 
 
 def _scan_segment(seg_id: int, path: Path, h: SegmentHeader, counts: Counter, found: dict[bytes, BlockRecord],
@@ -146,11 +207,24 @@ def rebuild_index(home: Path, *, map_size: int | None = None, progress: Progress
     home = Path(home)
     lock = HomeLock(home, None)
     try:
-        headers, quarantined = _read_headers(home)
-        if not headers:
+        readable, damaged = _read_headers(home)
+        if not readable:
             raise NotFoundError(f"{home} holds no readable segment to rebuild an index from",
                                 hint="check --home; the damaged index (if any) is left where it is")
-        layout: PageLayout = headers[0][2].layout
+        # Decided before any file is renamed: a refusal changes nothing.
+        layout, codec, source = home_layout(home, readable)
+        log.warning("rebuilding %s as layout %s, codec %s (from %s)", home, layout.to_json(), codec, source)
+        headers = [(i, p, h) for i, p, h in readable if (h.layout, h.page_codec) == (layout, codec)]
+        if not headers:
+            raise NotFoundError(f"{home} holds no readable segment of its layout {layout.to_json()} codec {codec} "
+                                f"(from {source})", hint="check --home; nothing was changed")
+        for path, why in damaged:
+            _quarantine(path, why)
+        for _, path, h in readable:
+            if (h.layout, h.page_codec) != (layout, codec):
+                _quarantine(path, f"layout {h.layout.to_json()} codec {h.page_codec} is not the home's "
+                                  f"{layout.to_json()} codec {codec} (from {source})")
+        quarantined = len(readable) - len(headers) + len(damaged)
         counts: Counter = Counter()
         found: dict[bytes, BlockRecord] = {}
         total = sum(h.segment_pages for _, _, h in headers)
@@ -174,7 +248,7 @@ def rebuild_index(home: Path, *, map_size: int | None = None, progress: Progress
         try:
             idx.put_meta("layout", layout.to_json())
             idx.put_meta("format_version", FORMAT_VERSION)
-            idx.put_meta("page_codec", headers[0][2].page_codec)
+            idx.put_meta("page_codec", codec)
             recs = list(found.values())
             for k in range(0, len(recs), BATCH):
                 idx.put_blocks(recs[k : k + BATCH])

@@ -229,10 +229,6 @@ class StoreStats(Mapping[str, Any]):
     extra: Mapping[str, Any] = field(default_factory=dict)  # keys this version does not know (a newer daemon's)
     namespaces_next: str | None = None  # ``namespaces`` is a page: pass this as namespace_after for the next
 
-    def with_sections(self, **sections: Mapping[str, Any] | None) -> "StoreStats":
-        """A copy with ``cluster``/``remote``/``remote_tier``/``daemon`` set."""
-        return replace(self, **sections)
-
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape (stable: tests, docs/cli.md and the daemon rely on it)."""
         out: dict[str, Any] = dict(self.extra)

@@ -29,10 +29,11 @@ from .codec import open_home_codec
 from .config import StoreConfig
 from .errors import ForkedStoreError, LayoutMismatchError, NotFoundError, TierKVError
 from .eviction import EvictedBlock
-from .home import HomeLock
+from .home.lock import HomeLock, LentLock
 from .identity import Scope, as_token_array
 from .index import NO_DISK, Index
 from .layout import PageLayout
+from .matching import match_chain
 from .ingest import Ingest
 from .operations import StoreOperations
 from .placement import Placement
@@ -54,7 +55,7 @@ DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
 class Store(StoreAPI):
-    """A tierkv store opened in this process. Build with :func:`tierkv.open`.
+    """A tierkv store opened in this process. Build with :func:`tierkv.open` (``home_lock``: home.LentLock).
 
     Built from parts, each given what it needs in its constructor:
 
@@ -69,23 +70,22 @@ class Store(StoreAPI):
     - ``operations`` (:class:`~tierkv.operations.StoreOperations`): pinning, manifests,
       chains, invalidate, verify, stats.
 
-    Lookup and prefetch, opening and closing live here.
-    Every public method checks that the store is usable (open, and used by the process
-    that opened it), then does its work or delegates it. ``index``, ``device``, ``host`` and
-    ``disk`` are the parts the placement was given, for inspection (the daemon shares the
-    memory tiers with its clients)."""
+    Lookup and prefetch, opening and closing live here. Every public method checks that the
+    store is usable (open, and used by this process), then does its work or delegates it.
+    ``index``, ``device``, ``host`` and ``disk`` are the placement's parts, for inspection
+    (the daemon shares the memory tiers with its clients)."""
 
-    def __init__(self, config: StoreConfig, socket_path: str | None = None) -> None:
+    def __init__(self, config: StoreConfig, socket_path: str | None = None, home_lock: LentLock | None = None) -> None:
         self.config = config
         self.layout: PageLayout = config.layout
         self._pid = os.getpid()
         self._closed = False
         home = config.home
-        self._home_lock = HomeLock(home, socket_path)
+        self._home_lock = home_lock or HomeLock(home, socket_path)  # a daemon's root store: lent one
         try:
             self.index = Index(home / "index", config.index_map_bytes)
             codec = open_home_codec(self.index, config.page_codec, self.layout, home)  # before a new home's layout
-            self._check_layout()
+            new_home = self._check_layout()  # a new home's layout is recorded last (below)
             shm_dir = config.shm_dir or default_shm_dir()
             reap_stale_regions(shm_dir)  # tiers of killed processes: nobody else unlinks them
             cuda = torch.cuda.is_available()
@@ -106,6 +106,9 @@ class Store(StoreAPI):
             self.leasing = Leasing(self, self.placement, self.promotion, self.read_through)
             self.operations = StoreOperations(self.placement)
             self._load_index()
+            if new_home:  # only now: a home whose tiers could not be built holds no layout (#34)
+                self.index.put_meta("layout", self.layout.to_json())
+                self.index.put_meta("format_version", FORMAT_VERSION)
             if config.disk_limit_bytes is not None:  # the memory tiers took theirs above
                 self.set_tier_limits(disk_bytes=config.disk_limit_bytes)
             self._executor = ThreadPoolExecutor(max(1, config.prefetch_workers), thread_name_prefix="tierkv-prefetch")
@@ -124,14 +127,12 @@ class Store(StoreAPI):
         )
 
     # ---- opening -------------------------------------------------------------------
-    def _check_layout(self) -> None:
+    def _check_layout(self) -> bool:
+        """Whether the home is new (holds no layout yet); LayoutMismatchError for another."""
         stored = self.index.get_meta("layout")
-        if stored is None:
-            self.index.put_meta("layout", self.layout.to_json())
-            self.index.put_meta("format_version", FORMAT_VERSION)
-            return
-        if stored != self.layout.to_json():
+        if stored is not None and stored != self.layout.to_json():
             raise LayoutMismatchError(f"{self.config.home} holds pages of layout {stored}, asked for {self.layout.to_json()}")
+        return stored is None
 
     def _load_index(self) -> None:
         """Rebuild the block table from the index: drop entries whose page is missing, short
@@ -189,7 +190,7 @@ class Store(StoreAPI):
         arr = as_token_array(tokens)
         t0 = time.perf_counter()
         with self._lock:
-            chain = self.placement.match(arr, scope, block_extra)
+            chain = match_chain(self.placement, arr, scope, block_extra)
             tiers = tuple(b.top for b in chain)
             self.placement.stats_counters.record_lookup(len(arr) // self.layout.block_size, tiers,
                                                         time.perf_counter() - t0)

@@ -70,29 +70,23 @@ def test_generate_stores_its_output_unless_told_not_to(llama_dir, tmp_path):
 def test_chat_through_a_daemon(llama_dir, tmp_path):
     import shutil
     import tempfile
-    import threading
     from pathlib import Path
 
+    from helpers.daemons import DaemonThread
     from tierkv.daemon.config import DaemonConfig
-    from tierkv.daemon.server import Daemon
     from tierkv.hf import version_of
 
     layout, _ = version_of(llama_dir)
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvchat-"))  # AF_UNIX paths are short
     cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=layout, device="cpu",
                        device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm", workers=2)
-    daemon = Daemon(cfg, install_signals=False)
-    thread = threading.Thread(target=daemon.run, daemon=True)
-    thread.start()
     try:
-        assert daemon.ready.wait(30), "daemon did not start"
-        lines = "store the block\nevict the page\n"
-        via = turns("--model", llama_dir, "--socket", cfg.socket, "--max-new-tokens", "24", lines=lines)
-        local = turns("--model", llama_dir, "--home", tmp_path / "home", "--max-new-tokens", "24", lines=lines)
-        assert [t["tokens"] for t in via] == [t["tokens"] for t in local]
-        assert via[1]["cached_tokens"] == local[1]["cached_tokens"] == \
-            (via[0]["prompt_tokens"] + len(via[0]["tokens"]) - 1) // 16 * 16
+        with DaemonThread(cfg):
+            lines = "store the block\nevict the page\n"
+            via = turns("--model", llama_dir, "--socket", cfg.socket, "--max-new-tokens", "24", lines=lines)
+            local = turns("--model", llama_dir, "--home", tmp_path / "home", "--max-new-tokens", "24", lines=lines)
+            assert [t["tokens"] for t in via] == [t["tokens"] for t in local]
+            assert via[1]["cached_tokens"] == local[1]["cached_tokens"] == \
+                (via[0]["prompt_tokens"] + len(via[0]["tokens"]) - 1) // 16 * 16
     finally:
-        daemon.request_stop()
-        thread.join(30)
         shutil.rmtree(d, ignore_errors=True)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import tierkv
 from helpers.mounts import tmpfs
 from tierkv.cli import main
-from tierkv.daemon.layouts import find_layouts
+from tierkv.home.directory import find_layouts
 
 pytestmark = pytest.mark.usefixtures("private_caches")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from click.testing import CliRunner
 
 import tierkv
 from tierkv.cli import main
-from tierkv.daemon.layouts import find_layouts, layout_id
+from tierkv.home.directory import find_layouts, layout_id
 from tierkv.hf import version_of
 
 pytestmark = pytest.mark.usefixtures("private_caches")
@@ -105,6 +104,7 @@ def test_removing_the_root_layout_keeps_the_others(llama_dir, repo, tmp_path):
 def daemon(llama_dir):
     """`tierkv serve`'s Daemon from a thread, serving a fresh home with the model's layout;
     yields a function that (re)starts it and the config."""
+    from helpers.daemons import DaemonThread
     from tierkv.daemon.config import DaemonConfig
     from tierkv.daemon.server import Daemon
 
@@ -113,20 +113,14 @@ def daemon(llama_dir):
     cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=layout, device="cpu",
                        device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm",
                        workers=2, max_layouts=4)
-    running: list[tuple[Daemon, threading.Thread]] = []
+    running: list[DaemonThread] = []
 
     def start() -> Daemon:
-        dm = Daemon(cfg, install_signals=False)
-        t = threading.Thread(target=dm.run, daemon=True)
-        t.start()
-        assert dm.ready.wait(30), "daemon did not start"
-        running.append((dm, t))
-        return dm
+        running.append(DaemonThread(cfg).start())
+        return running[-1].daemon
 
     def stop() -> None:
-        dm, t = running.pop()
-        dm.request_stop()
-        t.join(30)
+        running.pop().stop()
 
     try:
         yield start, stop, cfg
@@ -171,3 +165,53 @@ def test_a_typo_through_a_daemon_keeps_the_budgets_and_rm_gives_them_back(llama_
     stop()
     start()
     assert [r["block_size"] for r in run_json("layouts", *sock)["layouts"]] == [16]
+
+
+def test_removing_the_root_layout_through_a_daemon_keeps_the_home_locked(llama_dir, repo, daemon):
+    """The daemon holds HOME/LOCK for its life (issue 34, item 4) and lends it to the root's
+    store: removing that store leaves the home locked, and the next new layout opens at the
+    root."""
+    from tierkv.errors import DaemonOwnsHomeError
+
+    start, stop, cfg = daemon
+    start()
+    sock = ("--socket", cfg.socket)
+    run("materialize", repo, "--model", llama_dir, *sock, "--name", "repo", "--no-progress")
+    ask = ("--model", llama_dir, "--prompt", PROMPT, "--max-new-tokens", "1", "--no-progress", *sock)
+    run("generate", *ask, "--block-size", "32", "--new-layout")
+    root_id = layout_id(version_of(llama_dir)[0])
+    run_json("layouts", "rm", root_id, "--yes", *sock)
+    assert [r["block_size"] for r in run_json("layouts", *sock)["layouts"]] == [32]
+    assert not (cfg.home / "index").exists()
+    with pytest.raises(DaemonOwnsHomeError):
+        tierkv.open(cfg.home, version_of(llama_dir)[0])
+    run("generate", *ask, "--block-size", "64", "--new-layout")  # opens at the root
+    assert tierkv.home_layout(cfg.home).block_size == 64
+    stop()
+    start()
+    # Both found again (16 too: the fixture's daemon has it as its --layout), 64 at the root.
+    assert sorted(r["block_size"] for r in run_json("layouts", *sock)["layouts"]) == [16, 32, 64]
+    assert tierkv.home_layout(cfg.home).block_size == 64
+
+
+def test_invalidate_and_gc_of_a_model_through_a_daemon_serving_several_layouts(llama_dir, repo, daemon):
+    """`invalidate --model M --socket S` and `gc --keep-model M --socket S` failed ("holds
+    no tierkv store") when the daemon served several layouts: the model's version was taken
+    under the local default home's layout. It is taken under every layout the daemon
+    serves: the model's blocks under each are found, kept or removed."""
+    start, stop, cfg = daemon
+    start()
+    sock = ("--socket", cfg.socket)
+    run("materialize", repo, "--model", llama_dir, *sock, "--name", "b16", "--no-progress")
+    run("materialize", repo, "--model", llama_dir, *sock, "--name", "b32", "--no-progress", "--block-size", "32",
+        "--new-layout")
+    per = run_json("stats", *sock)["layouts"]
+    blocks = {lid: s["blocks"] for lid, s in per.items()}
+    assert len(blocks) == 2 and all(blocks.values())
+    kept = run_json("gc", "--keep-model", llama_dir, "--dry-run", *sock)
+    assert kept["removed_blocks"] == 0 and len(kept["kept_model_versions"]) == 2
+    dry = run_json("invalidate", "--model", llama_dir, "--dry-run", *sock)
+    assert dry["removed_blocks"] == sum(blocks.values()) and len(dry["model_versions"]) == 2
+    done = run_json("invalidate", "--model", llama_dir, *sock)
+    assert done["removed_blocks"] == sum(blocks.values())
+    assert all(s["blocks"] == 0 for s in run_json("stats", *sock)["layouts"].values())

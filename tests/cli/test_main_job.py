@@ -125,8 +125,9 @@ def test_generate_shows_the_prefill_progress_on_stderr(llama_dir, repo, tmp_path
 def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
     """Issue #37, item 5: a repeated `materialize --name X` without --pin unpinned X."""
     import tierkv
-    from tierkv.cli.home_stores import store_home
+    from tierkv.home import store_home
     from tierkv.hf import load_model, version_of
+    from tierkv.document import DocumentOptions
     from tierkv.materialize import document_tokens
     from tierkv.store import Priority
 
@@ -140,7 +141,7 @@ def test_materialize_again_without_pin_keeps_the_pin(llama_dir, repo, tmp_path):
     layout, _ = version_of(llama_dir)
     lm = load_model(llama_dir, device="cpu")
     with tierkv.open(store_home(home, layout), layout, device="cpu", host_bytes=0) as store:
-        keys = store.lookup(document_tokens(lm, [repo]).tokens, lm.scope()).keys
+        keys = store.lookup(document_tokens(lm, [repo], DocumentOptions(order="history")).tokens, lm.scope()).keys  # the CLI's order
         assert keys and {store.placement.table.get(k).priority for k in keys} == {Priority.PINNED}
     # `unpin` is how to unpin; a run after it keeps the prefix unpinned.
     run("unpin", "repo", "--home", home)
@@ -176,22 +177,18 @@ def test_materialize_generate_invalidate_through_a_daemon(llama_dir, repo, tmp_p
     generate warm through it, invalidate after a weight change, see it in `stats`."""
     import shutil
     import tempfile
-    import threading
     from pathlib import Path
 
+    from helpers.daemons import DaemonThread
     from tierkv.daemon.config import DaemonConfig
-    from tierkv.daemon.server import Daemon
-    from tierkv.hf import version_of
 
     layout, version = version_of(llama_dir)
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvmj-"))  # AF_UNIX paths are short
     cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=layout, device="cpu",
                        device_bytes=64 << 20, host_bytes=16 << 20, disk_bytes=256 << 20, shm_dir=d / "shm", workers=2)
-    daemon = Daemon(cfg, install_signals=False)
-    thread = threading.Thread(target=daemon.run, daemon=True)
-    thread.start()
+    daemon = DaemonThread(cfg)
     try:
-        assert daemon.ready.wait(30), "daemon did not start"
+        daemon.start()
         sock = ("--socket", cfg.socket)
         made = run_json("materialize", repo, "--model", llama_dir, *sock, "--name", "repo", "--no-progress")
         assert made["stored_blocks"] == made["tokens"] // 16 > 0
@@ -207,8 +204,7 @@ def test_materialize_generate_invalidate_through_a_daemon(llama_dir, repo, tmp_p
         again = run_json("generate", *ask, *sock, "--prefix", "repo")
         assert again["cached_tokens"] == 0 and again["tokens"] == cold["tokens"]
     finally:
-        daemon.request_stop()
-        thread.join(30)
+        daemon.stop()
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -236,7 +232,21 @@ def test_an_imported_prefix_serves_without_its_source_tree(llama_dir, repo, tmp_
         warm = run_json("generate", *ask, "--home", home, "--prefix", "repo")
         assert warm["cached_tokens"] == 160 and warm["tokens"] == cold["tokens"]
         assert run_json("generate", *ask, "--home", home, "--prefix", "repo", "--no-cache")["tokens"] == cold["tokens"]
-    # A prefix whose last tokens fill no block: served from its whole blocks, and said so.
+    # A prefix whose last tokens fill no block: its manifest keeps them (format 2), so all
+    # 170 ids come back; a manifest without them (made before) serves its whole blocks and
+    # says so.
+    whole = run("generate", *ask, "--home", b, "--prefix", "tail", "--json")
+    assert "fill no block" not in whole.stderr
+    served = json.loads(whole.stdout.strip().splitlines()[-1])
+    assert served["cached_tokens"] == 160 and served["prompt_tokens"] == cold["prompt_tokens"] + 10
+    import tierkv
+    from tierkv.home import store_home
+
+    layout, _ = version_of(llama_dir)
+    with tierkv.open(store_home(b, layout), layout, device="cpu", host_bytes=0) as store:
+        older = store.get_manifest("tail")
+        del older["tail_tokens"]
+        store.save_manifest("tail", older)
     r = run("generate", *ask, "--home", b, "--prefix", "tail", "--json")
     assert "its last 10 tokens fill no block" in r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["cached_tokens"] == 160

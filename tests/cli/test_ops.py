@@ -7,7 +7,6 @@ import hashlib
 import json
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -394,20 +393,15 @@ def test_export_of_an_incomplete_prefix_is_refused(home, tmp_path):
 @pytest.fixture
 def daemon_socket():
     """A daemon serving a fresh home from a thread of this process; yields its socket path."""
+    from helpers.daemons import DaemonThread
     from tierkv.daemon.config import DaemonConfig
-    from tierkv.daemon.server import Daemon
 
     d = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvops-"))  # AF_UNIX paths are short
     cfg = DaemonConfig(home=d / "home", socket=d / "d.sock", layout=LAYOUT, device="cpu",
                        device_bytes=64 * LAYOUT.page_bytes, host_bytes=1 << 20, disk_bytes=16 << 20,
                        staging_bytes=256 << 10, client_staging_bytes=64 << 10, shm_dir=d / "shm", workers=2)
-    daemon = Daemon(cfg, install_signals=False)
-    thread = threading.Thread(target=daemon.run, daemon=True)
-    thread.start()
-    assert daemon.ready.wait(30), "daemon did not start"
-    yield cfg.socket
-    daemon.request_stop()
-    thread.join(30)
+    with DaemonThread(cfg):
+        yield cfg.socket
     shutil.rmtree(d, ignore_errors=True)
 
 
@@ -459,7 +453,7 @@ def test_verify_repair_with_home_rebuilds_a_damaged_index_of_any_layout(tmp_path
     cover both stores, and verify --repair rebuilds the second layout's index too."""
     import os
 
-    from tierkv.cli.home_stores import store_home
+    from tierkv.home import store_home
 
     home, shm = tmp_path / "home", tmp_path / "shm"
     a = PageLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,8 @@ from tierkv import Priority, Scope
 from tierkv.cli import main
 from tierkv.cluster import open_node, route
 from tierkv.cluster.master import free_port
+from helpers.daemons import DaemonThread
 from tierkv.daemon.config import DaemonConfig, merge, read_config_file
-from tierkv.daemon.server import Daemon
 from tierkv.identity import block_keys
 from tierkv.errors import ConfigError
 
@@ -47,30 +46,6 @@ def daemon_config(work: Path, name: str, **kw) -> DaemonConfig:
                 remote_setup_timeout_s=2.0, remote_backoff_max_s=1.0)
     base.update(kw)
     return DaemonConfig(**base)
-
-
-class Running:
-    def __init__(self, config: DaemonConfig, **kw) -> None:
-        self.config = config
-        self.daemon = Daemon(config, install_signals=False, **kw)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.daemon.ready.wait(30), "daemon did not start"
-        if self.error is not None:
-            raise self.error
-
-    def _run(self) -> None:
-        try:
-            self.daemon.run()
-        except BaseException as e:  # noqa: BLE001
-            self.error = e
-            self.daemon.ready.set()
-
-    def stop(self) -> None:
-        self.daemon.request_stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "daemon did not stop"
 
 
 @pytest.fixture
@@ -95,7 +70,7 @@ def wait_for(pred, timeout: float = 10.0) -> bool:
 def test_unreachable_master_daemon_serves_locally_and_reports_degraded(work):
     cfg = daemon_config(work, "a", remote_master=f"127.0.0.1:{free_port()}",
                         remote_metadata_url=f"http://127.0.0.1:{free_port()}/metadata")
-    d = Running(cfg)
+    d = DaemonThread(cfg).start()
     try:
         assert os.environ["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
         t = toks(1, 3)
@@ -133,8 +108,8 @@ def test_two_daemons_share_published_prefixes(work):
     A is a remote hit through B's client, byte for byte, and route counts it."""
     cluster = FakeCluster()
     kw = dict(remote_master="127.0.0.1:1", remote_bind="127.0.0.2")
-    a = Running(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory)
-    b = Running(daemon_config(work, "b", **kw), remote_backend_factory=cluster.factory)
+    a = DaemonThread(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory).start()
+    b = DaemonThread(daemon_config(work, "b", **kw), remote_backend_factory=cluster.factory).start()
     try:
         assert os.environ["MC_TCP_BIND_ADDRESS"] == "127.0.0.2"
         t, private = toks(2, 4), toks(3, 2)
@@ -178,8 +153,8 @@ def test_daemon_republishes_named_prefixes_when_the_master_comes_back(work):
     republishes A's named prefixes, and B finds them without anyone re-pinning."""
     cluster = FakeCluster()
     kw = dict(remote_master="127.0.0.1:1")
-    a = Running(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory)
-    b = Running(daemon_config(work, "b", **kw), remote_backend_factory=cluster.factory)
+    a = DaemonThread(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory).start()
+    b = DaemonThread(daemon_config(work, "b", **kw), remote_backend_factory=cluster.factory).start()
     try:
         t = toks(7, 3)
         with tierkv.connect(a.config.socket) as ca, tierkv.connect(b.config.socket) as cb:
@@ -203,7 +178,7 @@ def test_daemon_republishes_named_prefixes_when_the_master_comes_back(work):
 def test_local_only_namespace_stays_on_the_node(work):
     cluster = FakeCluster()
     kw = dict(remote_master="127.0.0.1:1", local_only_namespaces=("secret",))
-    a = Running(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory)
+    a = DaemonThread(daemon_config(work, "a", **kw), remote_backend_factory=cluster.factory).start()
     try:
         t = toks(4, 2)
         with tierkv.connect(a.config.socket) as ca:

@@ -5,7 +5,7 @@ import pytest
 
 from tierkv import Priority
 from tierkv.cluster import PublishPolicy
-from tierkv.cluster.publish import Event
+from tierkv.cluster.publish_policy import Event
 
 N, P, E = Priority.NORMAL, Priority.PINNED, Priority.EPHEMERAL
 

@@ -106,9 +106,8 @@ def daemon_socket():
     """A tierkv daemon serving from a thread of this process; its socket path."""
     import shutil
     import tempfile
-    import threading
 
-    from tierkv.daemon import server  # tierkv's own: an import error is a failure, never a skip
+    from helpers.daemons import DaemonThread  # tierkv's own: an import error is a failure, never a skip
     from tierkv.daemon.config import DaemonConfig
 
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="tkvr-"))  # AF_UNIX paths are short
@@ -116,14 +115,8 @@ def daemon_socket():
                           device_bytes=16 * LAYOUT.page_bytes, host_bytes=8 * LAYOUT.slot_bytes,
                           disk_bytes=64 * LAYOUT.slot_bytes, staging_bytes=256 << 10,
                           client_staging_bytes=64 << 10, shm_dir=work / "shm", workers=2)
-    d = server.Daemon(config, install_signals=False)
-    t = threading.Thread(target=d.run, daemon=True)
-    t.start()
-    if not d.ready.wait(30):
-        pytest.fail("the tierkv daemon did not start within 30 s")  # tierkv's failure, never a skip
-    yield config.socket
-    d.request_stop()
-    t.join(30)
+    with DaemonThread(config):  # one that does not start fails the test, never skips it
+        yield config.socket
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -1,12 +1,13 @@
-"""The three implementations of :class:`tierkv.api.StoreAPI` the conformance suite runs
-against: the embedded store, a client of a daemon serving from a thread of this process,
-and a :class:`~tierkv.cluster.ClusterNode` over the in-process fake cluster."""
+"""The implementations of :class:`tierkv.api.StoreAPI` the conformance suite runs against:
+the embedded store, a :class:`~tierkv.home.Home` over it (what ``--home`` commands open), a
+:class:`~tierkv.home.tenant.TenantView` of that home (one uid under ``namespace_per_uid``), a
+client of a daemon serving from a thread of this process, and a
+:class:`~tierkv.cluster.ClusterNode` over the in-process fake cluster."""
 from __future__ import annotations
 
 import hashlib
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +17,11 @@ import numpy as np
 import torch
 
 import tierkv
+from helpers.daemons import DaemonThread
 from tierkv import PageLayout, Scope
 from tierkv.identity import block_keys
 
-KINDS = ("embedded", "daemon", "cluster")
+KINDS = ("embedded", "home", "tenant", "daemon", "cluster")
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 BS = LAYOUT.block_size
 MV_A = hashlib.sha256(b"conformance model a").hexdigest()
@@ -51,42 +53,16 @@ def short_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(dir="/tmp", prefix=prefix))
 
 
-class DaemonRunner:
-    """``tierkv serve`` in a thread of the test process, on its own home."""
+def run_daemon(workdir: Path, layout: PageLayout | None, **sizes: int) -> DaemonThread:
+    """``tierkv serve`` in a thread of the test process, on its own home, serving."""
+    from tierkv.daemon.config import DaemonConfig
 
-    def __init__(self, workdir: Path, layout: PageLayout | None, **sizes: int) -> None:
-        from tierkv.daemon.config import DaemonConfig
-        from tierkv.daemon.server import Daemon
-
-        opts: dict[str, Any] = dict(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
-                                    staging_bytes=256 * layout_slot(layout), client_staging_bytes=64 * layout_slot(layout),
-                                    shm_dir=workdir / "shm", workers=2, **{**SIZES, **sizes})
-        if "max_layouts" in DaemonConfig.__dataclass_fields__:
-            opts["max_layouts"] = 1  # the whole budget to the one layout, as the embedded store has it
-        self.config = DaemonConfig(**opts)
-        self.daemon = Daemon(self.config, install_signals=False)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.daemon.ready.wait(30), "daemon did not start"
-        if self.error is not None:
-            raise self.error
-
-    def _run(self) -> None:
-        try:
-            self.daemon.run()
-        except BaseException as e:  # noqa: BLE001 - surfaced by __init__
-            self.error = e
-            self.daemon.ready.set()
-
-    @property
-    def socket(self) -> Path:
-        return self.config.socket
-
-    def stop(self) -> None:
-        self.daemon.request_stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "daemon did not stop"
+    opts: dict[str, Any] = dict(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
+                                staging_bytes=256 * layout_slot(layout), client_staging_bytes=64 * layout_slot(layout),
+                                shm_dir=workdir / "shm", workers=2, **{**SIZES, **sizes})
+    if "max_layouts" in DaemonConfig.__dataclass_fields__:
+        opts["max_layouts"] = 1  # the whole budget to the one layout, as the embedded store has it
+    return DaemonThread(DaemonConfig(**opts)).start()
 
 
 def layout_slot(layout: PageLayout | None) -> int:
@@ -114,8 +90,23 @@ def open_impl(kind: str, workdir: Path, layout: PageLayout = LAYOUT, **sizes: in
     if kind == "embedded":
         store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
         return Impl(kind, store, local=store)
+    if kind == "home":  # a home's stores as one (what --home commands open): here the one layout's
+        from tierkv.home import Home
+
+        store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
+        return Impl(kind, Home(workdir / "home", [store]), local=store)
+    if kind == "tenant":  # the home as one uid sees it under namespace_per_uid (every name rewritten)
+        import os
+
+        from tierkv.home import Home
+        from tierkv.home.tenancy import Tenancy
+        from tierkv.home.tenant import TenantView
+
+        store = tierkv.open(workdir / "home", layout, device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes})
+        return Impl(kind, TenantView(Home(workdir / "home", [store]), Tenancy(per_uid=True), os.getuid()),
+                    [store.close], local=store)
     if kind == "daemon":
-        runner = DaemonRunner(workdir, layout, **sizes)
+        runner = run_daemon(workdir, layout, **sizes)
         try:
             client = tierkv.connect(runner.socket)
         except BaseException:

@@ -65,7 +65,7 @@ def test_lookup_matches_keys_and_scope(api):
     r = api.lookup(t, SCOPE)
     assert isinstance(r, LookupResult)
     assert r.tokens_matched == 4 * BS and r.num_blocks == 4
-    assert list(r.keys) == block_keys(t, SCOPE, BS)
+    assert list(r.keys) == api.block_keys(t, SCOPE)  # the store's keys (a tenant's are its own)
     assert len(r.tiers) == 4 and set(r.tiers) <= LOCAL_TIERS
     other = tokens(3, 4).copy()
     other[2 * BS + 1] += 1  # differs in block 2
@@ -116,12 +116,12 @@ def test_prefetch_warms_without_holding(api):
 def test_priority_by_tokens_and_by_last_key(api):
     t = tokens(6, 4)
     put_all(api, t)
-    last = block_keys(t, SCOPE, BS)[-1]
+    last = api.block_keys(t, SCOPE)[-1]
     assert api.set_priority(t, SCOPE, Priority.PINNED) == 4
     res = api.chain_residency(last)
     assert res.blocks == 4 and res.disk == 4
     assert api.set_priority_from(last, Priority.NORMAL) == 4
-    assert api.set_priority_from(block_keys(t, SCOPE, BS)[1], Priority.PINNED) == 2
+    assert api.set_priority_from(api.block_keys(t, SCOPE)[1], Priority.PINNED) == 2
     assert api.set_priority_from(b"\x00" * 32, Priority.PINNED) == 0
     assert api.set_priority(tokens(97, 2), SCOPE, Priority.PINNED) == 0
 
@@ -129,7 +129,7 @@ def test_priority_by_tokens_and_by_last_key(api):
 def test_chain_tokens_and_residency(api):
     t = tokens(7, 5, extra=1)
     put_all(api, t)
-    keys = block_keys(t, SCOPE, BS)
+    keys = api.block_keys(t, SCOPE)
     ct = api.chain_tokens(keys[-1])
     assert isinstance(ct, ChainTokens)
     assert np.array_equal(ct.tokens, t[: 5 * BS]) and ct.tokens.dtype == np.int32
@@ -143,6 +143,9 @@ def test_chain_tokens_and_residency(api):
     assert res.blocks == 5 and res.disk == 5 and res.device + res.host >= 1
     assert api.chain_residency(keys[2]).blocks == 3
     assert api.chain_residency(b"\x01" * 32) == Residency()
+    # The keys the store keeps the chain under (here, with no namespace rewriting: the
+    # scope's own), whole or the first n.
+    assert api.block_keys(t, SCOPE) == keys and api.block_keys(t, SCOPE, 2) == keys[:2]
 
 
 def test_manifests(api):
@@ -207,7 +210,10 @@ def test_stats_are_typed_and_json_stable(api):
     s = api.stats()
     assert isinstance(s, StoreStats)
     assert s.blocks == 5 and s.leased_blocks == 0
-    assert dict(s.model_versions) == {MV_A: 3, MV_B: 2}
+    from tierkv.home.tenant import TenantView
+
+    # A tenant sees no per-model-version counts: they would tell which models others serve.
+    assert dict(s.model_versions) == ({} if isinstance(api, TenantView) else {MV_A: 3, MV_B: 2})
     assert dict(s.namespaces) == {SCOPE.namespace: 3, "other": 2}
     assert LOCAL_TIERS <= set(s.tiers) and all(isinstance(t, TierStats) for t in s.tiers.values())
     assert s.tiers["disk"].blocks == 5 and s.tiers["disk"].used_bytes == 5 * LAYOUT.page_bytes
@@ -305,8 +311,8 @@ def test_connect_is_typed():
 def test_block_extra_keys_the_chain(api):
     t = tokens(16, 3)
     extra = [["img:a"], ["img:b"], []]
-    keys = block_keys(t, SCOPE, BS, extra)
-    assert keys != block_keys(t, SCOPE, BS)
+    keys = api.block_keys(t, SCOPE, None, extra)
+    assert keys != api.block_keys(t, SCOPE)
     pages = torch.stack([pages_for(t)[i] for i in range(3)])
     assert api.put(t, pages, SCOPE, block_extra=extra).stored == 3
     assert api.lookup(t, SCOPE).tokens_matched == 0  # other keys without the extra

@@ -22,7 +22,9 @@ import tierkv
 from tierkv import PageLayout, Scope, block_keys
 from tierkv.cli import main
 
-from .kit import DaemonRunner, pages_for, remove, short_dir
+from helpers.daemons import DaemonThread
+
+from .kit import pages_for, remove, run_daemon, short_dir
 
 pytestmark = pytest.mark.usefixtures("private_caches")
 MV_B = hashlib.sha256(b"conformance cli model b").hexdigest()
@@ -74,7 +76,7 @@ def fill(api: Any, layout: PageLayout, mv: str) -> None:
 @dataclass
 class Twins:
     home: Path
-    runner: DaemonRunner
+    runner: DaemonThread
     model_dir: Path
     layout: PageLayout
     mv: str
@@ -96,7 +98,7 @@ class Twins:
     def restart_daemon(self) -> None:
         workdir = self.runner.config.home.parent
         self.runner.stop()
-        self.runner = DaemonRunner(workdir, self.layout, **SIZES)
+        self.runner = run_daemon(workdir, self.layout, **SIZES)
 
 
 @pytest.fixture
@@ -110,7 +112,7 @@ def twins(llama_dir, monkeypatch, tmp_path):
     home = hdir / "home"
     with tierkv.open(home, layout, device="cpu", shm_dir=hdir / "shm", **SIZES) as s:
         fill(s, layout, mv)
-    runner = DaemonRunner(ddir, layout, **SIZES)
+    runner = run_daemon(ddir, layout, **SIZES)
     t = Twins(home, runner, llama_dir, layout, mv)
     try:
         with tierkv.connect(runner.socket) as c:
@@ -216,26 +218,14 @@ OTHER = PageLayout(num_layers=3, num_kv_heads=1, head_dim=32, block_size=32, dty
 MV_O = hashlib.sha256(b"conformance cli model o").hexdigest()
 
 
-class TwoLayoutDaemon(DaemonRunner):
-    """A daemon that serves two layouts on its home (DaemonRunner gives one layout the
-    whole budget, max_layouts=1)."""
+def run_two_layout_daemon(workdir: Path, layout: PageLayout) -> DaemonThread:
+    """A daemon that serves two layouts on its home (run_daemon gives one layout the whole
+    budget, max_layouts=1)."""
+    from tierkv.daemon.config import DaemonConfig
 
-    def __init__(self, workdir: Path, layout: PageLayout) -> None:
-        import threading
-
-        from tierkv.daemon.config import DaemonConfig
-        from tierkv.daemon.server import Daemon
-
-        self.config = DaemonConfig(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
-                                   staging_bytes=256 * layout.slot_bytes, client_staging_bytes=64 * layout.slot_bytes,
-                                   shm_dir=workdir / "shm", workers=2, max_layouts=2, **SIZES)
-        self.daemon = Daemon(self.config, install_signals=False)
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.daemon.ready.wait(30), "daemon did not start"
-        if self.error is not None:
-            raise self.error
+    return DaemonThread(DaemonConfig(home=workdir / "home", socket=workdir / "d.sock", layout=layout, device="cpu",
+                                     staging_bytes=256 * layout.slot_bytes, client_staging_bytes=64 * layout.slot_bytes,
+                                     shm_dir=workdir / "shm", workers=2, max_layouts=2, **SIZES)).start()
 
 
 def fill_other(api: Any) -> None:
@@ -252,14 +242,14 @@ class TwoLayoutTwins(Twins):
     def restart_daemon(self) -> None:
         workdir = self.runner.config.home.parent
         self.runner.stop()
-        self.runner = TwoLayoutDaemon(workdir, self.layout)
+        self.runner = run_two_layout_daemon(workdir, self.layout)
 
 
 @pytest.fixture
 def twins2(llama_dir, monkeypatch, tmp_path):
     """A home holding the model's layout at its root and OTHER under layouts/<id> (made
     here, as a daemon would), and a daemon serving both on a home of its own."""
-    from tierkv.cli.home_stores import store_home
+    from tierkv.home import store_home
     from tierkv.hf import version_of
 
     monkeypatch.delenv("TIERKV_SOCKET", raising=False)
@@ -272,7 +262,7 @@ def twins2(llama_dir, monkeypatch, tmp_path):
     assert store_home(home, OTHER) == home / "layouts" / "bfloat16-l3-h1-d32-b32"
     with tierkv.open(store_home(home, OTHER), OTHER, device="cpu", shm_dir=hdir / "shm", **SIZES) as s:
         fill_other(s)
-    runner = TwoLayoutDaemon(ddir, layout)
+    runner = run_two_layout_daemon(ddir, layout)
     t = TwoLayoutTwins(home, runner, llama_dir, layout, mv)
     try:
         with tierkv.connect(runner.socket, layout=layout) as c:
@@ -290,7 +280,7 @@ def twins2(llama_dir, monkeypatch, tmp_path):
 def test_home_commands_reach_every_layout_as_the_daemon_does(twins2):
     """Before: a --home command opened the root store only (the first layout), so stats,
     ls, invalidate, gc and verify missed the other layouts that --socket reaches."""
-    from tierkv.daemon.layouts import layout_id
+    from tierkv.home.directory import layout_id
 
     ids = {layout_id(twins2.layout), layout_id(OTHER)}
     s = twins2.same("stats", ignore=STATS_PER_PROCESS - {"layouts"})
@@ -310,6 +300,12 @@ def test_home_commands_reach_every_layout_as_the_daemon_does(twins2):
     assert twins2.same("invalidate", "--model-version", MV_B, "--dry-run")["removed_blocks"] == 6
     assert twins2.same("invalidate", "--namespace", "t2", "--dry-run")["removed_blocks"] == 5
     assert twins2.same("gc", "--dry-run")["removed_blocks"] == 3 + 6
+    # A model directory names its own version under every layout it is served in (issue #32:
+    # both failed through a daemon serving several layouts, "holds no tierkv store").
+    by_model = twins2.same("invalidate", "--model", twins2.model_dir, "--dry-run")
+    assert twins2.mv in by_model["model_versions"] and by_model["removed_blocks"] == s["model_versions"][twins2.mv]
+    kept = twins2.same("gc", "--keep-model", twins2.model_dir, "--dry-run")
+    assert kept["removed_blocks"] < 3 + 6 + 9
     # route picks the model's layout on a node serving two (before: the daemon node could
     # not answer a client that declared none).
     toks = twins2.home.parent / "docs.json"

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
+import time
 from typing import Any, Callable
 
 import pytest
@@ -46,8 +49,17 @@ def run_as(uid: int, fn: Callable[[], Any], timeout_s: float = 60.0) -> dict[str
             os._exit(code)
     os.close(w)
     chunks = []
-    with os.fdopen(r, "rb") as f:
-        while chunk := f.read(65536):
+    deadline = time.monotonic() + timeout_s
+    with os.fdopen(r, "rb", buffering=0) as f:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([f], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"the child as uid {uid} did not finish within {timeout_s:.0f} s (killed)")
+            chunk = f.read(65536)
+            if not chunk:
+                break
             chunks.append(chunk)
     _, status = os.waitpid(pid, 0)
     raw = b"".join(chunks)

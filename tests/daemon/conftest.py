@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon_helpers import DaemonThread, make_config
+from helpers.daemons import DaemonThread
+from daemon_helpers import make_config
 
 
 @pytest.fixture

@@ -1,13 +1,13 @@
-"""Helpers of the daemon tests: a daemon in a thread of this process (its own event loop)
-or in a subprocess, each in a private /tmp directory (AF_UNIX paths are limited to 108
-bytes). A module of its own, not conftest: test directories each have a conftest.py and
-``from conftest import`` would pick whichever was imported first."""
+"""Helpers of the daemon tests: a daemon in a thread of this process (its own event loop;
+:class:`helpers.daemons.DaemonThread`, shared with the other test directories) or in a
+subprocess, each in a private /tmp directory (AF_UNIX paths are limited to 108 bytes). A
+module of its own, not conftest: test directories each have a conftest.py and ``from
+conftest import`` would pick whichever was imported first."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +16,6 @@ import torch
 
 from tierkv import PageLayout, Scope
 from tierkv.daemon.config import DaemonConfig
-from tierkv.daemon.server import Daemon
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
 SCOPE = Scope("ab" * 32, "tenant-a")
@@ -42,45 +41,6 @@ def make_config(workdir: Path, **kw) -> DaemonConfig:
     return DaemonConfig(**base)
 
 
-class DaemonThread:
-    """A Daemon serving from a thread of the test process."""
-
-    def __init__(self, config: DaemonConfig) -> None:
-        self.config = config
-        self.daemon = Daemon(config, install_signals=False)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.daemon.run()
-        except BaseException as e:  # noqa: BLE001 - surfaced by start()
-            self.error = e
-            self.daemon.ready.set()
-
-    def start(self) -> "DaemonThread":
-        self.thread.start()
-        assert self.daemon.ready.wait(30), "daemon did not start"
-        if self.error is not None:
-            raise self.error
-        return self
-
-    def call(self, fn):
-        """Run ``fn()`` on the daemon's loop thread (the tables are loop-owned)."""
-        import asyncio
-
-        async def wrap():
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(wrap(), self.daemon._loop).result(10)
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.daemon.request_stop()
-            self.thread.join(30)
-            assert not self.thread.is_alive(), "daemon did not stop"
-
-
 def wait_for(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -90,19 +50,28 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.02) -> bool:
     return pred()
 
 
-def spawn_daemon(workdir: Path, *extra: str, env: dict | None = None, layout: str | None = LAYOUT_ARG) -> subprocess.Popen:
+def spawn_daemon(workdir: Path, *extra: str, env: dict | None = None, layout: str | None = LAYOUT_ARG,
+                 log_path: Path | None = None) -> subprocess.Popen:
     """``python -m tierkv serve`` in a subprocess; returns once its socket answers.
-    ``layout=None``: no --layout (clients declare theirs)."""
+    ``layout=None``: no --layout (clients declare theirs). ``log_path``: its stderr (the
+    log) goes to that file instead of a pipe nobody may read while it runs."""
     sock = workdir / "run" / "d.sock"
     cmd = [sys.executable, "-m", "tierkv", "serve", "--home", str(workdir / "home"), "--socket", str(sock),
            *(("--layout", layout) if layout else ()), "--device", "cpu", "--device-bytes", "1MiB", "--host-bytes", "2MiB",
            "--disk-bytes", "8MiB", "--staging-bytes", "256KiB", "--log-level", "WARNING", *extra]
     e = dict(os.environ, **(env or {}), TIERKV_SHM_TEST=str(workdir))
-    proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stderr = open(log_path, "wb") if log_path is not None else subprocess.PIPE
+    try:
+        proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=stderr)
+    finally:
+        if log_path is not None:
+            stderr.close()  # the child has its own descriptor
     from tierkv.daemon.security import socket_is_live
 
     ok = wait_for(lambda: proc.poll() is not None or (sock.exists() and socket_is_live(sock)), timeout=60)
     if proc.poll() is not None or not ok:
         out, err = proc.communicate(timeout=10) if proc.poll() is not None else (b"", b"")
-        raise RuntimeError(f"daemon did not start (rc {proc.poll()}): {err.decode()[-2000:]}")
+        if log_path is not None:
+            err = log_path.read_bytes()
+        raise RuntimeError(f"daemon did not start (rc {proc.poll()}): {(err or b'').decode()[-2000:]}")
     return proc

@@ -20,7 +20,8 @@ from tierkv.daemon.client import Client
 from tierkv.errors import NotFoundError
 from tierkv.store import Store
 
-from daemon_helpers import LAYOUT, MiB, SCOPE, DaemonThread, make_config, pages_for, prompt
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, MiB, SCOPE, make_config, pages_for, prompt
 
 
 def manifest_for(tokens: np.ndarray, scope: Scope, pinned: bool = False) -> dict:

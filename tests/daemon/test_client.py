@@ -11,7 +11,8 @@ from tierkv import Priority, Scope
 from tierkv.daemon.client import RemoteLease
 from tierkv.errors import LeaseError, NotFoundError, PageFormatError
 
-from daemon_helpers import LAYOUT, MiB, SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, MiB, SCOPE, make_config, pages_for, prompt, wait_for
 
 
 def test_same_results_and_bytes_as_the_embedded_store(daemon, workdir):

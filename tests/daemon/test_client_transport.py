@@ -95,7 +95,7 @@ def test_a_waiting_caller_fails_at_once_when_the_daemon_goes(daemon):
         t.start()
         time.sleep(0.2)
         t0 = time.monotonic()
-        c._sock.shutdown(2)  # the connection breaks under the waiting reader (as at a daemon's exit)
+        c._transport._sock.shutdown(2)  # the connection breaks under the waiting reader (as at a daemon's exit)
         t.join(10)
         assert not t.is_alive() and time.monotonic() - t0 < 2  # not the 4 s of the reply
         assert len(out) == 1 and isinstance(out[0], DaemonUnavailableError), out

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import tierkv
-from daemon_helpers import LAYOUT, SCOPE, DaemonThread, make_config, pages_for, prompt
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, SCOPE, make_config, pages_for, prompt
 from tierkv.codec import PageCodec
 from tierkv.daemon.config import merge
 from tierkv.errors import ConfigError

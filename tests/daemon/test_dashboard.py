@@ -11,7 +11,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 import tierkv
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt
+from helpers.daemons import DaemonThread
+from daemon_helpers import SCOPE, make_config, pages_for, prompt
 from tierkv.daemon.metrics import remote_metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tierkv.json"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from daemon_helpers import DaemonThread, make_config, spawn_daemon
+from helpers.daemons import DaemonThread
+from daemon_helpers import make_config, spawn_daemon
 from helpers.mounts import tmpfs
 
 import tierkv

@@ -14,7 +14,8 @@ from tierkv.daemon import messages as m
 from tierkv.daemon.protocol import HEAD, VERSION, Op, encode_frame, read_frame_sync
 from tierkv.daemon.quotas import Quotas
 
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt
+from helpers.daemons import DaemonThread
+from daemon_helpers import SCOPE, make_config, pages_for, prompt
 from test_quotas import closed_by_daemon
 
 

@@ -12,10 +12,11 @@ from click.testing import CliRunner
 import tierkv
 from tierkv import PageLayout, Priority, Scope
 from tierkv.cli import main
-from tierkv.daemon.layouts import LAYOUTS_DIR, layout_id
+from tierkv.home.directory import LAYOUTS_DIR, layout_id
 from tierkv.errors import CapacityError, ConfigError, DaemonOwnsHomeError
 
-from daemon_helpers import LAYOUT, MiB, SCOPE, DaemonThread, make_config, pages_for, prompt
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, MiB, SCOPE, make_config, pages_for, prompt
 
 OTHER = PageLayout(num_layers=3, num_kv_heads=1, head_dim=32, block_size=32, dtype="bfloat16")
 SCOPE_B = Scope("cd" * 32, "tenant-b")

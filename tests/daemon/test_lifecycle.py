@@ -23,7 +23,8 @@ from tierkv.daemon.config import DaemonConfig, merge, read_config_file
 from tierkv.errors import ConfigError, DaemonUnavailableError, DiskWriteError, LayoutMismatchError, TierKVError
 from tierkv.layout import PageLayout
 
-from daemon_helpers import LAYOUT, SCOPE, DaemonThread, make_config, pages_for, prompt, spawn_daemon, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, SCOPE, make_config, pages_for, prompt, spawn_daemon, wait_for
 
 
 def put_until_stopped(sock, acked: list, stop: threading.Event) -> None:
@@ -182,13 +183,14 @@ def test_the_daemon_process_freezes_its_startup_heap_and_reports_gc_pauses(workd
         assert proc.wait(60) == 0, proc.stderr.read().decode()[-2000:]
 
 
-def test_config_precedence_flags_over_file_over_env(tmp_path):
+def test_config_precedence_flag_over_env_over_file(tmp_path):
     f = tmp_path / "d.toml"
     f.write_text('socket = "/tmp/from-file.sock"\nhost_bytes = "2GiB"\nlease_timeout_s = 30.0\n'
                  '[layout]\nnum_layers = 4\nnum_kv_heads = 2\nhead_dim = 64\ndtype = "bfloat16"\n')
     env = {"TIERKV_HOME": str(tmp_path / "env-home"), "TIERKV_SOCKET": "/tmp/from-env.sock"}
     cfg = merge({"host_bytes": "512MiB", "home": None}, read_config_file(f), env)
-    assert cfg.home == tmp_path / "env-home" and str(cfg.socket) == "/tmp/from-file.sock"
+    assert cfg.home == tmp_path / "env-home" and str(cfg.socket) == "/tmp/from-env.sock"  # issue #37: env > file
+    assert str(merge({}, read_config_file(f), {}).socket) == "/tmp/from-file.sock"
     assert cfg.host_bytes == 512 << 20 and cfg.lease_timeout_s == 30.0
     assert cfg.layout == PageLayout(4, 2, 64, 16, "bfloat16")
     assert str(merge({}, {}, env).socket) == "/tmp/from-env.sock"
@@ -203,10 +205,10 @@ def test_sighup_reload_applies_limits_now_and_capacities_at_restart(workdir, cap
     cfg = make_config(workdir)
     d = DaemonThread(cfg).start()
     try:
-        d.daemon._reload = lambda: DaemonConfig(**{**cfg.__dict__, "lease_timeout_s": 5.0, "host_bytes": 4 << 20,
+        d.daemon.reload.read = lambda: DaemonConfig(**{**cfg.__dict__, "lease_timeout_s": 5.0, "host_bytes": 4 << 20,
                                                      "client_staging_bytes": 16 << 10})
         with caplog.at_level(logging.INFO, logger="tierkv.daemon.server"):
-            d.call(d.daemon._on_sighup)
+            d.call(d.daemon.reload.on_sighup)
         assert d.daemon.handlers.leases.timeout_s == 5.0 and d.daemon.layouts.only().staging.quota == 2
         assert any("host_bytes" in r.message and "restart" in r.message for r in caplog.records)
         with tierkv.connect(cfg.socket) as c:

@@ -14,7 +14,8 @@ from tierkv.daemon import messages as m
 from tierkv.daemon.protocol import Op, encode_frame, read_frame_sync
 from tierkv.errors import CapacityError, DaemonUnavailableError
 
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import SCOPE, make_config, pages_for, prompt, wait_for
 
 
 def test_one_client_shared_by_threads(daemon):
@@ -47,16 +48,16 @@ def test_one_client_shared_by_threads(daemon):
 def test_staging_quota_and_region_exhaustion_are_capacity_errors(daemon):
     with tierkv.connect(daemon.config.socket) as c, tierkv.connect(daemon.config.socket) as d:
         with pytest.raises(CapacityError, match="quota"):
-            c._call(Op.STAGE, m.Stage(c.stage_quota + 1))
-        held = [c._call(Op.STAGE, m.Stage(c.stage_quota))["slots"]]
-        held += [d._call(Op.STAGE, m.Stage(d.stage_quota))["slots"]]
+            c._transport.call(Op.STAGE, m.Stage(c.stage_quota + 1))
+        held = [c._transport.call(Op.STAGE, m.Stage(c.stage_quota))["slots"]]
+        held += [d._transport.call(Op.STAGE, m.Stage(d.stage_quota))["slots"]]
         with tierkv.connect(daemon.config.socket) as e, tierkv.connect(daemon.config.socket) as f:
-            e._call(Op.STAGE, m.Stage(e.stage_quota))
-            f._call(Op.STAGE, m.Stage(f.stage_quota))  # 4 x 8 = all 32 slots of the region
+            e._transport.call(Op.STAGE, m.Stage(e.stage_quota))
+            f._transport.call(Op.STAGE, m.Stage(f.stage_quota))  # 4 x 8 = all 32 slots of the region
             with tierkv.connect(daemon.config.socket) as g, pytest.raises(CapacityError, match="no 1 staging"):
-                g._call(Op.STAGE, m.Stage(1))  # within g's quota, but the region is full
+                g._transport.call(Op.STAGE, m.Stage(1))  # within g's quota, but the region is full
         # e and f closed: their slots came back; c gives its own back by UNSTAGE.
-        c._call(Op.UNSTAGE, m.Unstage(tuple(held[0])))
+        c._transport.call(Op.UNSTAGE, m.Unstage(tuple(held[0])))
         assert c.stats()["daemon"]["staging_slots_used"] == d.stage_quota
         assert c.put(prompt(32, seed=60), pages_for(2, 60), SCOPE).stored == 2
 
@@ -87,7 +88,7 @@ def test_connection_limit(workdir):
 def test_put_waits_for_staging_held_by_others(daemon):
     with tierkv.connect(daemon.config.socket) as c:
         others = [tierkv.connect(daemon.config.socket) for _ in range(4)]
-        held = [o._call(Op.STAGE, m.Stage(o.stage_quota))["slots"] for o in others]  # the region is full
+        held = [o._transport.call(Op.STAGE, m.Stage(o.stage_quota))["slots"] for o in others]  # the region is full
         threading.Timer(0.3, others[0].close).start()  # one frees its 8 slots a little later
         toks, pages = prompt(20 * 16, seed=70), pages_for(20, 70)
         r = c.put(toks, pages, SCOPE)

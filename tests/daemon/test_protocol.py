@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
-from tierkv.daemon import messages as m
+from tierkv.daemon import fields, messages as m
 from tierkv.daemon.protocol import (
     FLAG_REPLY, HEAD, MAGIC, MAX_HEADER, MAX_PAYLOAD, VERSION, BadHeaderError, FatalFrameError, Op, encode_frame,
     parse_head, read_frame,
@@ -106,7 +106,7 @@ def test_token_payload_must_be_whole_int32s():
         m.tokens_from(b"\0\0\0")
 
 
-@pytest.mark.parametrize("n", [0, 1, 256, m.SPLIT_STRUCT_MAX, m.SPLIT_STRUCT_MAX + 3])
+@pytest.mark.parametrize("n", [0, 1, 256, fields.SPLIT_STRUCT_MAX, fields.SPLIT_STRUCT_MAX + 3])
 def test_keys_reply_keeps_every_key_byte_for_byte(n):
     """Keys travel as raw 32-byte strings; those ending (or made) of NUL bytes must come
     back whole, whichever way the reply is split (one struct, or slices past the cap)."""

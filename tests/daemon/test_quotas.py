@@ -21,7 +21,8 @@ from tierkv.daemon.quotas import Quotas
 from tierkv.errors import DaemonUnavailableError, QuotaExceededError
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import SCOPE, make_config, pages_for, prompt, wait_for
 
 
 def raw(d) -> socket.socket:
@@ -161,18 +162,18 @@ def test_while_another_uid_is_connected_no_uid_takes_more_than_half(workdir):
                     assert lease.num_blocks == slots // 2
                     with pytest.raises(QuotaExceededError):
                         c.acquire(toks, SCOPE, max_blocks=1, start_block=slots // 2)
-                held = c._call(Op.STAGE, m.Stage(c.stage_quota))["slots"]
+                held = c._transport.call(Op.STAGE, m.Stage(c.stage_quota))["slots"]
                 capacity = d.call(lambda: d.daemon.handlers.layouts.only().staging.slots.capacity)
                 others = [tierkv.connect(d.config.socket) for _ in range(4)]
                 try:
                     with pytest.raises(QuotaExceededError, match="shared_staging_fraction"):
                         for o in others:
-                            o._call(Op.STAGE, m.Stage(o.stage_quota))
+                            o._transport.call(Op.STAGE, m.Stage(o.stage_quota))
                     assert d.call(lambda: d.daemon.handlers.layouts.only().staging.slots.num_used) <= capacity // 2
                 finally:
                     for o in others:
                         o.close()
-                c._call(Op.UNSTAGE, m.Unstage(tuple(held)))
+                c._transport.call(Op.UNSTAGE, m.Unstage(tuple(held)))
                 # Pinned blocks never leave the disk: pinned junk evicted another tenant's
                 # blocks (400 of 400 lost). At most shared_pinned_fraction of the disk tier.
                 disk_slots = d.call(lambda: d.daemon.handlers.layouts.only().local.disk.capacity_slots)

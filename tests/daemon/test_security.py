@@ -14,7 +14,8 @@ from tierkv.daemon import security
 from tierkv.daemon.security import PeerCredentials, SocketPathError
 from tierkv.errors import DaemonOwnsHomeError, DaemonUnavailableError, StoreLockedError
 
-from daemon_helpers import LAYOUT, SCOPE, DaemonThread, make_config, pages_for, prompt
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, SCOPE, make_config, pages_for, prompt
 
 
 def test_socket_is_0600_in_a_0700_directory_with_a_pid_file(daemon):

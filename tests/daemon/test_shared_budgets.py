@@ -15,9 +15,10 @@ from click.testing import CliRunner
 import tierkv
 from tierkv import PageLayout, Scope
 from tierkv.cli import main
-from tierkv.daemon.layouts import layout_id
+from tierkv.home.directory import layout_id
 
-from daemon_helpers import LAYOUT, MiB, SCOPE, DaemonThread, make_config, pages_for, prompt, wait_for
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, MiB, SCOPE, make_config, pages_for, prompt, wait_for
 
 OTHER = PageLayout(num_layers=3, num_kv_heads=1, head_dim=32, block_size=32, dtype="bfloat16")
 SCOPE_B = Scope("cd" * 32, "tenant-b")
@@ -200,3 +201,42 @@ def test_a_lowered_memory_limit_moves_blocks_below_it_instead_of_dropping_chains
         for i, t in enumerate(chains):  # every chain whole (host, device or disk) and exact
             with st.acquire(t, SCOPE) as lease:
                 assert lease.num_blocks == 8 and torch.equal(lease.pages(), pages_for(8, 600 + i))
+
+
+def test_an_idle_layout_gives_its_memory_share_to_the_one_in_use_and_gets_it_back(workdir):
+    """Budgets are shared by the layouts in use (issue 34, item 3: idle junk layouts held
+    three quarters of every tier for good). A layout no client used for layout_idle_s gives
+    its device and host share to the one in use and keeps its disk share and blocks; a
+    client that declares it gets its half back before its HELLO is answered."""
+    cfg = make_config(workdir, layout=None, max_layouts=2, layout_idle_s=1.0)
+    d = DaemonThread(cfg).start()
+    host = cfg.host_bytes // 2 if torch.cuda.is_available() else cfg.host_bytes  # page-locked: fixed shares
+    try:
+        with tierkv.connect(cfg.socket, layout=OTHER) as b:
+            toks_b = [prompt(128, seed=700 + i) for i in range(8)]
+            pages_b = [torch.randn((4, *OTHER.shape), generator=torch.Generator().manual_seed(i)).to(OTHER.torch_dtype)
+                       for i in range(8)]
+            for t, p in zip(toks_b, pages_b):
+                assert b.put(t, p, SCOPE_B).stored == 4
+        with tierkv.connect(cfg.socket, layout=LAYOUT) as a:
+            caps = lambda lid: {t: v["capacity_bytes"] for t, v in stats_json(cfg.socket)["layouts"][lid]["tiers"].items()}
+            assert caps(A)["device"] == cfg.device_bytes // 2  # two layouts open, B not idle yet
+            dev_b, disk_b = caps(B)["device"], caps(B)["disk"]  # its halves, in whole pages / segments
+            # B unused for a second: A gets every memory budget, B keeps half the disk.
+            assert wait_for(lambda: caps(A)["device"] == cfg.device_bytes, timeout=10)
+            assert caps(A)["host"] == host and caps(A)["disk"] == cfg.disk_bytes // 2
+            assert caps(B)["device"] == 0 and caps(B)["disk"] == disk_b > 0
+            toks = fill(a, 40, seed=300)  # 160 pages: more than half the device tier
+            assert stats_json(cfg.socket)["layouts"][A]["tiers"]["device"]["used_bytes"] > cfg.device_bytes // 2
+            d.call(d.daemon.check_integrity)
+            with tierkv.connect(cfg.socket, layout=OTHER) as b:  # B declared again: its share back
+                assert caps(B)["device"] == dev_b > 0 and caps(A)["device"] == cfg.device_bytes // 2
+                for t, p in zip(toks_b, pages_b):  # its blocks were kept (on disk), exact
+                    with b.acquire(t, SCOPE_B) as lease:
+                        assert lease.num_blocks == 4 and torch.equal(lease.pages(), p)
+                for i, t in enumerate(toks[-8:]):
+                    with a.acquire(t, SCOPE) as lease:
+                        assert lease.num_blocks == 4 and torch.equal(lease.pages(), pages_for(4, 300 + 32 + i))
+                d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()

@@ -7,16 +7,23 @@ overwrote other users' manifests, and ``invalidate`` without a namespace removed
 user's blocks."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 
 import torch
+from click.testing import CliRunner
 
 import tierkv
+from tierkv import Priority, Scope, block_keys
+from tierkv.cli import main
 from tierkv.errors import NotFoundError
+from tierkv.cli.common import OPS_STORE_OPTIONS
+from tierkv.home import Home
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import SCOPE, DaemonThread, make_config, pages_for, prompt
+from helpers.daemons import DaemonThread
+from daemon_helpers import LAYOUT, SCOPE, make_config, pages_for, prompt
 
 OTHER = NOBODY - 1  # an uid the daemon does not admit
 
@@ -168,3 +175,186 @@ def test_the_client_refuses_a_listener_of_an_untrusted_uid(workdir):
     finally:
         os.waitpid(pid, 0)
         os.close(r)
+
+
+def test_a_tenant_maps_only_its_own_memory_and_cannot_spoil_another_s_pages(workdir):
+    """Issue #34, item 1, with a real second uid: the tenant's mapped memory (everything its
+    HELLO passed it) holds none of the owner's pages; scribbling over all of it changes
+    nothing the owner reads, now or after a restart; the tenant's own put and lease work,
+    also for a lease longer than its read window (cut to it: a shorter hit); and its pages
+    stay out of reach once it disconnected."""
+    need_root()
+    os.chmod(workdir, 0o711)
+    cfg = make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,), client_staging_bytes=64 * 1024)
+    d = DaemonThread(cfg).start()
+    window = 64 * 1024 // 8192  # read window slots (LAYOUT's page is 8 KiB)
+    try:
+        sock = d.config.socket
+        mine, theirs, long_one = prompt(64, seed=11), prompt(48, seed=12), prompt(16 * (window + 3), seed=13)
+        marker = pages_for(4, 11)  # the owner's pages, looked for in the tenant's memory
+        with tierkv.connect(sock) as c:
+            c.put(mine, marker, SCOPE)
+            with c.acquire(mine, SCOPE) as lease:  # the owner's path is unchanged: zero copy
+                assert lease.num_blocks == 4 and torch.equal(lease.pages(), marker)
+            c.stats()
+
+        def tenant() -> dict:
+            out: dict = {}
+            with tierkv.connect(sock) as t:
+                t.put(theirs, pages_for(3, 12), SCOPE)
+                with t.acquire(theirs, SCOPE) as lease:
+                    out["own_pages_equal"] = bool(torch.equal(lease.pages(), pages_for(3, 12)))
+                t.put(long_one, pages_for(window + 3, 13), SCOPE)
+                with t.acquire(long_one, SCOPE) as lease:
+                    out["long_lease_blocks"] = lease.num_blocks
+                    out["long_prefix_equal"] = bool(torch.equal(lease.pages(), pages_for(window + 3, 13)[:lease.num_blocks]))
+                pools = [p for p in (t.device_pool, t.host_pool, t.staging_pool) if p is not None]
+                out["mapped_bytes"] = sum(p.numel() * p.element_size() for p in pools)
+                raw = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in pools)
+                out["owner_page_seen"] = any(marker[i].numpy().tobytes()[:256] in raw for i in range(4))
+                for p in pools:  # scribble on everything it can write
+                    p.view(torch.uint8).fill_(0xA5)
+                with t.acquire(theirs, SCOPE) as lease:  # its own bytes, copied afresh
+                    out["own_after_scribble"] = bool(torch.equal(lease.pages(), pages_for(3, 12)))
+            return out
+
+        got = run_as(NOBODY, tenant)
+        assert "ok" in got, got
+        r = got["ok"]
+        assert r["own_pages_equal"] and r["own_after_scribble"]
+        assert r["long_lease_blocks"] == window and r["long_prefix_equal"]  # cut to the window
+        assert r["mapped_bytes"] == 2 * 64 * 1024  # its read window and its staging, nothing else
+        assert not r["owner_page_seen"]
+        with tierkv.connect(sock) as c:  # the owner's pages are intact
+            with c.acquire(mine, SCOPE) as lease:
+                assert lease.num_blocks == 4 and torch.equal(lease.pages(), marker)
+        d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()
+    d = DaemonThread(cfg).start()  # and after a restart
+    try:
+        with tierkv.connect(d.config.socket) as c:
+            with c.acquire(mine, SCOPE) as lease:
+                assert lease.num_blocks == 4 and torch.equal(lease.pages(), marker)
+    finally:
+        d.stop()
+
+
+# ---- gc keeps every tenant's named prefixes (issue #34, item 5) ------------------------------
+def _named_manifest(tokens, namespace: str) -> dict:
+    """What materialize saves for a prefix (its keys computed by the client, under the
+    namespace as the client names it)."""
+    keys = block_keys(tokens, Scope(SCOPE.model_version, namespace), LAYOUT.block_size)
+    return {"kind": "prefix", "model_version": SCOPE.model_version, "namespace": namespace, "pinned": True,
+            "last_block_key": keys[-1].hex(), "blocks": len(keys), "tokens": len(tokens), "layout": LAYOUT.to_dict()}
+
+
+NAMED, JUNK, LEGACY = prompt(64, seed=21), prompt(32, seed=22), prompt(32, seed=23)  # 4, 2 and 2 blocks
+
+
+def _tenants_store_prefixes(sock) -> dict:
+    """The daemon's own uid (a tenant too: uid0/) and uid 65534 each store a pinned named
+    prefix in "default" and unnamed blocks in "scratch"; 65534 also 2 blocks in "older"."""
+    with tierkv.connect(sock) as c:
+        c.put(NAMED, pages_for(4, 1), Scope(SCOPE.model_version, "default"), priority=Priority.PINNED)
+        c.save_manifest("docs", _named_manifest(NAMED, "default"))
+        c.put(JUNK, pages_for(2, 2), Scope(SCOPE.model_version, "scratch"))
+        c.get_manifest("docs"), c.list_manifests(), c.lookup(NAMED, SCOPE)
+
+    def tenant() -> dict:
+        with tierkv.connect(sock) as t:
+            t.put(NAMED, pages_for(4, 3), Scope(SCOPE.model_version, "default"), priority=Priority.PINNED)
+            t.save_manifest("docs", _named_manifest(NAMED, "default"))
+            t.put(JUNK, pages_for(2, 4), Scope(SCOPE.model_version, "scratch"))
+            t.put(LEGACY, pages_for(2, 5), Scope(SCOPE.model_version, "older"))
+            out = {"namespace_seen": t.get_manifest("docs")["namespace"]}
+            try:
+                t.gc(dry_run=True)
+                out["gc"] = "ran"
+            except tierkv.TierKVError as e:
+                out["gc"] = type(e).__name__
+        return out
+
+    got = run_as(NOBODY, tenant)
+    assert "ok" in got, got
+    return got["ok"]
+
+
+def _served_to_tenant(sock) -> dict:
+    def tenant() -> dict:
+        with tierkv.connect(sock) as t:
+            return {"named": t.lookup(NAMED, Scope(SCOPE.model_version, "default")).tokens_matched,
+                    "junk": t.lookup(JUNK, Scope(SCOPE.model_version, "scratch")).tokens_matched,
+                    "legacy": t.lookup(LEGACY, Scope(SCOPE.model_version, "older")).tokens_matched,
+                    "manifests": sorted(t.list_manifests())}
+
+    got = run_as(NOBODY, tenant)
+    assert "ok" in got, got
+    return got["ok"]
+
+
+def test_gc_home_keeps_every_tenant_s_named_prefix(workdir):
+    """`gc --home` removed uid 65534's pinned named prefix and deleted its manifest: the
+    manifest said `default`, its blocks lived under `uid65534/default`."""
+    need_root()
+    os.chmod(workdir, 0o711)
+    cfg = make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,))
+    d = DaemonThread(cfg).start()
+    try:
+        seen = _tenants_store_prefixes(cfg.socket)
+        assert seen["namespace_seen"] == "default"  # the tenant sees its namespace as it named it
+    finally:
+        d.stop()
+    # A manifest saved before the daemon recorded the effective namespace (as sent: "older"),
+    # but naming a stored chain: the chain says where its blocks are.
+    legacy_key = block_keys(LEGACY, Scope(SCOPE.model_version, f"uid{NOBODY}/older"), LAYOUT.block_size)[-1]
+    with Home.open(cfg.home, **OPS_STORE_OPTIONS) as h:
+        h.save_manifest(f"uid{NOBODY}:legacy", {"model_version": SCOPE.model_version, "namespace": "older",
+                                                "last_block_key": legacy_key.hex()})
+    r = CliRunner().invoke(main, ["gc", "--home", str(cfg.home), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["removed_blocks"] == 4 and out["deleted_manifests"] == []  # both uids' scratch, nothing named
+    kept = {k["name"]: k["namespace"] for k in out["kept_prefixes"]}
+    assert kept == {"uid0:docs": "uid0/default", f"uid{NOBODY}:docs": f"uid{NOBODY}/default",
+                    f"uid{NOBODY}:legacy": f"uid{NOBODY}/older"}
+    assert next(k["blocks"] for k in out["kept_prefixes"] if k["name"].endswith(":legacy")) == 2
+    human = CliRunner().invoke(main, ["gc", "--home", str(cfg.home), "--dry-run"])
+    assert human.exit_code == 0 and f"uid{NOBODY}:docs" in human.output and "prefixes kept" in human.output
+    d = DaemonThread(cfg).start()
+    try:
+        assert _served_to_tenant(cfg.socket) == {"named": 64, "junk": 0, "legacy": 32, "manifests": ["docs", "legacy"]}
+        with tierkv.connect(cfg.socket) as c:
+            assert c.lookup(NAMED, Scope(SCOPE.model_version, "default")).tokens_matched == 64
+        d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()
+    with Home.open(cfg.home, **OPS_STORE_OPTIONS) as h:  # the daemon records where the blocks are
+        assert h.get_manifest(f"uid{NOBODY}:docs")["namespace"] == f"uid{NOBODY}/default"
+
+
+def test_gc_socket_keeps_every_tenant_s_named_prefix_and_is_the_daemon_user_s(workdir):
+    """`gc --socket` from the daemon's own uid removed nothing and said nothing (its
+    connection saw only its own tenant's namespaces, and no model version). Now the daemon
+    runs it over every store: the same rule and result as `gc --home`; a tenant may not."""
+    need_root()
+    os.chmod(workdir, 0o711)
+    cfg = make_config(workdir, namespace_per_uid=True, allowed_uids=(NOBODY,))
+    d = DaemonThread(cfg).start()
+    try:
+        seen = _tenants_store_prefixes(cfg.socket)
+        assert seen["gc"] == "NotPermittedError"  # another tenant's blocks are not a tenant's to remove
+        r = CliRunner().invoke(main, ["gc", "--socket", str(cfg.socket), "--json"])
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["removed_blocks"] == 6 and out["deleted_manifests"] == []  # scratch of both, 65534's older
+        assert {(x["namespace"], x["blocks"]) for x in out["removed"]} == {
+            ("uid0/scratch", 2), (f"uid{NOBODY}/scratch", 2), (f"uid{NOBODY}/older", 2)}
+        kept = {k["name"]: k["namespace"] for k in out["kept_prefixes"]}
+        assert kept == {"uid0:docs": "uid0/default", f"uid{NOBODY}:docs": f"uid{NOBODY}/default"}
+        human = CliRunner().invoke(main, ["gc", "--socket", str(cfg.socket), "--dry-run"])
+        assert human.exit_code == 0 and f"uid{NOBODY}:docs" in human.output, human.output
+        assert _served_to_tenant(cfg.socket) == {"named": 64, "junk": 0, "legacy": 0, "manifests": ["docs"]}
+        d.call(d.daemon.check_integrity)
+    finally:
+        d.stop()

@@ -11,10 +11,11 @@ from click.testing import CliRunner
 
 from helpers import tiny_models
 from tierkv.cli import main
-from tierkv.daemon.layouts import layout_id
+from tierkv.home.directory import layout_id
 from tierkv.hf import version_of
 
-from daemon_helpers import DaemonThread, make_config
+from helpers.daemons import DaemonThread
+from daemon_helpers import make_config
 
 pytestmark = pytest.mark.usefixtures("private_caches")
 

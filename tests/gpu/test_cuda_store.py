@@ -111,7 +111,7 @@ def test_bfloat16_pages_come_from_disk_in_few_requests(tmp_path):
         assert store.put(tokens, pages.cuda(), SCOPE).durable
     with tierkv.open(tmp_path / "h", BF16, **opts) as store:
         requests = []
-        files = store.disk._cufiles
+        files = store.disk.reads._cufiles
         real_get = files.get
 
         def counting_get(seg_id, path):

@@ -999,7 +999,7 @@ def test_a_daemon_with_only_home_and_socket_serves_vllm(model_dir, reference, tm
     import time
 
     import tierkv
-    from tierkv.daemon.layouts import layout_id
+    from tierkv.home.directory import layout_id
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)

@@ -10,7 +10,7 @@ torture HOME SEED OPS SMALL [WB]
                            blocks are evicted from it; WB=1: write-back, write_through=False)
 killat HOME SEED OPS SMALL POINT N [WB]
                            torture, but SIGKILL itself at the N-th call of a named step
-                           (POINTS: "<hook>:before" or "<hook>:after" one of HOOKS)
+                           (POINTS: "<step>:before" or "<step>:after", a step of STEPS)
 check HOME SEED N_CHAINS   reopen and check chains 0..N-1 are found whole and byte-identical;
                            prints one JSON line.
 hold HOME                  open the store, print "READY <pid>", wait for stdin to close.
@@ -73,7 +73,7 @@ def corrupt_one_page(store, rng: random.Random, acked: list[int], seed: int) -> 
             for key in block_keys(tokens, scope, BS):
                 b = store.placement.table.get(key)
                 if b is not None and set(b.loc) == {TierName.DISK} and not b.leases and not b.busy:
-                    seg, off = store.disk._offset(b.loc[TierName.DISK])[::2]
+                    seg, off = store.disk.files.offset(b.loc[TierName.DISK])[::2]
                     print(f"CORRUPT {i}", flush=True)  # logged first: the chain may be lost now
                     fd = os.open(seg.path, os.O_RDWR)
                     try:
@@ -141,27 +141,29 @@ def mode_torture(shm: str, home: str, seed: str, ops: str, small: str = "0", wb:
 
 # The calls a crash can fall between, by step: put (segment creation, page runs, slot records,
 # the synced write, the index commit), eviction, demotion, write-back, invalidation and
-# quarantine. Each is hooked where it is called (the name as its caller looks it up), never
-# process-wide: ``_pwrite_all`` is the disk tier's own page/record write.
-HOOKS = {
-    "segment-create": ("tierkv.tiers.disk", "create_segment"),  # a new segment file, renamed, dir synced
+# quarantine. A (module or class, name) is hooked where it is called (the name as its caller
+# looks it up), never process-wide: ``pwrite_all`` as the disk tier looks it up is its page
+# write. A plain name is a pair of fault points, "<name>:before" / "<name>:after"
+# (tierkv/faults.py), in the compiled modules, whose methods cannot be hooked.
+STEPS: dict[str, tuple[str, str] | str] = {
+    "segment-create": ("tierkv.tiers.disk_files", "create_segment"),  # a new segment file, renamed, dir synced
     "segment-dir-sync": ("tierkv.tiers.segments", "fsync_dir"),  # segment renamed, directory not yet synced
-    "page-run-write": ("tierkv.tiers.disk", "_pwrite_all"),  # one run of pages (or records), not synced
-    "records-write": ("tierkv.tiers.disk.DiskTier", "_write_records"),  # pages written, records next, nothing synced
+    "page-run-write": ("tierkv.tiers.disk", "pwrite_all"),  # one run of pages, not synced
+    "records-write": ("tierkv.tiers.disk", "write_run_records"),  # pages written, records next, nothing synced
     "disk-write": ("tierkv.tiers.disk.DiskTier", "_write_pages"),  # after: pages and records synced, not indexed
     "index-put": ("tierkv.index.Index", "put_blocks"),  # after: indexed, not acknowledged
-    "evict": ("tierkv.placement.Placement", "evict"),
-    "demote": ("tierkv.placement.Placement", "_demote"),
-    "write-back": ("tierkv.placement.Placement", "_write_back"),
+    "evict": "placement.evict",
+    "demote": "placement.demote",  # device -> host, inside an eviction
+    "write-back": "placement.write_back",  # the last memory copy to disk, inside an eviction
     "index-delete": ("tierkv.index.Index", "delete_blocks"),  # after: deleted, slot not freed
     "slot-free": ("tierkv.tiers.disk.DiskTier", "free"),
-    "record-wipe": ("tierkv.tiers.disk.DiskTier", "_wipe_record"),
+    "record-wipe": ("tierkv.tiers.disk", "wipe_record"),
     "invalidate": ("tierkv.operations.StoreOperations", "invalidate"),  # after: done, not acknowledged
-    "retire": ("tierkv.placement.Placement", "retire"),
-    "quarantine": ("tierkv.placement.Placement", "quarantine"),
+    "retire": "placement.retire",
+    "quarantine": "placement.quarantine",
     "index-quarantine": ("tierkv.index.Index", "quarantine"),
 }
-POINTS = tuple(f"{hook}:{when}" for hook in HOOKS for when in ("before", "after"))
+POINTS = tuple(f"{step}:{when}" for step in STEPS for when in ("before", "after"))
 # Hooks reached only in some configurations: (small disk, write-back) that reach them.
 NEEDS = {"write-back": (False, True)}
 
@@ -177,15 +179,28 @@ def _resolve(path: str):  # type: ignore[no-untyped-def]
 
 
 def install_kill_point(point: str, n: int) -> None:
-    """SIGKILL this process at the ``n``-th call of the hooked function: just before the
-    call runs (``:before``) or just after it returns (``:after``)."""
+    """SIGKILL this process at the ``n``-th call of the step: just before the call runs
+    (``:before``) or just after it returns (``:after``)."""
     import os
     import signal
 
-    hook, when = point.split(":")
-    owner_path, attr = HOOKS[hook]
+    step, when = point.split(":")
+    target = STEPS[step]
+    if isinstance(target, str):  # a fault point: count its hits
+        from tierkv import faults
+
+        hits = [0]
+
+        def kill_at_n() -> None:
+            hits[0] += 1
+            if hits[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        faults.arm(f"{target}:{when}", kill_at_n)  # ValueError: the point was renamed; update STEPS
+        return
+    owner_path, attr = target
     owner = _resolve(owner_path)
-    orig = getattr(owner, attr)  # AttributeError: the step moved; update HOOKS
+    orig = getattr(owner, attr)  # AttributeError: the step moved; update STEPS
     calls = [0]
 
     def wrapper(*a, **kw):

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 import tierkv.identity
+import tierkv.matching
 from tierkv import Scope
 from tierkv.identity import ChainMemo, as_token_array, block_keys, same_bytes
 
@@ -99,7 +100,7 @@ def test_a_repeated_prompt_is_not_hashed_again_and_bad_stored_tokens_are_still_c
     t = toks(30, 3)
     store.put(t, pages_for(t, SCOPE), SCOPE)
     hashed = []
-    monkeypatch.setattr(tierkv.placement, "iter_block_keys", counting_keys(tierkv.placement.iter_block_keys, hashed))
+    monkeypatch.setattr(tierkv.matching, "iter_block_keys", counting_keys(tierkv.matching.iter_block_keys, hashed))
     assert store.lookup(t, SCOPE).keys == tuple(keys_of(t))
     assert hashed == []  # the put's keys proved the whole prompt
     longer = t + toks(31, 1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tierkv.identity
-import tierkv.placement
+import tierkv.matching
 from tierkv import Scope
 from tierkv.index import BlockRecord
 from tierkv.tiers.segments import read_header
@@ -192,7 +192,7 @@ def _colliding_keys(tokens, seed, block_size, block_extra=None, start=0, parent=
 
 
 def test_forced_key_collision_is_a_miss(make_store, monkeypatch):
-    monkeypatch.setattr(tierkv.placement, "iter_block_keys", _colliding_keys)  # lookup, acquire
+    monkeypatch.setattr(tierkv.matching, "iter_block_keys", _colliding_keys)  # lookup, acquire
     monkeypatch.setattr(tierkv.identity, "iter_block_keys", _colliding_keys)  # put (ChainMemo.chain_keys)
     store = make_store()
     a, b = toks(330, 2), toks(331, 2)

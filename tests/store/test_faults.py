@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 
 import tierkv
-from tierkv import PageLayout
+from tierkv import PageLayout, faults
 from tierkv.errors import (DiskWriteError, ForkedStoreError, IndexFullError, LayoutMismatchError, LeaseError,
                            NotFoundError, StoreLockedError)
 from tierkv.tiers import disk as disk_mod
@@ -317,18 +317,17 @@ def test_failure_while_making_room_in_acquire_leaves_nothing_leased(make_store):
     put_chain(store, chain)
     for i in range(3):
         put_chain(store, toks(431 + i, 4))  # the chain is on disk only now
-    real = type(store.placement).alloc_mem
-    calls = []
+    evictions = []
 
-    def failing(self, t):
-        calls.append(t)
-        if len(calls) == 2:
+    def failing() -> None:
+        evictions.append(1)
+        if len(evictions) == 2:  # from the host, making room for the first device eviction's demotion
             raise IndexFullError("index full while evicting")
-        return real(self, t)
 
-    with mock.patch.object(type(store.placement), "alloc_mem", failing):
+    with faults.armed("placement.evict:before", failing):
         with pytest.raises(IndexFullError):
             store.acquire(chain, SCOPE)
+    assert len(evictions) == 2
     store.check_integrity()
     assert store.stats()["leased_blocks"] == 0 and store.promotion.reads_in_flight() == 0
     with store.acquire(chain, SCOPE) as lease:
@@ -372,3 +371,26 @@ def test_io_error_checking_a_segment_at_open_deletes_nothing(make_store, home, t
     with store.acquire(chain, SCOPE) as lease:
         assert lease.num_blocks == 3
         assert_lease_exact(lease)
+
+
+def test_fault_points_bracket_each_eviction_and_demotion(make_store):
+    """The crash tests kill the process at these points (tests/store/child.py): each step
+    passes its :before and its :after once per call, compiled or not."""
+    store = make_store(write_through=False)
+    hits = {name: 0 for name in faults.POINTS}
+
+    def counter(name: str):
+        def count() -> None:
+            hits[name] += 1
+        return count
+
+    for name in faults.POINTS:
+        faults.arm(name, counter(name))
+    try:
+        for i in range(6):
+            put_chain(store, toks(450 + i, 4))  # more than the memory tiers hold
+    finally:
+        for name in faults.POINTS:
+            faults.disarm(name)
+    for step in ("evict", "demote", "write_back"):
+        assert hits[f"placement.{step}:before"] == hits[f"placement.{step}:after"] > 0, (step, hits)

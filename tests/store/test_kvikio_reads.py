@@ -76,8 +76,8 @@ def cold_store(tmp_path):
 
 def _with_fake(store, chain, fake: FakeKvikio) -> list[int]:
     """Put ``fake`` in kvikio's place in the store's disk tier; the chain's disk locations."""
-    store.disk._kvikio = fake
-    store.disk._cufiles = KvikioFiles(fake)
+    store.disk.reads._kvikio = fake
+    store.disk.reads._cufiles = KvikioFiles(fake)
     blocks = store.placement.table.blocks
     return [blocks[k].loc[DISK] for k in keys_of(chain)]
 

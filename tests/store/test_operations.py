@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tierkv import Priority, Scope
-from tierkv.errors import NotFoundError
+from tierkv.errors import InvalidNameError, NotFoundError
 from tierkv.results import Residency
 
 from .kit import (BS, MV1, MV2, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, segment_files,
@@ -99,9 +99,12 @@ def test_manifests(make_store):
     store.save_manifest("system-prompt", {"last_key": last.hex(), "tokens": len(chain)})
     assert store.get_manifest("system-prompt")["tokens"] == len(chain)
     assert list(store.list_manifests()) == ["system-prompt"]
-    for bad in ("", "a/b", "x" * 201):
-        with pytest.raises(ValueError):
+    # The daemon's rule in the embedded store too (issue #32: a lone surrogate or 400+ bytes
+    # of UTF-8 reached LMDB as a raw UnicodeEncodeError / BadValsizeError).
+    for bad in ("", "a/b", "x" * 201, "\ud800x", "\u00e9" * 199 + "\U0001f600" * 1):
+        with pytest.raises(InvalidNameError):
             store.save_manifest(bad, {})
+    assert list(store.list_manifests()) == ["system-prompt"]
     with pytest.raises(NotFoundError) as info:
         store.get_manifest("nope")
     assert "system-prompt" in str(info.value)

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tierkv import Priority, Scope
-from tierkv.errors import IndexDamagedError
+from tierkv import PageLayout, Priority, Scope
+from tierkv.errors import IndexDamagedError, LayoutMismatchError
 from tierkv.repair import rebuild_index
 from tierkv.tiers.segments import SegmentHeader, read_header
 
-from .kit import MV1, MV2, SCOPE, assert_lease_exact, keys_of, open_store, put_chain, segment_files, slot_offset, toks
+from .kit import LAYOUT, MV1, MV2, SCOPE, assert_lease_exact, keys_of, open_store, put_chain, segment_files, slot_offset, toks
 
 OPTS = dict(disk_bytes=64 * 4096, segment_pages=8)
 CHAINS = [(toks(i, 1 + i % 4), Scope(MV1 if i % 3 else MV2, namespace=f"ns{i % 2}")) for i in range(14)]
@@ -208,3 +208,82 @@ def test_page_sized_slots_carry_records_too(tmp_path):
             assert lease.num_blocks == 5
             for i in range(5):
                 assert torch.equal(lease.page(i), pages[i])
+
+
+# ---- the layout comes from a record, never a vote (issue #34, item 7) ------------------------
+FOREIGN = PageLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)  # block size as LAYOUT's
+
+
+def _plant_foreign_segments(store_dir: Path, tmp_path: Path, shm: Path, n: int = 2) -> list[Path]:
+    """Copy ``n`` segments of another layout into ``store_dir``'s segments, numbered after its own."""
+    other = tmp_path / "foreign"
+    with open_store(other, FOREIGN, shm_dir=shm, **OPTS) as store:
+        for i in range(n):
+            put_chain(store, toks(100 + i, 8), Scope(MV2))  # 8 blocks: one full segment each
+    planted = []
+    top = max(int(p.name[4:10]) for p in segment_files(store_dir))
+    for i, seg in enumerate(segment_files(other)[:n]):
+        to = store_dir / "segments" / f"seg-{top + 1 + i:06d}.safetensors"
+        shutil.copyfile(seg, to)
+        planted.append(to)
+    assert [read_header(p).layout for p in planted] == [FOREIGN] * n
+    return planted
+
+
+def _one_segment(store_dir: Path, shm: Path, layout: PageLayout = LAYOUT) -> list[tuple[list[int], Scope]]:
+    chains = [(toks(7, 3), Scope(MV1, namespace="own"))]
+    with open_store(store_dir, layout, shm_dir=shm, **OPTS) as store:
+        for t, scope in chains:
+            put_chain(store, t, scope)
+    assert len(segment_files(store_dir)) == 1
+    return chains
+
+
+def test_repair_takes_the_layout_from_the_index_not_a_majority_of_segments(tmp_path):
+    """One own segment beside two foreign ones: the vote rebuilt the home as the foreign
+    layout, renamed its own segment .bad, and the home no longer opened."""
+    home, shm = tmp_path / "home", tmp_path / "shm"
+    chains = _one_segment(home, shm)
+    planted = _plant_foreign_segments(home, tmp_path, shm)
+    r = rebuild_index(home)  # the index still records the layout
+    assert json.loads(r.layout) == json.loads(LAYOUT.to_json()) and r.rebuilt == 3 and r.quarantined_segments == 2
+    assert all(p.with_name(p.name + ".bad").exists() for p in planted)
+    assert_all_served(home, shm, chains)
+
+
+def test_repair_of_a_root_store_without_its_index_refuses_disagreeing_segments(tmp_path):
+    """No index records the layout and the segments disagree: refused, nothing renamed."""
+    home, shm = tmp_path / "home", tmp_path / "shm"
+    chains = _one_segment(home, shm)
+    planted = _plant_foreign_segments(home, tmp_path, shm)
+    shutil.rmtree(home / "index")
+    before = sorted(p.name for p in (home / "segments").iterdir())
+    with pytest.raises(LayoutMismatchError, match="refusing to guess") as exc:
+        rebuild_index(home)
+    assert "move the segments" in exc.value.hint
+    assert sorted(p.name for p in (home / "segments").iterdir()) == before and not (home / "index").exists()
+    for p in planted:  # the operator moves the foreign ones out, as the hint says: then it rebuilds
+        p.rename(tmp_path / p.name)
+    assert rebuild_index(home).rebuilt == 3
+    assert_all_served(home, shm, chains)
+
+
+def test_verify_repair_of_a_daemon_layout_takes_it_from_the_directory_name(tmp_path):
+    """HOME/layouts/<id> whose index is damaged: its layout is the directory's name."""
+    from tierkv.cli import main
+    from tierkv.home.directory import LAYOUTS_DIR, layout_id
+
+    home, shm = tmp_path / "home", tmp_path / "shm"
+    _one_segment(home, shm, FOREIGN)  # the root store: another layout, as a daemon serving two models makes
+    sub = home / LAYOUTS_DIR / layout_id(LAYOUT)
+    chains = _one_segment(sub, shm)
+    planted = _plant_foreign_segments(sub, tmp_path, shm)
+    data = sub / "index" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    r = CliRunner().invoke(main, ["verify", "--repair", "--home", str(home), "--json"])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    rebuilt = out["layouts_rebuilt"][f"{LAYOUTS_DIR}/{layout_id(LAYOUT)}"]
+    assert json.loads(rebuilt["layout"]) == json.loads(LAYOUT.to_json()) and rebuilt["rebuilt"] == 3
+    assert rebuilt["quarantined_segments"] == 2 and all(p.with_name(p.name + ".bad").exists() for p in planted)
+    assert_all_served(sub, shm, chains)

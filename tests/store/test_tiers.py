@@ -214,7 +214,7 @@ def test_slot_allocator_hands_out_the_lowest_free_slot_whatever_the_free_order()
 
 
 def test_disk_slots_go_where_the_old_scan_put_them(tmp_path):
-    """DiskTier.alloc finds its slot through heaps (tierkv/tiers/disk_rooms.py); it must give
+    """DiskTier.alloc finds its slot through heaps (tierkv/tiers/free_slots.py); it must give
     exactly what sorting every segment and scanning its slots gave: the lowest segment of
     the model version with room below the limit, its lowest free slot, else a new segment
     at the lowest free id. Random allocs and frees of two model versions, a lowered and a
@@ -424,7 +424,7 @@ def test_disk_reads_leave_no_copy_in_the_page_cache(make_store, home, direct_rea
         assert lease.num_blocks == 6
         assert_lease_exact(lease)
     for loc in locs:
-        seg, _, off = store.disk._offset(loc)
+        seg, _, off = store.disk.files.offset(loc)
         assert _cached_pages(seg.path, off, store.disk.slot_bytes) == 0
 
 
@@ -483,7 +483,7 @@ def test_read_many_reads_runs_in_flight_and_fails_only_after_every_read_has_ende
         ended: list[float] = []
 
         def preadv(fd, bufs_, off):
-            if off == tier._offset(locs[0])[2]:
+            if off == tier.files.offset(locs[0])[2]:
                 raise OSError(5, "EIO")
             _time.sleep(0.05)
             n = real(fd, bufs_, off)

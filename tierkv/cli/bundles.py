@@ -25,7 +25,7 @@ def _layout_of_prefix(store: "StoreAPI", name: str, socket_path: Path | None) ->
     the layout its manifest names (a client of the daemon declaring that layout)."""
     from ..layout import PageLayout
     from .common import connect_daemon
-    from .home_stores import HomeStores
+    from ..home.home import Home
 
     if store.layout is not None:
         yield store
@@ -35,7 +35,7 @@ def _layout_of_prefix(store: "StoreAPI", name: str, socket_path: Path | None) ->
         raise ConfigError(f"prefix {name!r} names no page layout, and the store holds several",
                           hint="materialise the prefix again (materialize records its layout)")
     layout = PageLayout.from_dict(raw)
-    if isinstance(store, HomeStores):
+    if isinstance(store, Home):
         yield store.store_for(layout)
         return
     assert socket_path is not None
@@ -47,7 +47,7 @@ def _daemon_for(socket_path: Path, layout: "PageLayout") -> "contextlib.Abstract
     """A client of the daemon for a bundle of ``layout``: declaring it when the daemon
     serves it among several, else an operations client (the daemon's only layout, checked
     against the bundle's by import_bundle), as ``--home`` picks the home's store."""
-    from ..daemon.layouts import layout_id
+    from ..home.directory import layout_id
     from .common import connect_daemon
 
     ops = connect_daemon(socket_path)
@@ -61,7 +61,7 @@ def _import_home(home: Path, layout: "PageLayout") -> Path:
     """Where a bundle of ``layout`` goes in ``home``: the store of that layout when the home
     holds one (a home a daemon serving several models made), else the root (checked against
     the root's layout, as always)."""
-    from ..daemon.layouts import find_layouts
+    from ..home.directory import find_layouts
 
     return next((h for h, lo in find_layouts(home) if lo == layout), home)
 
@@ -76,7 +76,7 @@ def _import_home(home: Path, layout: "PageLayout") -> Path:
 def export_cmd(name: str, output: Path, keys_dir: Path, home: Path, socket_path: Path | None, as_json: bool) -> None:
     """Write the prefix NAME (token ids, pages, checksums, manifest) to a portable bundle,
     signed with this user's key (created on first use; see `tierkv keys`)."""
-    from ..keys import Keyring
+    from ..signing import Keyring
     from ..transfer import export_prefix
 
     if not output.resolve().parent.is_dir():
@@ -101,8 +101,8 @@ def export_cmd(name: str, output: Path, keys_dir: Path, home: Path, socket_path:
               help="Refuse the bundle unless it was made under this model directory's version.")
 @click.option("--force", is_flag=True, help="Import despite another --model version, or over another prefix of that name.")
 @click.option("--verify-model", "verify_model", type=click.Path(file_okay=False, exists=True, path_type=Path),
-              default=None, help="Trust an unsigned bundle only if a sample of its blocks, recomputed by this "
-              "model, matches its pages.")
+              default=None, help="Trust an unsigned bundle only if every block, recomputed by this "
+              "model, matches its page.")
 @keys_option
 @target_options
 def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bool, verify_model: Path | None,
@@ -114,7 +114,7 @@ def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bo
     import tierkv
 
     from ..bundle import check_bundle, read_header
-    from ..keys import Keyring
+    from ..signing import Keyring
     from ..transfer import Trust, check_compatible, check_trust, import_bundle, model_checker
     from ..model_version import model_version
 
@@ -130,7 +130,7 @@ def import_cmd(bundle: Path, name: str | None, model_dir: Path | None, force: bo
         layout = read_header(bundle).layout
     else:
         layout = None  # checked against the daemon's below
-    verified = check_bundle(bundle, layout, trust.sample if trust.model_check else 0)
+    verified = check_bundle(bundle, layout)
     check_trust(verified, trust)
     header = verified.header
     expected = model_version(model_dir, header.layout, memo_path=default_memo_path()) if model_dir else None

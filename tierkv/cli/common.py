@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
@@ -111,13 +112,17 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     tierkv/cli/layouts.py."""
     import tierkv
 
-    from .home_stores import store_home
+    from ..home.directory import store_home
 
     require_layout(home, socket_path, layout, new_layout)
     if socket_path is not None:
         return connect_daemon(socket_path, layout)
-    # The layout's own store in a home that holds several (as the daemon would open it).
-    return tierkv.open(store_home(home, layout), layout, **{k: v for k, v in options.items() if v is not None})
+    # The layout's own store in a home that holds several (as the daemon would open it):
+    # flags over TIERKV_* over $TIERKV_CONFIG (tierkv/daemon/config.py, DIRECT_FIELDS).
+    from ..daemon.config import direct_store_options
+
+    opts = {**direct_store_options(os.environ), **{k: v for k, v in options.items() if v is not None}}
+    return tierkv.open(store_home(home, layout), layout, **opts)
 
 
 # The layout guard of open_store (issue #37, item 2; tierkv/cli/layouts.py says why). Here,
@@ -126,7 +131,7 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
 def held_layouts(home: Path, socket_path: Path | None) -> list[PageLayout]:
     """The layouts of the stores ``home`` holds (read without opening them), or those the
     daemon at ``socket_path`` serves."""
-    from ..daemon.layouts import find_layouts
+    from ..home.directory import find_layouts
 
     if socket_path is None:
         return [lo for _, lo in find_layouts(home)]
@@ -139,7 +144,7 @@ def require_layout(home: Path, socket_path: Path | None, layout: PageLayout, new
     """Raise LayoutMismatchError when the target holds stores, none of ``layout``, and
     ``new_layout`` is not set; the message names the fields that differ from the closest
     layout held, the hint the options that would match it."""
-    from ..daemon.layouts import layout_id
+    from ..home.directory import layout_id
 
     held = held_layouts(home, socket_path)
     if new_layout or not held or layout in held:
@@ -160,16 +165,16 @@ OPS_STORE_OPTIONS: dict[str, Any] = {"device": "cpu", "host_bytes": 0}
 
 def open_target(home: Path, socket_path: Path | None, **options: Any) -> "StoreAPI":
     """Every store of ``home`` (each page layout it holds, opened here as one target:
-    :class:`~tierkv.cli.home_stores.HomeStores`), or, with ``socket_path``, a client of the
+    :class:`~tierkv.home.Home`), or, with ``socket_path``, a client of the
     daemon serving it; both answer the same across layouts. ``options`` are StoreConfig
     fields for a home opened here. Raises NotFoundError for a home without a store,
     DaemonOwnsHomeError when a daemon holds the home, DaemonUnavailableError when the
     daemon cannot be reached."""
-    from .home_stores import HomeStores
+    from ..home.home import Home
 
     if socket_path is not None:
         return connect_daemon(socket_path)
-    return HomeStores.open(home, **{**OPS_STORE_OPTIONS, **options})
+    return Home.open(home, **{**OPS_STORE_OPTIONS, **options})
 
 
 def warn(message: str) -> None:

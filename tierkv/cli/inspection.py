@@ -166,7 +166,7 @@ def _rebuild_if_damaged(home: Path, as_json: bool) -> dict[str, dict[str, Any]]:
     stores, ``HOME/layouts/<id>``) cannot be opened: rebuild it from the segments
     (tierkv.repair) before verifying. Returns each rebuilt store's result by its directory
     relative to the home ("." for the root); empty when every index was fine."""
-    from ..daemon.layouts import LAYOUTS_DIR
+    from ..home.directory import LAYOUTS_DIR
     from ..repair import index_damaged, rebuild_index
 
     sub = home / LAYOUTS_DIR

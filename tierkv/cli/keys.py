@@ -46,7 +46,7 @@ def keys_group() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def generate(force: bool, keys_dir: Path, as_json: bool) -> None:
     """Create this user's Ed25519 signing key and trust it."""
-    from ..keys import Keyring
+    from ..signing import Keyring
 
     public = Keyring(keys_dir).generate(overwrite=force)
     emit(as_json, {"public_key": public.hex(), "keys": str(keys_dir)})
@@ -58,7 +58,7 @@ def generate(force: bool, keys_dir: Path, as_json: bool) -> None:
 def show(keys_dir: Path, as_json: bool) -> None:
     """Print this user's public key (what importers pass to `tierkv keys trust`): the
     64 hex characters alone, or one JSON object with --json; `keys trust` takes either."""
-    from ..keys import Keyring
+    from ..signing import Keyring
 
     public = Keyring(keys_dir).public_key().hex()
     if as_json:
@@ -74,7 +74,7 @@ def show(keys_dir: Path, as_json: bool) -> None:
 def trust(name: str, key: str, keys_dir: Path) -> None:
     """Trust bundles signed by KEY as NAME. KEY: what `tierkv keys show` printed (64 hex
     characters, or its --json object), or a file holding it."""
-    from ..keys import Keyring, parse_public_key
+    from ..signing import Keyring, parse_public_key
 
     text = Path(key).read_text() if os.path.isfile(key) else key
     path = Keyring(keys_dir).trust(name, parse_public_key(_key_text(text)))
@@ -100,7 +100,7 @@ def _key_text(text: str) -> str:
 @keys_option
 def untrust(name: str, keys_dir: Path) -> None:
     """Stop trusting the key NAME."""
-    from ..keys import Keyring
+    from ..signing import Keyring
 
     if not Keyring(keys_dir).untrust(name):
         raise click.ClickException(f"no trusted key named {name!r} in {keys_dir}")
@@ -112,7 +112,7 @@ def untrust(name: str, keys_dir: Path) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def list_keys(keys_dir: Path, as_json: bool) -> None:
     """The trusted public keys."""
-    from ..keys import Keyring
+    from ..signing import Keyring
 
     keys = {k.name: k.hex for k in Keyring(keys_dir).trusted()}
     emit(as_json, {"trusted": keys}, list(keys.items()) or [("trusted", "none")])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..daemon.layouts import layout_id
+from ..home.directory import layout_id
 from ..errors import NotFoundError
 from ..layout import PageLayout
 from .common import emit, fmt_bytes, held_layouts, print_columns, require_layout
@@ -39,7 +39,7 @@ def check_prefix(home: Path, socket_path: Path | None, name: str, lm: "LoadedMod
 
 # ---- the commands ------------------------------------------------------------------------
 def layout_rows(store: Any) -> list[dict[str, Any]]:
-    """One dict per layout of an open target (a daemon client or HomeStores): its id, shape,
+    """One dict per layout of an open target (a daemon client or Home): its id, shape,
     where it lives, its blocks and bytes per tier, its limits (its share of a daemon's
     budgets), model versions and named prefixes."""
     s = store.stats(namespace_limit=1)

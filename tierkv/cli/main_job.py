@@ -1,5 +1,5 @@
-"""The main job: ``materialize`` a repository as a prefix, ``generate`` after it,
-``model-version`` of a model directory, and the ``quickstart`` demo.
+"""The main job: ``generate`` after a prefix, ``model-version`` of a model directory, the
+``quickstart`` demo, and the options ``materialize`` (tierkv.cli.materialize) shares.
 
 Each command parses its options, calls the library (tierkv.hf, tierkv.materialize,
 tierkv.quickstart) and prints a table, or one JSON object with ``--json``.
@@ -15,7 +15,7 @@ import click
 from ..codec import CODECS
 from ..devices import resolve_device
 from ..document import DEFAULT_MAX_FILE_BYTES, DocumentOptions
-from ..hf import DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_TOKENS, DTYPE_CHOICES, LoadedModel, SamplingConfig, generate
+from ..hf import DEFAULT_BLOCK_SIZE, DTYPE_CHOICES, LoadedModel, SamplingConfig, generate
 from ..hf import load_model as _load_model
 from ..hf import version_of
 from ..model_version import default_memo_path
@@ -48,6 +48,10 @@ def document_options(f: Callable[..., Any]) -> Callable[..., Any]:
     f = click.option("--max-file-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_FILE_BYTES, show_default=True,
                      help="Skip files larger than this.")(f)
     f = click.option("--no-gitignore", is_flag=True, help="Do not honour .gitignore files.")(f)
+    f = click.option("--order", type=click.Choice(["history", "path"]), default="history", show_default=True,
+                     help="File order: history puts the files changed most recently last (git: last commit "
+                          "time, uncommitted and untracked files after; else mtime), so an edit recomputes "
+                          "less; path sorts by path.")(f)
     f = click.option("--max-tokens", type=click.IntRange(min=1), default=None,
                      help="Cut the document to its first N tokens (needed when it exceeds the model's context).")(f)
     return f
@@ -58,8 +62,10 @@ def namespace_option(f: Callable[..., Any]) -> Callable[..., Any]:
                         help="Tenant salt of the block keys: prefixes are shared only within a namespace.")(f)
 
 
-def _doc_options(include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool) -> DocumentOptions:
-    return DocumentOptions(include=include, exclude=exclude, max_file_bytes=max_file_bytes, gitignore=not no_gitignore)
+def doc_options(include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
+                order: str) -> DocumentOptions:
+    return DocumentOptions(include=include, exclude=exclude, max_file_bytes=max_file_bytes, gitignore=not no_gitignore,
+                           order=order)
 
 
 def quiet_transformers() -> None:
@@ -79,7 +85,7 @@ def page_codec_option(f: Callable[..., Any]) -> Callable[..., Any]:
              "created with; naming another is an error. Not with --socket (the daemon's --page-codec).")(f)
 
 
-def _check_codec(page_codec: str | None, socket_path: Path | None) -> None:
+def check_codec(page_codec: str | None, socket_path: Path | None) -> None:
     if page_codec and socket_path:
         raise click.UsageError("--page-codec is the daemon's setting (tierkv serve --page-codec): drop it with --socket")
 
@@ -87,62 +93,6 @@ def _check_codec(page_codec: str | None, socket_path: Path | None) -> None:
 def load_model(model_dir: Path, dtype: str, block_size: int, device: str | None) -> LoadedModel:
     quiet_transformers()
     return _load_model(model_dir, dtype=dtype, block_size=block_size, device=resolve_device(device), memo_path=default_memo_path())
-
-
-@click.command()
-@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
-@model_options()
-@document_options
-@click.option("--name", default=None, help="Record a manifest under this name (for `generate --prefix NAME`).")
-@click.option("--chunk-tokens", type=click.IntRange(min=1), default=DEFAULT_CHUNK_TOKENS, show_default=True,
-              help="Tokens per prefill chunk; each chunk's full blocks are stored when it completes.")
-@click.option("--pin", is_flag=True,
-              help="Store the prefix's blocks as pinned (never evicted). Without it a name already pinned stays "
-                   "pinned (`tierkv unpin NAME` unpins).")
-@namespace_option
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-@page_codec_option
-@home_option
-@socket_option
-@json_option
-def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size: int, device: str | None,
-                new_layout: bool, include: tuple[str, ...], exclude: tuple[str, ...], max_file_bytes: int, no_gitignore: bool,
-                max_tokens: int | None, name: str | None, chunk_tokens: int, pin: bool, namespace: str, no_progress: bool,
-                page_codec: str | None, home: Path, socket_path: Path | None, as_json: bool) -> None:
-    """Prefill the files and trees PATHS into the store as one prefix document.
-
-    Resumable: an interrupted run continues from its last stored chunk, and a repeated
-    run does no work."""
-    from ..materialize import document_tokens
-    from ..materialize import materialize as run
-
-    _check_codec(page_codec, socket_path)
-    lm = load_model(model_dir, dtype, block_size, device)
-    options = _doc_options(include, exclude, max_file_bytes, no_gitignore)
-    # The document first: a missing path or a document too long is an error before the
-    # store is opened, so it creates no home (issue #37, item 10).
-    prefix = document_tokens(lm, list(paths), options, max_tokens=max_tokens, on_warning=warn)
-    progress, close_bar = progress_bar("prefill", enabled=not no_progress)
-    with open_store(home, lm.layout, socket_path, new_layout=new_layout, page_codec=page_codec) as store:
-        try:
-            result = run(store, lm, list(paths), options, name=name, chunk_tokens=chunk_tokens, max_tokens=max_tokens,
-                         pin=True if pin else None, namespace=namespace, progress=progress, on_warning=warn,
-                         prefix=prefix)
-        finally:
-            close_bar()
-    summary = {
-        "name": name, "model_version": lm.model_version, "tokens": result.tokens,
-        "document_tokens": result.document_tokens, "cached_tokens": result.cached_tokens,
-        "computed_tokens": result.computed_tokens, "stored_blocks": result.stored_blocks,
-        "files": result.files, "skipped_files": result.skipped, "elapsed_s": round(result.elapsed_s, 3),
-        "tokens_per_s": round(result.tokens_per_s, 1), "pinned": result.pinned,
-    }
-    rows = [("prefix", name or "(unnamed)"), ("files", result.files), ("skipped files", result.skipped),
-            ("tokens", result.tokens), ("already stored", result.cached_tokens), ("computed", result.computed_tokens),
-            ("blocks stored", result.stored_blocks), ("elapsed s", result.elapsed_s), ("tokens/s", result.tokens_per_s)]
-    if result.tokens < result.document_tokens:
-        rows.append(("cut from", result.document_tokens))
-    emit(as_json, summary, rows)
 
 
 @click.command(name="generate")
@@ -171,7 +121,7 @@ def materialize(paths: tuple[Path, ...], model_dir: Path, dtype: str, block_size
 def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | None, new_layout: bool,
                  prefix_name: str | None,
                  prefix_paths: tuple[Path, ...], include: tuple[str, ...], exclude: tuple[str, ...],
-                 max_file_bytes: int, no_gitignore: bool, max_tokens: int | None, prompt: str,
+                 max_file_bytes: int, no_gitignore: bool, order: str, max_tokens: int | None, prompt: str,
                  max_new_tokens: int, temperature: float, top_k: int | None, seed: int, no_cache: bool,
                  no_store_output: bool, namespace: str | None, no_progress: bool, page_codec: str | None,
                  home: Path, socket_path: Path | None, as_json: bool) -> None:
@@ -180,10 +130,10 @@ def generate_cmd(model_dir: Path, dtype: str, block_size: int, device: str | Non
 
     if prefix_name and prefix_paths:
         raise click.UsageError("pass --prefix NAME or --prefix-from PATH, not both")
-    _check_codec(page_codec, socket_path)
+    check_codec(page_codec, socket_path)
     lm = load_model(model_dir, dtype, block_size, device)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, seed=seed)
-    opts = _doc_options(include, exclude, max_file_bytes, no_gitignore)
+    opts = doc_options(include, exclude, max_file_bytes, no_gitignore, order)
 
     def request(store: "StoreAPI | None") -> tuple[list[int], str]:
         if prefix_name:
@@ -296,5 +246,5 @@ def quickstart(model_dir: Path | None, dtype: str, block_size: int, device: str 
 
 
 def register(group: click.Group) -> None:
-    for command in (materialize, generate_cmd, model_version_cmd, quickstart):
+    for command in (generate_cmd, model_version_cmd, quickstart):
         group.add_command(command)

@@ -7,7 +7,7 @@ import click
 
 from ..blocks import Priority
 from .common import emit, fmt_bytes, print_columns, print_table, warn
-from .targets import check_model_version, model_version_of, short, target, target_options
+from .targets import check_model_version, model_versions_of, short, target, target_options
 
 
 # ---- invalidate ------------------------------------------------------------------------
@@ -29,14 +29,16 @@ def invalidate(model_dir: Path | None, model_version: str | None, namespace: str
         raise click.UsageError("pass --model DIR, --model-version HEX or --namespace NS")
     model_version = check_model_version(model_version)
     with target(home, socket_path) as store:
-        if model_dir is not None:
-            model_version = model_version_of(model_dir, home, store)
-        r = store.invalidate(model_version=model_version, namespace=namespace, dry_run=dry_run)
-    out = {"model_version": model_version, "namespace": namespace, "removed_blocks": r.removed_blocks,
-           "freed_bytes": r.freed_bytes, "dry_run": r.dry_run}
-    emit(as_json, out, [("model version", model_version or "(any)"), ("namespace", namespace or "(any)"),
-                        ("blocks to remove" if dry_run else "blocks removed", r.removed_blocks),
-                        ("bytes to free" if dry_run else "bytes freed", fmt_bytes(r.freed_bytes))])
+        # A model directory: its version under each layout served (its blocks may be under any).
+        versions = model_versions_of(model_dir, home, store) if model_dir is not None else [model_version]
+        results = [store.invalidate(model_version=v, namespace=namespace, dry_run=dry_run) for v in versions]
+    removed, freed = sum(r.removed_blocks for r in results), sum(r.freed_bytes for r in results)
+    out = {"model_version": versions[0] if len(versions) == 1 else None, "model_versions": [v for v in versions if v],
+           "namespace": namespace, "removed_blocks": removed, "freed_bytes": freed, "dry_run": dry_run}
+    emit(as_json, out, [("model version", ", ".join(v for v in versions if v) or "(any)"),
+                        ("namespace", namespace or "(any)"),
+                        ("blocks to remove" if dry_run else "blocks removed", removed),
+                        ("bytes to free" if dry_run else "bytes freed", fmt_bytes(freed))])
 
 
 # ---- pin / unpin -----------------------------------------------------------------------
@@ -89,20 +91,21 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
 
     A block is kept when its (model version, namespace) is a named prefix's, or its model
     version or namespace is given with --keep-*. Everything else goes, so pass
-    --keep-model for the model you serve."""
+    --keep-model for the model you serve. Every named prefix kept is listed. With --socket
+    the daemon runs it over every store it serves (every tenant's prefixes are kept; under
+    namespace_per_uid only the daemon's user may run it)."""
     from ..gc import collect
 
     versions = [v for v in (check_model_version(v) for v in keep_versions) if v]
     with target(home, socket_path) as store:
-        versions += [model_version_of(d, home, store) for d in keep_models]
-        r = collect(store, versions, keep_namespaces, dry_run=dry_run)
-    out = {
-        "dry_run": dry_run, "removed_blocks": r.removed_blocks, "freed_bytes": r.freed_bytes,
-        "removed": [{"model_version": x.model_version, "namespace": x.namespace, "blocks": x.blocks,
-                     "freed_bytes": x.freed_bytes} for x in r.removed],
-        "deleted_manifests": list(r.deleted_manifests), "kept_model_versions": sorted(set(versions)),
-        "kept_namespaces": sorted(keep_namespaces), "kept_scopes": [list(s) for s in r.kept_scopes],
-    }
+        versions += [v for d in keep_models for v in model_versions_of(d, home, store)]
+        if socket_path is not None:
+            # In the daemon, not here: a connection sees only its own tenant's manifests and
+            # namespaces, so gc through it kept and removed nothing (issue #34, item 5).
+            r = store.gc(versions, keep_namespaces, dry_run=dry_run)  # type: ignore[attr-defined]
+        else:
+            r = collect(store, versions, keep_namespaces, dry_run=dry_run)
+    out = {**r.as_dict(), "kept_model_versions": sorted(set(versions)), "kept_namespaces": sorted(keep_namespaces)}
     if as_json:
         emit(True, out)
         return
@@ -111,6 +114,11 @@ def gc(keep_models: tuple[Path, ...], keep_versions: tuple[str, ...], keep_names
                       [[short(x.model_version), x.namespace or "(all)", x.blocks, fmt_bytes(x.freed_bytes)]
                        for x in r.removed])
         click.echo("")
+    if r.kept:
+        print_columns(["prefix kept", "model version", "namespace", "blocks stored"],
+                      [[k.name, short(k.model_version), k.namespace, k.blocks] for k in r.kept])
+        click.echo("")
     print_table([("blocks to remove" if dry_run else "blocks removed", r.removed_blocks),
                  ("bytes to free" if dry_run else "bytes freed", fmt_bytes(r.freed_bytes)),
+                 ("prefixes kept", len(r.kept)),
                  (f"prefixes {'to delete' if dry_run else 'deleted'}", ", ".join(r.deleted_manifests) or "none")])

@@ -36,14 +36,26 @@ def short(hex_str: str | None, n: int = 12) -> str:
     return (hex_str or "-")[:n]
 
 
-def model_version_of(model_dir: Path, home: Path, store: "StoreAPI") -> str:
-    """Model version of ``model_dir`` under the layout of the store (or home) it is used with."""
+def model_versions_of(model_dir: Path, home: Path, store: "StoreAPI") -> list[str]:
+    """Model versions of ``model_dir`` under every page layout the store it is used with
+    serves: its own, or each of a daemon's (or a many-layout home's). A model's blocks may
+    sit under any of them (block sizes differ), so invalidating or keeping a model means all
+    of them; a version under a layout of another model matches no block. Before, a daemon
+    serving several layouts fell back to the local default home's layout (issue #32:
+    `invalidate --model M --socket S` failed, "holds no tierkv store")."""
+    from ..layout import PageLayout
     from ..model_version import model_version
 
     import tierkv
 
-    layout = store.layout or tierkv.home_layout(home)  # a client of a daemon serving several: the home's
-    return model_version(model_dir, layout, memo_path=default_memo_path())
+    if store.layout is not None:
+        layouts = [store.layout]
+    else:
+        per = store.stats(namespace_limit=1).get("layouts") or {}
+        layouts = [PageLayout.from_dict(s["layout"]) for s in per.values() if s.get("layout")]
+        if not layouts:
+            layouts = [tierkv.home_layout(home)]
+    return list(dict.fromkeys(model_version(model_dir, lo, memo_path=default_memo_path()) for lo in layouts))
 
 
 def check_model_version(value: str | None) -> str | None:

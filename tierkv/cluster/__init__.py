@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .node import ClusterNode, PullResult
-from .publish import PublishPolicy
+from .publish_policy import PublishPolicy
 from .route import NodeAnswer, RouteResult, open_node, route
 
 __all__ = ["ClusterNode", "NodeAnswer", "PublishPolicy", "PullResult", "RouteResult", "open_node", "route"]

@@ -7,7 +7,7 @@ local prefix that the remote tier holds (one batched existence check); ``acquire
 parent, token ids, page checksum), ``put``s them into the local store, then serves the
 lease locally, so pages always reach the caller from the device tier as usual. Pages are
 published to the remote tier by :class:`~tierkv.cluster.publisher.Publisher` (the write
-path), as :class:`~tierkv.cluster.publish.PublishPolicy` says.
+path), as :class:`~tierkv.cluster.publish_policy.PublishPolicy` says.
 
 Remote faults never reach a request: the remote tier answers "miss" while it is down, and
 a local error while storing fetched pages only costs the pages (counted, logged).
@@ -38,7 +38,7 @@ from ..results import (
 )
 from ..store import Store
 from .remote import RemoteMeta, RemotePutResult, RemoteTier
-from .publish import Event, PublishPolicy
+from .publish_policy import Event, PublishPolicy
 from .publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -208,6 +208,10 @@ class ClusterNode(StoreAPI):
 
     def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
         return self.store.set_priority_from(last_key, priority)
+
+    def block_keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, n_blocks: int | None = None,
+                   block_extra: Sequence[Sequence[str | bytes]] | None = None) -> list[bytes]:
+        return self.store.block_keys(tokens, scope, n_blocks, block_extra)
 
     def chain_tokens(self, last_key: bytes) -> ChainTokens:
         return self.store.chain_tokens(last_key)

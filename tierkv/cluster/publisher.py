@@ -1,5 +1,5 @@
 """Writing a node's pages to the remote tier: the write path of
-:class:`~tierkv.cluster.node.ClusterNode`, as its :class:`~tierkv.cluster.publish.PublishPolicy`
+:class:`~tierkv.cluster.node.ClusterNode`, as its :class:`~tierkv.cluster.publish_policy.PublishPolicy`
 says.
 
 :class:`Publisher` publishes a put's pages, a locally cached prefix (leased a window at a
@@ -24,7 +24,7 @@ from ..errors import TierKVError
 from ..eviction import EvictedBlock
 from ..identity import Scope, as_token_array
 from ..store import Store
-from .publish import Event, PublishPolicy
+from .publish_policy import Event, PublishPolicy
 from .remote import RemoteMeta, RemotePutResult, RemoteTier
 
 log = logging.getLogger(__name__)

@@ -98,7 +98,7 @@ def route(tokens: Sequence[int] | np.ndarray, nodes: Mapping[str, Lookupable], s
 
 
 def _layout_id(layout: Any) -> str:
-    from ..daemon.layouts import layout_id
+    from ..home.directory import layout_id
 
     return layout_id(layout)
 
@@ -130,7 +130,7 @@ def open_node(spec: str | os.PathLike[str], connect: Callable[[Path], Any] | Non
     if stat.S_ISDIR(mode):
         home = path
         if layout is not None:
-            from ..daemon.layouts import find_layouts
+            from ..home.directory import find_layouts
 
             home = next((h for h, lo in find_layouts(path) if lo == layout), path)
         return tierkv.open(home, None, **{"device": "cpu", "host_bytes": 0, **store_options})

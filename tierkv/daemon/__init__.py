@@ -2,8 +2,12 @@
 
     protocol.py      frame format, limits, opcodes (docs/protocol.md)
     messages.py      one dataclass per message, explicit encode/decode
-    server.py        the Daemon: lifecycle, signals, connections
-    handlers.py      what each request does (store calls run in worker threads)
+    server.py        the Daemon: lifecycle, signals; owns the parts below
+    serving.py       accepting a connection, its read loop, running each request
+    handlers.py      what each request does; owns lease_handlers.py, operations.py
+    workers.py       the worker threads store calls run in; releases queued for them
+    reload.py        SIGHUP: the settings in force, applied live or refused
+    remote_keeper.py the remote tier (cluster) joined and kept connected
     leases.py        leases and staging slots owned by connections
     security.py      socket directory and path checks, SO_PEERCRED, pid file
     regions.py       the staging region; cleanup of shm left by dead processes

@@ -14,14 +14,14 @@ On CUDA the daemon shares its device pool through a CUDA IPC handle instead
 
 Thread safety: one socket and a send lock; replies are matched to requests by id and read
 by the waiting callers themselves, one at a time (no reader thread), so several threads may
-call one client at once (client_transport.py).
+call one client at once. The client holds its connection (:class:`ClientTransport`,
+client_transport.py) and owns only what a store's API needs beyond it: the mapped pools,
+the leases it issued, the prefetch thread.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,9 +34,8 @@ import torch
 from ..backoff import Backoff
 from ..api import StoreAPI
 from ..blocks import Priority
-from ..errors import (
-    CapacityError, ConfigError, DaemonUnavailableError, LeaseError, NotPermittedError, ProtocolError,
-)
+from ..errors import CapacityError, ConfigError, LeaseError, NotPermittedError, ProtocolError
+from ..gc import GcResult
 from ..identity import Scope, as_token_array
 from ..layout import PageLayout
 from ..results import (
@@ -45,13 +44,12 @@ from ..results import (
 )
 from ..tiers.shm import SharedRegion
 from . import messages as m
-from .client_transport import ClientTransport, Waiter, daemon_gone
+from .client_transport import ClientTransport
 from .protocol import VERSION, Op, close_fds
-from .security import check_listener
-from .remote_lease import RemoteLease, cuda_pool, pool_view
+from .remote_lease import RemoteLease, map_pools
 
 
-class Client(StoreAPI, ClientTransport):
+class Client(StoreAPI):
     """Connected to a daemon; implements :class:`~tierkv.api.StoreAPI` like the embedded
     store (data stays in shared memory). ``layout`` is None for a client that declared none
     on a daemon serving several layouts: it offers operations only."""
@@ -64,36 +62,13 @@ class Client(StoreAPI, ClientTransport):
         acquire, put, ... raise ConfigError): what operations tools need.
         ``daemon_uid``: the uid the daemon runs as when it is neither root nor this user
         (the listener's uid is checked before anything is sent or mapped)."""
-        self.socket_path = Path(socket_path)
-        self.timeout = timeout
-        self._pid = os.getpid()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(connect_timeout)
-        try:
-            self._sock.connect(str(self.socket_path))
-        except OSError as e:
-            self._sock.close()
-            raise daemon_gone(self.socket_path, e) or DaemonUnavailableError(
-                f"no tierkv daemon on {self.socket_path}: {e.strerror or e}") from None
-        try:
-            check_listener(self._sock, self.socket_path, daemon_uid)
-        except BaseException:
-            self._sock.close()
-            raise
-        self._sock.settimeout(None)
-        self._send_lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._io = threading.Condition()  # guards _waiting and _reading (client_transport.py)
-        self._waiting: dict[int, Waiter] = {}  # request id -> its reply slot
-        self._reading = False  # a thread holds the read role
-        self._closed = False
-        self._failure: Exception | None = None
+        self._transport = ClientTransport(Path(socket_path), timeout, connect_timeout, daemon_uid)
         self._leases: dict[int, RemoteLease] = {}
+        self._prefetch_lock = threading.Lock()  # makes _prefetcher once
         self._prefetcher: ThreadPoolExecutor | None = None  # waits for prefetch replies (made on first use)
         self._regions: list[SharedRegion] = []
         try:
-            self._last_send = time.monotonic()
-            hello = self._call_frame(Op.HELLO, m.Hello(VERSION, os.getpid(), layout))
+            hello = self._transport.call_frame(Op.HELLO, m.Hello(VERSION, os.getpid(), layout))
             fds = list(hello.fds)
             try:
                 self._setup(hello.header, fds)  # takes (and sets to -1) the descriptors it maps
@@ -106,11 +81,11 @@ class Client(StoreAPI, ClientTransport):
     def _setup(self, hello: dict[str, Any], fds: list[int]) -> None:
         idle = hello.get("idle_timeout_s")
         if isinstance(idle, (int, float)) and idle > 0:
-            threading.Thread(target=self._keepalive, args=(float(idle),), name="tierkv-client-keepalive",
-                             daemon=True).start()
+            self._transport.start_keepalive(float(idle))
         self.daemon_pid = int(hello["daemon_pid"])
         self.lease_timeout_s = float(hello["lease_timeout_s"])
         self.layouts = tuple(str(x) for x in hello.get("layouts", ()))  # the daemon's, at connect
+        self.namespace_prefix = str(hello.get("namespace_prefix") or "")  # namespace_per_uid: "uid<N>/"
         self.layout: PageLayout | None = None
         self.device_pool = self.host_pool = self.staging_pool = None  # type: ignore[assignment]
         self.stage_quota = 0
@@ -118,27 +93,16 @@ class Client(StoreAPI, ClientTransport):
             return  # no layout declared, and the daemon serves none or several: operations only
         self.layout = PageLayout.from_dict(hello["layout"])
         self.stage_quota = int(hello["stage_quota"])
-        regions = {}
-        for name in ("device", "host", "staging"):
-            info = hello.get(name)
-            if info:
-                # Map the descriptor the daemon sent with the reply, never a path it names:
-                # a fake listener could name any file this client may write.
-                k = info.get("fd")
-                if not isinstance(k, int) or not 0 <= k < len(fds) or fds[k] < 0:
-                    raise ProtocolError(f"the daemon sent no descriptor for its {name} region")
-                fd, fds[k] = fds[k], -1
-                r = SharedRegion.attach_fd(fd, int(info["nbytes"]), name)
-                self._regions.append(r)
-                regions[name] = pool_view(r, self.layout, int(info["slots"]), int(info["stride_bytes"]))
-        if "device" in regions:
-            self.device_pool = regions["device"]
-        elif hello.get("device_ipc"):
-            self.device_pool = cuda_pool(hello["device_ipc"], self.layout)
-        else:
-            raise ProtocolError("the daemon shares no device pool this client can map")
-        self.host_pool = regions.get("host")
-        self.staging_pool = regions["staging"]
+        self._regions, self.device_pool, self.host_pool, self.staging_pool = map_pools(hello, fds, self.layout)
+
+    @property
+    def socket_path(self) -> Path:
+        return self._transport.socket_path
+
+    @property
+    def timeout(self) -> float:
+        """How long a request waits for its reply (seconds)."""
+        return self._transport.timeout
 
     def _need_layout(self) -> PageLayout:
         if self.layout is None:
@@ -157,7 +121,7 @@ class Client(StoreAPI, ClientTransport):
     # ---- data path -------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                block_extra: Sequence[Sequence[str | bytes]] | None = None) -> LookupResult:
-        f = self._call_frame(Op.LOOKUP, self._req(tokens, scope, block_extra))
+        f = self._transport.call_frame(Op.LOOKUP, self._req(tokens, scope, block_extra))
         r = m.KeysReply.decode(f.header, f.payload)
         names = r.fields.get("tier_names")
         if not isinstance(names, list) or len(r.values) != len(r.keys) or not all(0 <= v < len(names) for v in r.values):
@@ -171,7 +135,7 @@ class Client(StoreAPI, ClientTransport):
         self._need_layout()
         if start_block < 0:
             raise ValueError("start_block must be >= 0")
-        f = self._call_frame(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks, start_block))
+        f = self._transport.call_frame(Op.ACQUIRE, self._req(tokens, scope, block_extra, max_blocks, start_block))
         r = m.KeysReply.decode(f.header, f.payload)
         slots = r.values
         n_pool = self.device_pool.shape[0]
@@ -198,12 +162,23 @@ class Client(StoreAPI, ClientTransport):
                              "the daemon released it already")
         # One write, no round trip: the daemon ends the lease before any later request of
         # this connection reaches the store (handlers.py), so this client reads its writes.
-        self._send_oneway(Op.RELEASE, m.Release((lease.lease_id,), reply=False))
+        self._transport.send_oneway(Op.RELEASE, m.Release((lease.lease_id,), reply=False))
 
     def renew(self, lease: RemoteLease) -> None:
         """Restart the lease's idle timeout."""
-        self._call(Op.RENEW, m.LeaseRef(lease.lease_id))
+        self._transport.call(Op.RENEW, m.LeaseRef(lease.lease_id))
         lease.renewed_at = time.monotonic()
+
+    def block_keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, n_blocks: int | None = None,
+                   block_extra: Sequence[Sequence[str | bytes]] | None = None) -> list[bytes]:
+        """The keys the daemon keeps these blocks under: under ``namespace_per_uid`` it puts
+        this peer's prefix (HELLO) before the namespace, so keys of the namespace as sent
+        named nothing (a tenant's named prefix could not be pinned, exported or listed)."""
+        if self.layout is None:
+            raise ConfigError("block keys need a page layout", hint="connect with layout=...")
+        if self.namespace_prefix:
+            scope = Scope(scope.model_version, self.namespace_prefix + scope.namespace, scope.extra_keys)
+        return super().block_keys(tokens, scope, n_blocks, block_extra)
 
     def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
             start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
@@ -225,10 +200,10 @@ class Client(StoreAPI, ClientTransport):
             try:
                 self._write_staging(slots, pages[off : off + k])
             except BaseException:
-                self._call(Op.UNSTAGE, m.Unstage(tuple(slots)))
+                self._transport.call(Op.UNSTAGE, m.Unstage(tuple(slots)))
                 raise
             end = len(arr) if k == 0 else min(len(arr), (start_block + off + k) * bs)
-            r = self._call(Op.COMMIT, m.Commit(ws, arr[:end], tuple(slots), start_block + off,
+            r = self._transport.call(Op.COMMIT, m.Commit(ws, arr[:end], tuple(slots), start_block + off,
                                                block_extra, int(priority)))
             stored += int(r["stored"])
             skipped += int(r["skipped"])
@@ -244,7 +219,7 @@ class Client(StoreAPI, ClientTransport):
         backoff = Backoff(0.001, 0.05)
         while True:
             try:
-                return [int(s) for s in self._call(Op.STAGE, m.Stage(want))["slots"]]
+                return [int(s) for s in self._transport.call(Op.STAGE, m.Stage(want))["slots"]]
             except CapacityError:
                 if want > 1:
                     want //= 2
@@ -267,26 +242,26 @@ class Client(StoreAPI, ClientTransport):
     def prefetch(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future:
         """Future of the number of tokens now warm on the device tier (nothing stays leased)."""
-        self._check_open()
+        self._transport.check_open()
         req = self._req(tokens, scope, block_extra)
-        with self._io:
+        with self._prefetch_lock:
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tierkv-client-prefetch")
-        return self._prefetcher.submit(lambda: int(self._call(Op.PREFETCH, req)["tokens_warm"]))
+        return self._prefetcher.submit(lambda: int(self._transport.call(Op.PREFETCH, req)["tokens_warm"]))
 
     # ---- operations ----------------------------------------------------------------------------
     def set_priority(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, priority: Priority) -> int:
-        ws = m.WireScope.of(scope)
-        return int(self._call(Op.SET_PRIORITY, m.SetPriority(ws, as_token_array(tokens), int(priority)))["count"])
+        req = m.SetPriority(m.WireScope.of(scope), as_token_array(tokens), int(priority))
+        return int(self._transport.call(Op.SET_PRIORITY, req)["count"])
 
     def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
         """Same as :meth:`Store.set_priority_from`: the chain ending at ``last_key``."""
-        return int(self._call(Op.SET_PRIORITY_FROM, m.ChainRef(bytes(last_key), int(priority)))["count"])
+        return int(self._transport.call(Op.SET_PRIORITY_FROM, m.ChainRef(bytes(last_key), int(priority)))["count"])
 
     def chain_tokens(self, last_key: bytes) -> ChainTokens:
         """Same as :meth:`Store.chain_tokens`: token ids, model version and namespace of the
         stored chain ending at ``last_key``; NotFoundError when it is not stored."""
-        f = self._call_frame(Op.CHAIN_TOKENS, m.ChainRef(bytes(last_key)))
+        f = self._transport.call_frame(Op.CHAIN_TOKENS, m.ChainRef(bytes(last_key)))
         h = f.header
         if not isinstance(h.get("model_version"), str) or not isinstance(h.get("namespace"), str):
             raise ProtocolError("chain_tokens reply lacks model_version or namespace")
@@ -294,37 +269,48 @@ class Client(StoreAPI, ClientTransport):
 
     def chain_residency(self, last_key: bytes) -> Residency:
         """Same as :meth:`Store.chain_residency`: blocks of the chain in each tier."""
-        r = self._call(Op.CHAIN_RESIDENCY, m.ChainRef(bytes(last_key)))["residency"]
+        r = self._transport.call(Op.CHAIN_RESIDENCY, m.ChainRef(bytes(last_key)))["residency"]
         try:
             return Residency.from_dict(r)
         except (KeyError, TypeError, ValueError):
             raise ProtocolError("chain_residency reply is malformed") from None
 
     def save_manifest(self, name: str, manifest: dict) -> None:
-        self._call(Op.SAVE_MANIFEST, m.ManifestRequest(name, manifest))
+        self._transport.call(Op.SAVE_MANIFEST, m.ManifestRequest(name, manifest))
 
     def get_manifest(self, name: str) -> dict:
-        return self._call(Op.GET_MANIFEST, m.ManifestRequest(name))["manifest"]
+        return self._transport.call(Op.GET_MANIFEST, m.ManifestRequest(name))["manifest"]
 
     def list_manifests(self) -> dict[str, dict]:
-        return self._call(Op.LIST_MANIFESTS, m.Empty())["manifests"]
+        return self._transport.call(Op.LIST_MANIFESTS, m.Empty())["manifests"]
 
     def delete_manifest(self, name: str) -> bool:
-        return bool(self._call(Op.DELETE_MANIFEST, m.ManifestRequest(name))["deleted"])
+        return bool(self._transport.call(Op.DELETE_MANIFEST, m.ManifestRequest(name))["deleted"])
 
     def invalidate(self, *, model_version: str | None = None, namespace: str | None = None,
                    dry_run: bool = False) -> InvalidateResult:
-        r = self._call(Op.INVALIDATE, m.Invalidate(model_version, namespace, dry_run))
+        r = self._transport.call(Op.INVALIDATE, m.Invalidate(model_version, namespace, dry_run))
         return InvalidateResult(int(r["removed_blocks"]), int(r["freed_bytes"]), bool(r["dry_run"]))
 
+    def gc(self, keep_model_versions: Sequence[str] = (), keep_namespaces: Sequence[str] = (),
+           dry_run: bool = False) -> GcResult:
+        """``tierkv.gc.collect`` run by the daemon over every store it serves (GC): every
+        tenant's named prefixes are kept. NotPermittedError for a tenant under
+        ``namespace_per_uid``."""
+        f = self._transport.call_frame(Op.GC, m.Gc(tuple(keep_model_versions), tuple(keep_namespaces), dry_run))
+        try:
+            return GcResult.from_dict(json.loads(f.payload))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProtocolError(f"gc reply is malformed: {e}") from None
+
     def verify(self, repair: bool = False) -> VerifyResult:
-        r = self._call(Op.VERIFY, m.Verify(repair))
+        r = self._transport.call(Op.VERIFY, m.Verify(repair))
         return VerifyResult(int(r["checked"]), tuple(r["corrupt"]), bool(r["repaired"]),
                             tuple(str(k) for k in r.get("unreadable", ())))
 
     def stats(self, namespace_limit: int | None = None, namespace_after: str | None = None) -> StoreStats:
         namespace_page({}, namespace_limit, namespace_after)  # ValueError on a bad limit, as the Store's
-        f = self._call_frame(Op.STATS, m.Stats(namespace_limit, namespace_after))
+        f = self._transport.call_frame(Op.STATS, m.Stats(namespace_limit, namespace_after))
         if f.header.get("format") != "json":
             raise ProtocolError("stats reply without its JSON payload")
         try:
@@ -334,12 +320,12 @@ class Client(StoreAPI, ClientTransport):
         return StoreStats.from_dict(d)
 
     def ping(self) -> None:
-        self._call(Op.PING, m.Empty())
+        self._transport.call(Op.PING, m.Empty())
 
     def remove_layout(self, layout_id: str) -> RemoveLayoutResult:
         """Remove the store of a layout the daemon serves (REMOVE_LAYOUT; LayoutInUseError
         while a connection uses it, NotFoundError when it serves none by that id)."""
-        r = self._call(Op.REMOVE_LAYOUT, m.LayoutRef(layout_id))
+        r = self._transport.call(Op.REMOVE_LAYOUT, m.LayoutRef(layout_id))
         return RemoveLayoutResult(layout_id, int(r["removed_blocks"]), int(r["freed_bytes"]))
 
     def check_integrity(self) -> None:
@@ -347,12 +333,10 @@ class Client(StoreAPI, ClientTransport):
         stores (CHECK_INTEGRITY); AssertionError naming the first mismatch. A tenant under
         ``namespace_per_uid`` may not check every tenant's store: the daemon is then only
         pinged."""
-        assert not self._closed and self._failure is None, f"client is not connected ({self._failure})"
-        with self._io:
-            assert not any(w.settled() for w in self._waiting.values()), "a settled reply is still awaited"
+        self._transport.check_integrity()
         assert all(not le.released and le.store is self for le in self._leases.values()), "released lease tracked"
         try:
-            error = self._call(Op.CHECK_INTEGRITY, m.Empty()).get("error")
+            error = self._transport.call(Op.CHECK_INTEGRITY, m.Empty()).get("error")
         except NotPermittedError:
             self.ping()
             return
@@ -360,17 +344,12 @@ class Client(StoreAPI, ClientTransport):
 
     def close(self) -> None:
         """Disconnect; the daemon releases every lease this client still holds."""
-        if self._closed:
+        if self._transport.closed:
             return
-        self._closed = True
+        self._transport.close()
         for lease in self._leases.values():
             lease.released = True
         self._leases.clear()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=False)
         for r in self._regions:

@@ -1,8 +1,7 @@
-"""The client's transport: one socket, a send lock, and replies read by the threads that
-wait for them (several threads may call one client at once); an error reply becomes the
-same exception the embedded store raises. :class:`~tierkv.daemon.client.Client` inherits
-it and owns its state (``_sock``, ``_io``, ``_waiting``, ``_reading``, ...). Split out of
-client.py, which keeps the connect, the shared-memory mapping and the StoreAPI methods.
+"""The client's transport: one socket to the daemon, a send lock, and replies read by the
+threads that wait for them (several threads may call one client at once); an error reply
+becomes the same exception the embedded store raises. :class:`~tierkv.daemon.client.Client`
+holds one and knows nothing of frames or sockets; the transport knows nothing of pages.
 
 No reader thread: a caller waiting for a reply reads the socket itself while no other
 thread does (the *read role*, taken under ``_io``), delivering each frame to whoever waits
@@ -12,10 +11,14 @@ the larger part of a client's time (issue #15: 32 client processes on 2 cores).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import select
+import socket
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from .. import errors
@@ -23,8 +26,9 @@ from ..errors import DaemonUnavailableError, ForkedStoreError, ProtocolError, Ti
 from ..process import current_pid
 from . import messages as m
 from .protocol import ConnectionClosedError, Frame, Op, close_fds, encode_frame, read_frame_sync
+from .security import check_listener
 
-log = logging.getLogger("tierkv.daemon.client")  # the client's log, as before the split
+log = logging.getLogger("tierkv.daemon.client")  # one logger for the whole client
 REASON_WAIT_S = 0.5  # after a failed send, how long to wait for the daemon's reason
 
 
@@ -73,7 +77,69 @@ class Waiter:
 
 
 class ClientTransport:
-    """Sending requests and reading replies; mixed into Client."""
+    """A connection to the daemon on ``socket_path``: sends requests, reads replies, and
+    fails every waiting request when the connection goes. Connects when made: the listener
+    must run as root, as this user or as ``daemon_uid`` (checked before anything is sent);
+    DaemonUnavailableError when no daemon answers. ``timeout``: how long a request waits
+    for its reply. Usable only from the process that made it (ForkedStoreError)."""
+
+    def __init__(self, socket_path: Path, timeout: float, connect_timeout: float, daemon_uid: int | None) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self._pid = os.getpid()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(connect_timeout)
+        try:
+            self._sock.connect(str(socket_path))
+        except OSError as e:
+            self._sock.close()
+            raise daemon_gone(socket_path, e) or DaemonUnavailableError(
+                f"no tierkv daemon on {socket_path}: {e.strerror or e}") from None
+        try:
+            check_listener(self._sock, socket_path, daemon_uid)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._sock.settimeout(None)
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._io = threading.Condition()  # guards _waiting and _reading
+        self._waiting: dict[int, Waiter] = {}  # request id -> its reply slot
+        self._reading = False  # a thread holds the read role
+        self._closed = False
+        self._failure: Exception | None = None
+        self._last_send = time.monotonic()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def call(self, op: Op, msg: Any) -> dict[str, Any]:
+        """Send ``msg`` and wait for its reply's header; the daemon's error reply raised as
+        the exception the embedded store raises; DaemonUnavailableError when no reply comes
+        within ``timeout`` or the connection is gone."""
+        return self.call_frame(op, msg).header
+
+    def start_keepalive(self, idle_s: float) -> None:
+        """Keep the connection alive although a daemon closes it after ``idle_s`` of silence."""
+        threading.Thread(target=self._keepalive, args=(idle_s,), name="tierkv-client-keepalive", daemon=True).start()
+
+    def close(self) -> None:
+        """Disconnect (idempotent): requests waiting fail, later ones raise."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def check_integrity(self) -> None:
+        """Connected, and no reply that came is left unclaimed."""
+        assert not self._closed and self._failure is None, f"client is not connected ({self._failure})"
+        with self._io:
+            assert not any(w.settled() for w in self._waiting.values()), "a settled reply is still awaited"
 
     def _keepalive(self, idle_s: float) -> None:
         """PING when nothing was sent for a third of the daemon's idle timeout: the daemon
@@ -85,7 +151,7 @@ class ClientTransport:
             if self._closed or time.monotonic() - self._last_send < period:
                 continue
             try:
-                self._call(Op.PING, m.Empty())
+                self.call(Op.PING, m.Empty())
             except TierKVError:
                 return
 
@@ -121,7 +187,9 @@ class ClientTransport:
         for w in waiting.values():
             w.error = exc
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise what a request would meet: ForkedStoreError in another process,
+        DaemonUnavailableError when closed or the connection failed."""
         if current_pid() != self._pid:
             raise ForkedStoreError(f"this client was connected by pid {self._pid}, used from pid {os.getpid()}",
                                    hint="connect again in the child with tierkv.connect()")
@@ -144,14 +212,15 @@ class ClientTransport:
             raise daemon_gone(self.socket_path, e) or DaemonUnavailableError(
                 f"cannot reach the daemon on {self.socket_path}: {e}") from None
 
-    def _send_oneway(self, op: Op, msg: Any) -> None:
+    def send_oneway(self, op: Op, msg: Any) -> None:
         """Send a request whose reply nobody waits for (the daemon sends none)."""
-        self._check_open()
+        self.check_open()
         header, payload = msg.encode()
         self._send_frame(encode_frame(op, next(self._ids), header, payload))
 
-    def _call_frame(self, op: Op, msg: Any) -> Frame:
-        self._check_open()
+    def call_frame(self, op: Op, msg: Any) -> Frame:
+        """As :meth:`call`, the whole reply frame (its payload, descriptors sent with it)."""
+        self.check_open()
         header, payload = msg.encode()
         rid = next(self._ids)
         w = Waiter()
@@ -218,6 +287,3 @@ class ClientTransport:
             with self._io:
                 self._fail_all(e)
                 self._io.notify_all()
-
-    def _call(self, op: Op, msg: Any) -> dict[str, Any]:
-        return self._call_frame(op, msg).header

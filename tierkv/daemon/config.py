@@ -1,14 +1,20 @@
-"""Daemon configuration: one frozen dataclass, and the merge of its three sources.
+"""Daemon configuration: one frozen dataclass, and the merge of its sources.
 
-Precedence: command-line flags beat the TOML config file, which beats the environment
-(``TIERKV_HOME``, ``TIERKV_SOCKET``) and built-in defaults. Only the CLI reads the file and
-the environment; it hands the values to :func:`merge` as plain mappings.
+Precedence (issue #37): a command-line flag beats the environment, which beats the TOML
+config file, which beats the built-in default. Every field but ``quotas`` (a table: the
+file only) has an environment variable: ``TIERKV_`` and the field's name in capitals
+(``TIERKV_HOME``, ``TIERKV_SOCKET``, ``TIERKV_DEVICE_BYTES=8GiB``, ``TIERKV_WRITE_THROUGH=0``,
+lists comma-separated). Mooncake's own ``MC_TCP_BIND_ADDRESS`` is only a default for
+``remote_bind``. Only the CLI reads the file and the environment; it hands the values to
+:func:`resolve` as plain mappings, and :func:`resolve` says where each value came from
+(``tierkv config show``).
 
 No page layout is needed: clients declare theirs when they connect and the daemon opens a
 store per layout (layouts.py). ``layout`` (``--layout``) only pre-creates one at start.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tomllib
@@ -52,17 +58,23 @@ class DaemonConfig:
     # tierkv/codec.py: how new homes store pages in the host and disk tiers ("none" or "int8");
     # None: each home's own ("none" for a new one). Read when a layout's store is opened.
     page_codec: str | None = None
-    metrics_port: int | None = None  # Prometheus text endpoint on 127.0.0.1; None: off
+    metrics_port: int | None = None  # Prometheus text endpoint; None: off
+    metrics_host: str = "127.0.0.1"  # its address (0.0.0.0 where a container publishes the port)
     pid_file: Path | None = None  # default: next to the socket, "<socket>.pid"
     lease_timeout_s: float = 600.0  # a lease not renewed for this long is released
     staging_bytes: int = 256 * MiB  # shared region clients write new pages into
     client_staging_bytes: int = 64 * MiB  # per-connection quota of staging
+    # Staging slots not committed this long after STAGE are taken back (issue #34, item 10):
+    # a client writes a put's pages in milliseconds; a minute leaves room for a loaded host.
+    staging_timeout_s: float = 60.0
     max_connections: int = 256
     max_inflight: int = 32  # concurrent requests per connection
     workers: int = 8  # threads that run store calls (the event loop never does)
     # Page layouts served at once; the N in use share each tier budget, 1/N each (layouts.py).
     # None: 1 when ``layout`` is given (a one-model daemon, as before layouts were declared), else 4.
     max_layouts: int | None = None
+    # A layout no connection used for this long gives its memory share to those in use (shares.py).
+    layout_idle_s: float = 300.0
     namespace_per_uid: bool = False  # prefix every namespace with "uid<N>/" (trusted side)
     allowed_uids: tuple[int, ...] = ()  # peers besides the daemon's own uid
     quotas: Quotas = field(default_factory=Quotas)  # per-uid limits and timeouts ([quotas] in the file)
@@ -86,7 +98,9 @@ class DaemonConfig:
     publish_puts: bool = False  # every normal put too
     write_back_evicted: bool = False  # blocks leaving this node's last tier
     local_only_namespaces: tuple[str, ...] = ()  # neither published nor fetched
-    extra: dict[str, str] = field(default_factory=dict, compare=False)
+    # Where each field's value came from ("flag", "env TIERKV_X", "file PATH", "default"):
+    # resolve() fills it; the daemon reports it in its stats (`tierkv config show --socket`).
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))
@@ -100,8 +114,9 @@ class DaemonConfig:
             raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
         if self.page_codec is not None and self.page_codec not in CODECS:
             raise ValueError(f"page_codec must be one of {CODECS}, got {self.page_codec!r}")
-        if not self.lease_timeout_s > 0:
-            raise ValueError("lease_timeout_s must be positive")
+        for name in ("lease_timeout_s", "staging_timeout_s", "layout_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
         for name in ("max_connections", "max_inflight", "workers", "resolved_max_layouts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -145,7 +160,7 @@ class DaemonConfig:
         )
 
     def publish_policy(self) -> Any:
-        from ..cluster.publish import PublishPolicy
+        from ..cluster.publish_policy import PublishPolicy
 
         return PublishPolicy(publish_pinned=self.publish_pinned, publish_materialised=self.publish_materialised,
                              publish_puts=self.publish_puts, write_back_evicted=self.write_back_evicted,
@@ -220,13 +235,86 @@ _PUBLISH_KEYS = frozenset({"publish_pinned", "publish_materialised", "publish_pu
 _PATHS = ("home", "socket", "pid_file", "shm_dir")
 
 
+ENV_PREFIX = "TIERKV_"
+_NOT_IN_ENV = frozenset({"quotas", "sources"})
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
+assert HOME_ENV == ENV_PREFIX + "HOME" and SOCKET_ENV == ENV_PREFIX + "SOCKET"  # the scheme's two oldest
+
+
+def env_name(name: str) -> str:
+    """The environment variable of DaemonConfig field ``name``."""
+    return ENV_PREFIX + name.upper()
+
+
+def env_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The DaemonConfig fields set in ``env``, converted by the field's type (sizes and
+    paths are converted later, as the file's are). An empty variable counts as unset."""
+    out: dict[str, Any] = {}
+    for f in fields(DaemonConfig):
+        raw = env.get(env_name(f.name), "").strip()
+        if f.name in _NOT_IN_ENV or not raw:
+            continue
+        kind = str(f.type)
+        try:
+            if kind.startswith("bool"):
+                if raw.lower() not in _TRUE | _FALSE:
+                    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+                out[f.name] = raw.lower() in _TRUE
+            elif kind.startswith("tuple"):
+                out[f.name] = tuple(x.strip() for x in raw.split(",") if x.strip())
+            elif f.name in _SIZES or f.name in _PATHS or f.name == "layout":
+                out[f.name] = raw
+            elif kind.startswith("int"):
+                out[f.name] = int(raw)
+            elif kind.startswith("float"):
+                out[f.name] = float(raw)
+            else:
+                out[f.name] = raw
+        except ValueError as e:
+            raise ConfigError(f"{env_name(f.name)}={raw!r}: {e}", hint=f"unset it, or give a value of type {kind}") from None
+    return out
+
+
+CONFIG_ENV = "TIERKV_CONFIG"  # a TOML file read by every command (serve's --config beats it)
+# The settings a command that opens a home in its own process (`--home`, no daemon) takes
+# from the same environment and file as the daemon, per store (the daemon's are shared
+# between its layouts).
+DIRECT_FIELDS = ("device_bytes", "host_bytes", "disk_bytes", "write_through", "eviction_policy", "page_codec",
+                 "shm_dir")
+
+
+def direct_store_options(env: Mapping[str, str]) -> dict[str, Any]:
+    """StoreConfig options for a store a command opens itself: ``TIERKV_<NAME>`` over the
+    file ``$TIERKV_CONFIG``, for DIRECT_FIELDS; the command's own flags go over these."""
+    values = {k: v for k, v in (read_config_file(Path(env[CONFIG_ENV])) if env.get(CONFIG_ENV) else {}).items()
+              if k in DIRECT_FIELDS}
+    values.update({k: v for k, v in env_values(env).items() if k in DIRECT_FIELDS})
+    for k in _SIZES:
+        if k in values:
+            values[k] = parse_size(values[k])
+    if "shm_dir" in values:
+        values["shm_dir"] = Path(values["shm_dir"]).expanduser()
+    return values
+
+
 def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping[str, str]) -> DaemonConfig:
-    """Flags (None = not given) over the config file over the environment and defaults."""
-    values: dict[str, Any] = {"home": env.get(HOME_ENV) or default_home(), "socket": env.get(SOCKET_ENV) or default_socket()}
+    """:func:`resolve`'s configuration."""
+    return resolve(flags, file_values, env)
+
+
+def resolve(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping[str, str],
+            file_label: str = "file") -> DaemonConfig:
+    """Flags (None = not given) over the environment over the config file over the
+    defaults; the result's ``sources`` names where each field's value came from."""
+    values: dict[str, Any] = {"home": default_home(), "socket": default_socket()}
+    sources: dict[str, str] = {}
     if env.get(BIND_ENV):
-        values["remote_bind"] = env[BIND_ENV]
-    values.update({k: v for k, v in file_values.items() if v is not None})
-    values.update({k: v for k, v in flags.items() if v is not None})
+        values["remote_bind"], sources["remote_bind"] = env[BIND_ENV], f"env {BIND_ENV}"
+    for layer, label in ((file_values, lambda k: file_label), (env_values(env), lambda k: f"env {env_name(k)}"),
+                         (flags, lambda k: "flag")):
+        for k, v in layer.items():
+            if v is not None:
+                values[k], sources[k] = v, label(k)
     for k in _SIZES:
         if k in values:
             values[k] = parse_size(values[k])
@@ -247,6 +335,26 @@ def merge(flags: Mapping[str, Any], file_values: Mapping[str, Any], env: Mapping
         ns = values["local_only_namespaces"]
         values["local_only_namespaces"] = tuple([ns] if isinstance(ns, str) else ns)
     try:
-        return DaemonConfig(**values)
+        cfg = DaemonConfig(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    cfg.sources.update({f.name: sources.get(f.name, "default") for f in fields(cfg) if f.name not in _NOT_IN_ENV})
+    cfg.sources["quotas"] = sources.get("quotas", "default")
+    return cfg
+
+
+def shown(cfg: DaemonConfig) -> dict[str, dict[str, str]]:
+    """Every field as text with its source: what ``tierkv config show`` prints."""
+    out: dict[str, dict[str, str]] = {}
+    for f in fields(cfg):
+        if f.name == "sources":
+            continue
+        value = getattr(cfg, f.name)
+        if isinstance(value, PageLayout):
+            value = value.to_json()
+        elif isinstance(value, Quotas):
+            value = json.dumps(dataclasses.asdict(value), sort_keys=True)
+        elif isinstance(value, tuple):
+            value = ",".join(map(str, value))
+        out[f.name] = {"value": "" if value is None else str(value), "source": cfg.sources.get(f.name, "default")}
+    return out

@@ -1,7 +1,7 @@
 """One client connection as the daemon sees it: the peer's credentials, the requests in
 flight (at most ``max_inflight``), and the replies it is sent, in order under a write lock,
-with a send timeout that cuts off a peer that reads nothing. Split out of server.py, which
-accepts connections and runs their read loop.
+with a send timeout that cuts off a peer that reads nothing. Connections are accepted and
+read by serving.py.
 """
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, TierKVError
 from . import messages, security
 from .layouts import LayoutEntry
+from .tenant_regions import TenantRegions
 from .protocol import FLAG_ERROR, FLAG_REPLY, encode_frame, send_with_fds
 
 
@@ -24,10 +25,16 @@ class Connection:
     inflight: asyncio.Semaphore
     client_pid: int = 0
     entry: LayoutEntry | None = None  # the layout bound at HELLO (None: operations only)
+    # Another uid's connection under namespace_per_uid: its own read window and staging
+    # (tenant_regions.py; closed when the connection ends). None: the tiers are mapped.
+    tenant: TenantRegions | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     unsent: int = 0  # bytes of replies encoded and not yet taken by the peer (quotas.py)
     send_timeout_s: float = 30.0
+    # Told to the client at HELLO, which pings at a third of it: fixed for the connection's
+    # life (a reload's shorter one applies to connections accepted after it).
+    idle_timeout_s: float = 30.0
     # The read loop waits for the first byte of a frame: requests may be served as they
     # arrive (fast_path.py), and ``fast_at`` is when one last was (time.monotonic()).
     parked: bool = False
@@ -121,15 +128,27 @@ class Connection:
             await asyncio.sleep(0.01)
         return self.unsent <= max_unsent
 
+    def cut_off(self, reason: TierKVError) -> None:
+        """End this connection now (its uid was revoked): ``reason`` as an error frame about
+        the connection when nothing else is being sent, then the socket is aborted. The read
+        loop ends and the daemon ends the connection's leases, staging and tenant regions."""
+        transport = self.writer.transport
+        if not transport.is_closing() and not self.write_lock.locked() and not transport.get_write_buffer_size():
+            header, _ = messages.ErrorReply(type(reason).__name__, reason.message, reason.hint).encode()
+            transport.write(encode_frame(0, 0, header, b"", FLAG_REPLY | FLAG_ERROR))  # taken by the kernel, or lost
+        transport.abort()
+
     def holds_nothing(self) -> bool:
         """No request in flight and no reply waiting (leases and staging are checked by
         the daemon, which owns those tables)."""
         return not self.tasks and self.unsent == 0
 
     async def send_error(self, opcode: int, request_id: int, exc: BaseException) -> None:
-        name, hint = type(exc).__name__, getattr(exc, "hint", "") or ""
-        message = getattr(exc, "message", None) or str(exc)
-        header, _ = messages.ErrorReply(name, message, hint).encode()
+        if isinstance(exc, TierKVError):
+            message, hint = exc.message or str(exc), exc.hint or ""
+        else:  # ValueError, OSError, ...: no hint to pass on
+            message, hint = str(exc), ""
+        header, _ = messages.ErrorReply(type(exc).__name__, message, hint).encode()
         try:
             await self.send(opcode & 0xFF, request_id, header, flags=FLAG_REPLY | FLAG_ERROR)
         except (ConnectionError, OSError):

@@ -9,7 +9,7 @@ turn of the event loop: on this project's 2-core machine a bare echo server buil
 trip against 70 us for one that answers in ``data_received`` (2026-12-03), and dropping
 the per-frame timeout gained only 13 us of the difference. A daemon's typical traffic is
 an acquire of resident blocks and a one-way release, both answered without waiting
-(``Handlers.now``, ``Handlers.release_oneway``), so they are served here when it is safe
+(``Handlers.now``, ``LeaseHandlers.release_oneway``), so they are served here when it is safe
 to jump the loop:
 
 - the read loop is parked, waiting for the first byte of a frame (``Connection.parked``),
@@ -104,7 +104,7 @@ class FastPath:
             return False
         if opcode == Op.RELEASE:
             try:
-                if not self.handlers.release_oneway(conn, msg):
+                if not self.handlers.lease_ops.release_oneway(conn, msg):
                     return False  # it wants a reply: the usual path
             except Exception:  # noqa: BLE001 - the usual path runs it again and logs or answers
                 return False

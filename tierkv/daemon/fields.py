@@ -1,21 +1,30 @@
 """The checks every message field goes through when decoded (type, length, bound; a
 failure is a ProtocolError), and the wire forms shared by several messages: token ids as
-the payload (int32 LE) and ``block_extra``. Split out of messages.py, which holds the
-message dataclasses themselves.
+the payload (int32 LE), block keys in a reply's payload and ``block_extra``. The message
+dataclasses themselves are in messages.py.
 """
 from __future__ import annotations
 
+import functools
+import struct
 from typing import Any, Sequence
 
 import numpy as np
 
 from ..errors import ProtocolError
+from ..identity import KEY_BYTES
 from .protocol import MAX_TOKENS
 
-MAX_NAME = 200
 MAX_STR = 4096
 MAX_LIST = 1 << 16
 MAX_PAGE_BYTES = 1 << 30  # one page (one block of every layer's K and V)
+# The smallest page a client may declare. The daemon keeps Python objects per slot of each
+# memory tier and of staging (a slot allocator's free heap and used set: 40 bytes a slot
+# free, 66 used, measured), and a tier has budget // page_bytes slots: a 2-byte page made
+# 1.75 GiB of them per 64 MiB of device budget and stalled every client (issue 34, item 2).
+# At 512 bytes they stay near a tenth of the budget they index. 512 is also the smallest
+# real page: 1 layer, 1 KV head, head_dim 8, 16 tokens, float16.
+MIN_PAGE_BYTES = 512
 Header = dict[str, Any]
 
 
@@ -48,6 +57,31 @@ def _ints(h: Header, name: str) -> tuple[int, ...]:
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31 for x in v):
         raise ProtocolError(f"message field {name!r} must be a list of non-negative ints")
     return tuple(v)
+
+
+def _strs(h: Header, name: str) -> tuple[str, ...]:
+    """A list of at most MAX_LIST strings of at most MAX_STR characters (default empty)."""
+    v = _get(h, name, list, [])
+    if len(v) > MAX_LIST or not all(isinstance(x, str) and len(x) <= MAX_STR for x in v):
+        raise ProtocolError(f"{name} must be a list of at most {MAX_LIST} strings of at most {MAX_STR} characters")
+    return tuple(v)
+
+
+SPLIT_STRUCT_MAX = 4096  # keys split by one cached struct up to this many (a reply of a long prompt)
+
+
+@functools.lru_cache(maxsize=32)
+def _keys_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"{KEY_BYTES}s" * n)
+
+
+def split_keys(payload: bytes, n: int) -> tuple[bytes, ...]:
+    """The first ``n`` keys of ``payload`` (``KEY_BYTES`` each), as bytes: one struct unpack
+    for a reply of up to SPLIT_STRUCT_MAX keys (a fifth of the cost of slicing them in
+    Python, paid on every acquire a client makes)."""
+    if n <= SPLIT_STRUCT_MAX:
+        return _keys_struct(n).unpack_from(payload)
+    return tuple([payload[i : i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)])
 
 
 def tokens_payload(tokens: np.ndarray) -> bytes:

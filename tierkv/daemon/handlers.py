@@ -7,43 +7,54 @@ Layouts (layouts.py): a connection is bound at HELLO to the layout it declares (
 first use), or to the daemon's only layout when it declares none; block requests (lookup,
 acquire, put, prefetch, set_priority) go to that layout's store. Operations work across
 every layout: manifests are found in whichever store holds them, chains by their last key,
-and invalidate, verify and stats cover all stores (stats adds a per-layout breakdown); those
-operations handlers live in operations.py, and acquire, release and renew in
-lease_handlers.py; Handlers inherits both.
+and invalidate, verify and stats cover all stores (stats adds a per-layout breakdown).
+
+:class:`Handlers` owns what the handlers share (the lease table, the quota rules, the
+tenancy, the worker threads: workers.py) and two parts it hands them to: the lease handlers
+(acquire, release, renew: lease_handlers.py) and the operations across layouts
+(operations.py); HELLO, lookup, staging, commit, prefetch and priorities are its own. Its
+dispatch table maps each opcode to a message class and the bound handler of whichever owns it.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import logging
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+import time
+from typing import TYPE_CHECKING, Any, AsyncContextManager, AsyncIterator, Awaitable, Callable
 
 import torch
 
 from ..blocks import Priority
-from ..errors import CapacityError, ConfigError, ProtocolError
+from ..errors import CapacityError, ConfigError, ProtocolError, QuotaExceededError, StagingExpiredError
 from ..identity import Scope
 from . import messages as m
-from .layouts import LayoutEntry, Layouts, layout_id
+from .config import shown
+from ..home.directory import layout_id
+from .layouts import LayoutEntry, Layouts
 from .lease_handlers import LeaseHandlers
-from .leases import LeaseTable
-from .operations import OperationHandlers, Reply
-from .quotas import QuotaRules
-from .tenancy import Tenancy
+from .leases import LeaseTable, StagingSlots
+from .messages import Answer
+from .operations import OperationHandlers
+from .quotas import PinnedCounts, QuotaRules
+from ..home.tenancy import Tenancy
+from .tenant_regions import TenantRegions
 from .protocol import VERSION, Op
+from .workers import Workers
 
 if TYPE_CHECKING:
+    from ..store import Store
+    from ..tiers.memory import MemoryTier
     from .config import DaemonConfig
     from .connection import Connection
 
 log = logging.getLogger(__name__)
 SCOPE_CACHE = 4096  # scopes kept built (model version, namespace, extras): see scope()
+Handler = Callable[["Connection", Any], Awaitable["Answer | None"]]
 
 
-def region_info(tier: Any, fds: list[int]) -> dict[str, Any] | None:
+def region_info(tier: MemoryTier, fds: list[int]) -> dict[str, Any] | None:
     """How a client maps a memory tier: the index of its descriptor in ``fds`` (sent with
     the HELLO reply, SCM_RIGHTS: the client never opens a path), bytes, slot stride, count."""
     if tier.region is None:
@@ -53,7 +64,7 @@ def region_info(tier: Any, fds: list[int]) -> dict[str, Any] | None:
             "slots": tier.slots.capacity}
 
 
-def cuda_ipc_info(tier: Any) -> dict[str, Any] | None:
+def cuda_ipc_info(tier: MemoryTier) -> dict[str, Any] | None:
     """The device pool as a CUDA IPC handle (``storage._share_cuda_()``), for clients on the
     same GPU. UNTESTED here (no GPU in CI); the CPU path shares the pool as shm instead."""
     if tier.region is not None or tier.pool.device.type != "cuda":
@@ -63,53 +74,61 @@ def cuda_ipc_info(tier: Any) -> dict[str, Any] | None:
     return {"storage": wire, "slots": tier.slots.capacity, "stride_bytes": tier.stride_bytes}
 
 
-class Handlers(LeaseHandlers, OperationHandlers):
-    def __init__(self, layouts: Layouts, config: "DaemonConfig") -> None:
+class Handlers:
+    """The request handlers, by opcode (:attr:`table`, :attr:`now`)."""
+
+    def __init__(self, layouts: Layouts, config: "DaemonConfig", *, peers: Callable[[], list[tuple[int, int]]],
+                 bound: Callable[[], list[LayoutEntry | None]], gc_stats: Callable[[], dict[str, Any]],
+                 reload_stats: Callable[[], dict[str, Any] | None],
+                 on_quota_refusal: Callable[[str], None] | None = None) -> None:
+        """What the daemon hands in: ``peers``, (connection id, uid) of each connection;
+        ``bound``, each connection's layout; ``gc_stats``, the process's GC pauses
+        (gc_pauses.py); ``reload_stats``, the last SIGHUP's result (reload.py);
+        ``on_quota_refusal``, called with the quota's name each time one refuses (metrics)."""
         self.layouts = layouts
         self.config = config
+        self.peers = peers
+        self.bound = bound
+        self.gc_stats = gc_stats
+        self.reload_stats = reload_stats
         self.tenancy = Tenancy(config.namespace_per_uid)
-        self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="tierkv-daemon")
+        self.workers = Workers(config.workers)
+        self.run = self.workers.run  # a store call in a worker thread
         self.leases = LeaseTable(config.lease_timeout_s)
-        self._unreleased: collections.deque[Any] = collections.deque()  # store leases to end (any thread)
-        self._flush_lock = threading.Lock()
-        self._drain_handle: asyncio.TimerHandle | None = None
-        self._drains: set[asyncio.Future] = set()
-        self.quota = QuotaRules(config.quotas)
-        self.acquires = {"inline": 0, "worker": 0}  # where acquires ran (daemon stats)
-        self.fast_path_requests = 0  # requests answered as they arrived (fast_path.py)
+        self.quota = QuotaRules(config.quotas, on_quota_refusal)
+        self._pin_lock = asyncio.Lock()  # pins checked and stored one at a time (pin_guard)
+        self.fast_path_requests = 0  # requests answered as they arrived (fast_path.py counts them)
         self._scopes: dict[tuple[str, str, tuple[str, ...]], Scope] = {}
-        self.peers: Callable[[], list[tuple[int, int]]] = lambda: []  # (conn id, uid) of each connection; server sets it
-        self.bound: Callable[[], list[LayoutEntry | None]] = lambda: []  # each connection's layout; server sets it
-        self.gc_stats: Callable[[], dict[str, Any]] = lambda: {}  # the process's GC pauses (gc_pauses.py); server sets it
+        self.lease_ops = LeaseHandlers(layouts, self.leases, self.quota, self.workers, entry=self.entry,
+                                       scope=self.scope, peers=peers)
+        self.operations = OperationHandlers(layouts, self.tenancy, run=self.run,
+                                            namespace_for=self.namespace_for, pin_guard=self.pin_guard,
+                                            daemon_stats=self.daemon_stats, bound=bound)
+        lease, ops = self.lease_ops, self.operations
         # opcode -> (message class with decode(header, payload), handler)
-        self.table: dict[int, tuple[Any, Callable[[Connection, Any], Awaitable[Reply]]]] = {
+        self.table: dict[int, tuple[Any, Handler]] = {
             Op.HELLO: (m.Hello, self.hello), Op.LOOKUP: (m.PrefixRequest, self.lookup),
-            Op.ACQUIRE: (m.PrefixRequest, self.acquire), Op.RELEASE: (m.Release, self.release),
-            Op.RENEW: (m.LeaseRef, self.renew), Op.STAGE: (m.Stage, self.stage), Op.UNSTAGE: (m.Unstage, self.unstage),
+            Op.ACQUIRE: (m.PrefixRequest, lease.acquire), Op.RELEASE: (m.Release, lease.release),
+            Op.RENEW: (m.LeaseRef, lease.renew), Op.STAGE: (m.Stage, self.stage), Op.UNSTAGE: (m.Unstage, self.unstage),
             Op.COMMIT: (m.Commit, self.commit), Op.PREFETCH: (m.PrefixRequest, self.prefetch),
-            Op.SET_PRIORITY: (m.SetPriority, self.set_priority), Op.SAVE_MANIFEST: (m.ManifestRequest, self.save_manifest),
-            Op.GET_MANIFEST: (m.ManifestRequest, self.get_manifest), Op.LIST_MANIFESTS: (m.Empty, self.list_manifests),
-            Op.DELETE_MANIFEST: (m.ManifestRequest, self.delete_manifest), Op.INVALIDATE: (m.Invalidate, self.invalidate),
-            Op.VERIFY: (m.Verify, self.verify), Op.STATS: (m.Stats, self.stats), Op.PING: (m.Empty, self.ping),
-            Op.CHECK_INTEGRITY: (m.Empty, self.check_integrity),
-            Op.CHAIN_TOKENS: (m.ChainRef, self.chain_tokens), Op.CHAIN_RESIDENCY: (m.ChainRef, self.chain_residency),
-            Op.SET_PRIORITY_FROM: (m.ChainRef, self.set_priority_from),
-            Op.REMOVE_LAYOUT: (m.LayoutRef, self.remove_layout),
+            Op.SET_PRIORITY: (m.SetPriority, self.set_priority), Op.SAVE_MANIFEST: (m.ManifestRequest, ops.save_manifest),
+            Op.GET_MANIFEST: (m.ManifestRequest, ops.get_manifest), Op.LIST_MANIFESTS: (m.Empty, ops.list_manifests),
+            Op.DELETE_MANIFEST: (m.ManifestRequest, ops.delete_manifest), Op.INVALIDATE: (m.Invalidate, ops.invalidate),
+            Op.VERIFY: (m.Verify, ops.verify), Op.STATS: (m.Stats, ops.stats), Op.PING: (m.Empty, ops.ping),
+            Op.CHECK_INTEGRITY: (m.Empty, ops.check_integrity),
+            Op.CHAIN_TOKENS: (m.ChainRef, ops.chain_tokens), Op.CHAIN_RESIDENCY: (m.ChainRef, ops.chain_residency),
+            Op.SET_PRIORITY_FROM: (m.ChainRef, ops.set_priority_from),
+            Op.REMOVE_LAYOUT: (m.LayoutRef, ops.remove_layout), Op.GC: (m.Gc, ops.gc),
         }
         # opcode -> the handler's synchronous form, tried first as the request is read: the
         # reply, or None when it must wait (then the handler above runs in a task).
-        self.now: dict[int, Callable[[Connection, Any], Reply | None]] = {Op.ACQUIRE: self.acquire_now}
+        self.now: dict[int, Callable[[Connection, Any], Answer | None]] = {Op.ACQUIRE: lease.acquire_now}
 
-    async def run(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """``fn(*args, **kw)`` in a worker thread, after the releases clients sent without
-        waiting (so a connection's later request sees its own releases done)."""
-        loop = asyncio.get_running_loop()
-
-        def job() -> Any:
-            self._flush_releases()
-            return fn(*args, **kw)
-
-        return await loop.run_in_executor(self.executor, job)
+    def apply_config(self, config: "DaemonConfig") -> None:
+        """The settings a reload changed (reload.py): in force from the next request."""
+        self.config = config
+        self.leases.timeout_s = config.lease_timeout_s
+        self.quota.quotas = config.quotas
 
     # ---- layout and scope: derived on the trusted side --------------------------------------
     def entry(self, conn: "Connection") -> LayoutEntry:
@@ -120,13 +139,6 @@ class Handlers(LeaseHandlers, OperationHandlers):
             raise ConfigError("this connection declared no page layout, and the daemon serves none or several",
                               hint="connect with tierkv.connect(socket, layout=...) to store or read pages")
         return entry
-
-    def stores(self, conn: "Connection") -> list[Any]:
-        """Every layout's store, the connection's own first (where its manifests go)."""
-        entries = self.layouts.entries()
-        if conn.entry is not None:
-            entries.sort(key=lambda e: e is not conn.entry)
-        return [e.store for e in entries]
 
     def namespace_for(self, conn: "Connection", namespace: str) -> str:
         """The namespace the store sees. With ``namespace_per_uid`` every peer uid gets its
@@ -145,25 +157,42 @@ class Handlers(LeaseHandlers, OperationHandlers):
         return scope
 
     # ---- handlers -----------------------------------------------------------------------------
-    async def hello(self, conn: "Connection", msg: m.Hello) -> Reply:
+    async def hello(self, conn: "Connection", msg: m.Hello) -> Answer:
         conn.client_pid = msg.pid
         if conn.entry is not None:
             raise ProtocolError("HELLO was sent twice on this connection")
         if msg.layout is not None:
             entry = self.layouts.get(layout_id(msg.layout))
             if entry is None:  # first use of this layout: open its store (seconds; off the loop)
-                entry = await self.run(self.layouts.open, msg.layout)
+                creator = None if conn.creds.uid == os.getuid() else conn.creds.uid
+                try:
+                    entry = await self.run(self.layouts.open, msg.layout, creator,
+                                           self.config.quotas.layouts_per_uid)
+                except QuotaExceededError:
+                    self.quota.count("layouts")
+                    raise
         else:
             entry = self.layouts.only()
+        if entry is not None:
+            entry.last_bound = time.monotonic()
+            if entry.layout_id not in self.layouts.in_use:  # idle: its memory share back first (shares.py)
+                await self.run(self.layouts.rebalance, self.layouts.in_use | {entry.layout_id})
         conn.entry = entry
         header: dict[str, Any] = {
             "protocol": VERSION, "daemon_pid": os.getpid(), "lease_timeout_s": self.leases.timeout_s,
-            "idle_timeout_s": self.config.quotas.idle_timeout_s,
+            "idle_timeout_s": conn.idle_timeout_s,
             "namespace_per_uid": self.config.namespace_per_uid, "layouts": [e.layout_id for e in self.layouts.entries()],
+            # What the daemon puts before this peer's namespaces (from SO_PEERCRED): the
+            # client keys its manifests' chains as stored (Client.block_keys).
+            "namespace_prefix": self.tenancy.namespace_prefix(conn.creds.uid),
             "layout": None,
         }
         fds: list[int] = []
-        if entry is not None:
+        if entry is not None and self.is_tenant(conn):
+            conn.tenant = TenantRegions(self.layouts.shm_dir, entry.layout, self.config.client_staging_bytes)
+            header.update({"layout": entry.layout.to_dict(), "layout_id": entry.layout_id,
+                           **conn.tenant.hello_fields(fds)})
+        elif entry is not None:
             st, pool = entry.local, entry.staging_pool  # the tiers clients map are the local store's
             header.update({
                 "layout": entry.layout.to_dict(), "layout_id": entry.layout_id,
@@ -177,13 +206,30 @@ class Handlers(LeaseHandlers, OperationHandlers):
             header["staging"]["fd"] = len(fds) - 1
         return header, b"", fds  # type: ignore[return-value]  # the server sends fds with the reply
 
-    async def lookup(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
+    async def lookup(self, conn: "Connection", msg: m.PrefixRequest) -> Answer:
         r = await self.run(self.entry(conn).store.lookup, msg.tokens, self.scope(conn, msg.scope), msg.block_extra)
         names = sorted(set(r.tiers))
         return m.KeysReply(r.keys, {"tokens_matched": r.tokens_matched, "tier_names": names},
                            tuple(names.index(t) for t in r.tiers)).encode()
 
-    async def stage(self, conn: "Connection", msg: m.Stage) -> Reply:
+    def is_tenant(self, conn: "Connection") -> bool:
+        """Another uid under namespace_per_uid: it maps only memory of its own connection."""
+        return self.config.namespace_per_uid and conn.creds.uid != os.getuid()
+
+    def staging_of(self, conn: "Connection") -> tuple[StagingSlots, torch.Tensor]:
+        """The staging slots and pool a connection puts through: its own for a tenant."""
+        if conn.tenant is not None:
+            return conn.tenant.staging, conn.tenant.staging_pool
+        entry = self.entry(conn)
+        return entry.staging, entry.staging_pool
+
+    async def stage(self, conn: "Connection", msg: m.Stage) -> Answer:
+        if conn.tenant is not None:  # its own region: no other connection's quota to share
+            slots = conn.tenant.staging.alloc(conn.id, msg.count)
+            if slots is None:
+                raise CapacityError(f"no {msg.count} staging slots free in this connection's region",
+                                    hint="put fewer blocks at once, or raise client_staging_bytes")
+            return {"slots": slots}, b""
         staging, uid = self.entry(conn).staging, conn.creds.uid
         peers = self.peers()
         self.quota.check_staging(uid, [u for _, u in peers], staging.held_by(c for c, u in peers if u == uid),
@@ -194,53 +240,78 @@ class Handlers(LeaseHandlers, OperationHandlers):
                                 hint="put fewer blocks at once, or raise client_staging_bytes / staging_bytes")
         return {"slots": slots}, b""
 
-    async def unstage(self, conn: "Connection", msg: m.Unstage) -> Reply:
-        self.entry(conn).staging.free(conn.id, msg.slots)
+    async def unstage(self, conn: "Connection", msg: m.Unstage) -> Answer:
+        self.staging_of(conn)[0].free(conn.id, msg.slots)
         return {}, b""
 
-    async def commit(self, conn: "Connection", msg: m.Commit) -> Reply:
+    async def commit(self, conn: "Connection", msg: m.Commit) -> Answer:
         entry = self.entry(conn)
-        if not entry.staging.owns(conn.id, msg.slots):
+        staging, staging_pool = self.staging_of(conn)
+        if not staging.owns(conn.id, msg.slots):
+            if staging.expired(conn.id, msg.slots):
+                raise StagingExpiredError(f"staging slots of this commit were held over staging_timeout_s = "
+                                          f"{self.config.staging_timeout_s:g} s and were taken back; nothing stored")
             raise ProtocolError("commit names staging slots this connection does not hold")
-        if msg.priority == Priority.PINNED:
-            try:
-                await self._check_pinned(conn, entry.store, self.namespace_for(conn, msg.scope.namespace), len(msg.slots))
-            except BaseException:
-                entry.staging.free(conn.id, msg.slots)
-                raise
+        staging.begin_commit(conn.id, msg.slots)  # no longer expire: this commit copies them
         try:
-            idx = torch.tensor(msg.slots, dtype=torch.long)
-            # A private copy: the checksum and the stored bytes must be the same bytes even
-            # if the client scribbles on its staging slots while the put runs.
-            pages = await self.run(entry.staging_pool.index_select, 0, idx)
-            r = await self.run(entry.store.put, msg.tokens, pages, self.scope(conn, msg.scope),
-                               start_block=msg.start_block, block_extra=msg.block_extra, priority=Priority(msg.priority))
+            async with self.pin_guard(conn, entry.local, msg.priority, len(msg.slots)):
+                idx = torch.tensor(msg.slots, dtype=torch.long)
+                # A private copy: the checksum and the stored bytes must be the same bytes even
+                # if the client scribbles on its staging slots while the put runs.
+                pages = await self.run(staging_pool.index_select, 0, idx)
+                r = await self.run(entry.store.put, msg.tokens, pages, self.scope(conn, msg.scope),
+                                   start_block=msg.start_block, block_extra=msg.block_extra,
+                                   priority=Priority(msg.priority))
         finally:
-            entry.staging.free(conn.id, msg.slots)
+            staging.free(conn.id, msg.slots)
         return {"stored": r.stored, "skipped": r.skipped, "durable": r.durable}, b""
 
-    async def prefetch(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
+    def expire_staging(self, tenant_staging: list[StagingSlots]) -> int:
+        """Take back staging slots held over ``staging_timeout_s`` (leases.py, StagingSlots):
+        the shared regions' and ``tenant_staging``, the tenants' own. Returns how many."""
+        timeout, n = self.config.staging_timeout_s, 0
+        for staging in [e.staging for e in self.layouts.entries()] + tenant_staging:
+            for conn_id, slots in staging.take_expired(timeout).items():
+                n += len(slots)
+                log.warning("connection %d held %d staging slots over %.0f s without commit; taken back",
+                            conn_id, len(slots), timeout)
+        return n
+
+    async def prefetch(self, conn: "Connection", msg: m.PrefixRequest) -> Answer:
         fut = await self.run(self.entry(conn).store.prefetch, msg.tokens, self.scope(conn, msg.scope), msg.block_extra)
         return {"tokens_warm": await asyncio.wrap_future(fut)}, b""
 
-    async def _check_pinned(self, conn: "Connection", store: Any, effective_ns: str, want: int) -> None:
-        """The pinned quota (quotas.py) of this tenant: its uid's namespaces under
-        namespace_per_uid, else the namespace being pinned."""
-        uid, uids = conn.creds.uid, [u for _, u in self.peers()]
-        if not self.quota.others_connected(uid, uids):
-            return
-        local = getattr(store, "store", store)  # a ClusterNode wraps the Store
-        tenant = self.tenancy.namespace_prefix(uid) if self.config.namespace_per_uid else effective_ns
-        pinned = await self.run(local.pinned_blocks, tenant)
-        disk_slots = local.disk.segment_limit * local.disk.segment_pages  # this layout's share
-        self.quota.check_pinned(uid, uids, tenant, pinned, want, int(disk_slots))
+    def pin_guard(self, conn: "Connection", local: "Store", priority: int, want: int) -> AsyncContextManager[None]:
+        """Around a store call that may pin ``want`` blocks of the layout whose Store is
+        ``local``: the pinned quota's check and the call as one step (quotas.py), or
+        nothing to do."""
+        if priority != Priority.PINNED:
+            return contextlib.nullcontext()
+        return self._pinning(conn, local, want)
 
-    async def set_priority(self, conn: "Connection", msg: m.SetPriority) -> Reply:
-        if msg.priority == Priority.PINNED:
-            entry = self.entry(conn)
-            await self._check_pinned(conn, entry.store, self.namespace_for(conn, msg.scope.namespace),
-                                     len(msg.tokens) // entry.layout.block_size)
-        n = await self.run(self.entry(conn).store.set_priority, msg.tokens, self.scope(conn, msg.scope), Priority(msg.priority))
+    @contextlib.asynccontextmanager
+    async def _pinning(self, conn: "Connection", local: "Store", want: int) -> AsyncIterator[None]:
+        uid = conn.creds.uid
+        if not self.config.allowed_uids and not self.quota.others_connected(uid, (u for _, u in self.peers())):
+            yield  # a daemon of one user: nobody to share the disk tier with
+            return
+        # Checked and pinned under one lock: a check before an await let 16 concurrent
+        # pinned puts pass it together (issue 34, item 9). Pins are rare (materialise):
+        # serialising them costs the data path nothing.
+        async with self._pin_lock:
+            tenant = self.tenancy.namespace_prefix(uid) if self.config.namespace_per_uid else None
+            total = await self.run(local.pinned_blocks, "")
+            own = await self.run(local.pinned_blocks, tenant) if tenant is not None else 0
+            disk_slots = local.disk.segment_limit * local.disk.segment_pages  # this layout's share
+            self.quota.check_pinned(uid, [u for _, u in self.peers()], PinnedCounts(total, tenant, own), want,
+                                    int(disk_slots))
+            yield
+
+    async def set_priority(self, conn: "Connection", msg: m.SetPriority) -> Answer:
+        entry = self.entry(conn)
+        async with self.pin_guard(conn, entry.local, msg.priority, len(msg.tokens) // entry.layout.block_size):
+            n = await self.run(entry.store.set_priority, msg.tokens, self.scope(conn, msg.scope),
+                               Priority(msg.priority))
         return {"count": n}, b""
 
     def daemon_stats(self) -> dict[str, Any]:
@@ -253,5 +324,6 @@ class Handlers(LeaseHandlers, OperationHandlers):
                             "host_bytes": self.layouts.budget.host_bytes,
                             "disk_bytes": self.layouts.budget.disk_bytes},
                 "over_limit_slots": {e.layout_id: e.over_limit for e in entries if e.over_limit},
-                "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.acquires),
-                "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats()}
+                "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.lease_ops.acquires),
+                "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats(), "reload": self.reload_stats(),
+                "config": shown(self.config)}  # each setting and where it came from (`tierkv config show`)

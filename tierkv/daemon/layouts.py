@@ -10,10 +10,12 @@ on first use, or finds it at start. A layout never changes in place: a store's l
 fixed, so a second model with other KV shapes gets a store of its own.
 
 Budgets. ``device_bytes``, ``host_bytes`` and ``disk_bytes`` are daemon-wide budgets shared
-by the layouts in use: with N layouts open each may use ``budget // N`` of each tier (the one
-layout of a one-model daemon gets the whole budget). When another layout opens, the open
-ones are lowered to the new share first (each evicts down to it through the store's normal
-eviction, :meth:`tierkv.Store.set_tier_limits`), then the new one opens with its share. At
+by the layouts: the memory tiers among the N in use, ``budget // N`` each, the disk among
+all open ones (shares.py: a layout idle for ``layout_idle_s`` gives its memory share back;
+the one layout of a one-model daemon gets the whole budget). A new layout is checked (its
+page must fit its share) and its store opened with limits of 0; only then are the open ones
+lowered to their new shares (each evicts down to it through the store's normal eviction,
+:meth:`tierkv.Store.set_tier_limits`) and the new one raised to it. At
 most ``max_layouts`` layouts open (CapacityError beyond); ``staging_bytes`` is split as a
 fixed ``1/max_layouts`` per layout (clients write into it; it holds nothing between requests).
 
@@ -45,97 +47,40 @@ all over the mapping: up to twice the share in memory).
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 
-from ..errors import CapacityError, ConfigError, LayoutInUseError, NotFoundError
-from ..home import HomeLock, peek_layout
+from ..api import StoreAPI
+from ..errors import CapacityError, ConfigError, LayoutInUseError, NotFoundError, QuotaExceededError
+from ..home.lock import HomeLock, LentLock
+from ..home.directory import CREATOR, LAYOUTS_DIR, find_layouts, layout_id, read_creator, remove_store_files
 from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import SharedRegion
 from . import regions
 from .leases import StagingSlots
+from .shares import Budget, TierLimits, apply_in_order, check_fits
+
+if TYPE_CHECKING:
+    from ..cluster.node import ClusterNode
 
 log = logging.getLogger(__name__)
-LAYOUTS_DIR = "layouts"
+# What a layout is served by: its Store, or a ClusterNode around it when the remote tier is
+# on. Both are StoreAPIs; the daemon also reaches the local Store for what only it has
+# (the memory tiers clients map, limits, resident acquires, pinned counts).
+ServedStore = Union[Store, "ClusterNode"]
+OpenStore = Callable[[Path, PageLayout, TierLimits, LentLock | None], tuple[ServedStore, Store]]
 
 
-def layout_id(layout: PageLayout) -> str:
-    """A stable, readable name for a layout: ``bfloat16-l8-h4-d64-b128``."""
-    return (f"{layout.dtype}-l{layout.num_layers}-h{layout.num_kv_heads}-d{layout.head_dim}"
-            f"-b{layout.block_size}")
-
-
-def find_layouts(home: Path) -> list[tuple[Path, PageLayout]]:
-    """The stores a home holds, as (store home, layout): the root's first, then
-    ``layouts/*`` by name. A directory whose name is not its layout's id is skipped
-    (logged): it was not made by a daemon."""
-    found: list[tuple[Path, PageLayout]] = []
-    root = peek_layout(home)
-    if root is not None:
-        found.append((home, root))
-    sub = home / LAYOUTS_DIR
-    if sub.is_dir():
-        for d in sorted(sub.iterdir()):
-            layout = peek_layout(d) if d.is_dir() else None
-            if layout is None:
-                continue
-            if d.name != layout_id(layout) or any(layout == lo for _, lo in found):
-                log.warning("skipping %s: it holds layout %s, which its name or another store already has",
-                            d, layout.to_json())
-                continue
-            found.append((d, layout))
-    return found
-
-
-def remove_store_files(home: Path, store_home: Path) -> None:
-    """Delete the store at ``store_home`` (closed, its LOCK held by the caller or by no one):
-    ``HOME/layouts/<id>`` whole, or the root's index/ and segments/ (the root keeps LOCK and
-    layouts/). Each is first renamed to a ``.removed-*`` name in one step, the index first,
-    so at every moment the home holds the store or not, never half of it; the renamed files
-    are deleted after (a crash leaves them to the next removal, which deletes them)."""
-    trash = home / f".removed-{os.getpid()}-{threading.get_ident()}"
-    trash.mkdir(exist_ok=True)
-    if store_home == home:
-        for part in ("index", "segments"):  # the index first: without it the root holds no store
-            if (home / part).exists():
-                os.rename(home / part, trash / part)
-    else:
-        os.rename(store_home, trash / store_home.name)
-    for old in home.glob(".removed-*"):
-        shutil.rmtree(old, ignore_errors=True)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The daemon-wide tier budgets the open layouts share, and the staging each layout
-    gets (bytes)."""
-
-    device_bytes: int
-    host_bytes: int
-    disk_bytes: int
-    staging_bytes: int  # per layout
-    client_staging_bytes: int  # per connection
-
-    def share(self, n: int) -> "TierLimits":
-        """What each of ``n`` open layouts may use."""
-        n = max(1, n)
-        return TierLimits(self.device_bytes // n, self.host_bytes // n, self.disk_bytes // n)
-
-
-@dataclass(frozen=True)
-class TierLimits:
-    """What one layout's tiers may use now (bytes): its share of the budgets."""
-
-    device_bytes: int
-    host_bytes: int
-    disk_bytes: int
+def local_of(store: ServedStore) -> Store:
+    """The local Store of a served store (a ClusterNode wraps one)."""
+    return store if isinstance(store, Store) else store.store
 
 
 @dataclass(eq=False)
@@ -147,12 +92,16 @@ class LayoutEntry:
     layout_id: str
     layout: PageLayout
     home: Path
-    store: Any
+    store: ServedStore
     local: Store
     staging_region: SharedRegion
     staging_pool: torch.Tensor
     staging: StagingSlots
     over_limit: int = 0  # slots still used above its limits (held when they were lowered)
+    creator: int | None = None  # the other uid whose HELLO made it (None: the daemon's own)
+    limits: TierLimits = TierLimits(0, 0, 0)  # its share now (shares.py)
+    # When a connection was last seen bound to it (monotonic; server.py): opening counts.
+    last_bound: float = field(default_factory=time.monotonic)
 
     def close(self) -> None:
         self.store.close()
@@ -165,7 +114,7 @@ class Layouts:
     plain dict reads, safe from the event loop while another thread opens a layout."""
 
     def __init__(self, home: Path, socket_path: str, max_layouts: int, budget: Budget, shm_dir: Path,
-                 open_store: Callable[[Path, PageLayout, TierLimits], tuple[Any, Store]]) -> None:
+                 open_store: OpenStore) -> None:
         self.home = home
         self.socket_path = socket_path
         self.max_layouts = max_layouts
@@ -177,34 +126,41 @@ class Layouts:
         self._home_lock: HomeLock | None = None
         self._root_used = False
         self._removing: set[str] = set()  # taken out by take(), not dropped yet
+        self._in_use: set[str] = set()  # the layouts whose memory shares are not 0 (shares.py)
 
     # ---- opening -----------------------------------------------------------------------
     def start(self, preset: PageLayout | None = None) -> None:
         """Take the home and open every store it holds (and ``preset``, the ``--layout`` of
-        the command line). The daemon holds the home's LOCK itself until a store lives at
-        the root (that store then holds it), so no other process opens the home meanwhile."""
+        the command line). The daemon holds the home's LOCK until it closes, lending it to
+        the store at the root (home.LentLock), so no other process opens the home meanwhile."""
+        self._home_lock = HomeLock(self.home, self.socket_path)
         found = find_layouts(self.home)
         if len(found) > self.max_layouts:
+            self.close()
             raise ConfigError(f"{self.home} holds {len(found)} layouts, more than max_layouts={self.max_layouts}",
                               hint=f"start the daemon with --max-layouts {len(found)} or more")
         self._root_used = any(h == self.home for h, _ in found)
-        if not self._root_used:
-            self._home_lock = HomeLock(self.home, self.socket_path)
         # Every store opens with its share of all that start opens: none fills a share
         # that the next open would take back (a lowered disk limit deletes pages).
         n = len(found) + (preset is not None and all(preset != lo for _, lo in found))
         try:
             for home, layout in found:
-                self._add(home, layout, self.budget.share(n))
+                entry = self._add(home, layout, self.budget.share(n))
+                entry.creator = read_creator(home)
+                entry.limits = self.budget.share(n)
+                self._entries[entry.layout_id] = entry
+                self._in_use.add(entry.layout_id)  # until the daemon's loop finds it idle
             if preset is not None:
                 self.open(preset)
         except BaseException:
             self.close()
             raise
 
-    def open(self, layout: PageLayout) -> LayoutEntry:
-        """The entry of ``layout``, opening (creating) its store on first use. Raises
-        CapacityError when ``max_layouts`` layouts are open already."""
+    def open(self, layout: PageLayout, creator: int | None = None, layouts_per_uid: int = 1) -> LayoutEntry:
+        """The entry of ``layout``, opening (creating) its store on first use; ``creator``
+        is the uid asking when it is not the daemon's own. Raises CapacityError when
+        ``max_layouts`` layouts are open already, QuotaExceededError when ``creator`` made
+        ``layouts_per_uid`` of them (quotas.py)."""
         lid = layout_id(layout)
         entry = self._entries.get(lid)
         if entry is not None:
@@ -221,36 +177,80 @@ class Layouts:
                     f"the daemon serves {len(self._entries)} page layouts already "
                     f"({', '.join(self._entries)}); max_layouts is {self.max_layouts}",
                     hint="restart the daemon with a larger --max-layouts")
-            if not self._root_used:
-                # The first layout lives at the root. Hand the root's LOCK from the daemon to
-                # the store: released here, taken again first thing in the store's open (the
-                # window is a few microseconds; a process that slipped in gets the home and
-                # this open fails with StoreLockedError, nothing is shared).
-                assert self._home_lock is not None
-                self._home_lock.release()
-                self._home_lock = None
-                self._root_used = True
-                home = self.home
-            else:
-                home = self.home / LAYOUTS_DIR / lid
+            made = sum(1 for e in self._entries.values() if creator is not None and e.creator == creator)
+            if creator is not None and made >= layouts_per_uid:
+                raise QuotaExceededError(
+                    f"uid {creator} made {made} of the daemon's page layouts already (layouts_per_uid = "
+                    f"{layouts_per_uid}); layout {lid} is not served",
+                    hint="use a layout the daemon serves (tierkv layouts), or ask its operator to open this one")
+            # The first layout lives at the root; the root stays free for the next one when
+            # its open fails (issue 34, item 4).
+            home = self.home if not self._root_used else self.home / LAYOUTS_DIR / lid
+            fresh = home != self.home and not home.exists()  # removed again if the open fails
             log.info("opening a store for layout %s at %s", lid, home)
-            # The open layouts give up room first (they evict down to the new share), so
-            # the budgets hold at every moment; if the open fails they get it back.
-            before = self.entries()
-            share = self.budget.share(len(before) + 1)
-            self._set_limits(before, share)
+            before = {e.layout_id: e for e in self.entries()}
+            target = self.budget.plan([*before, lid], self._in_use | {lid})  # it is in use: a HELLO asks
+            check_fits(lid, layout, target[lid])  # before anything is evicted or written (issue 34, items 2-3)
+            # The new store opens with limits of 0 (it is new: start() opened every store the
+            # home holds, so it holds nothing and touches no memory at 0); only once it and
+            # its staging exist do the open layouts evict down to their new shares, and then
+            # it gets its share, so the budgets hold at every moment. Rejected: lowering the
+            # open layouts first and raising them back if the open failed (what this
+            # replaced): a refused layout had already deleted their disk blocks, 1,472 of
+            # 1,760 in issue 34, item 3.
             try:
-                return self._add(home, layout, share)
+                entry = self._add(home, layout, TierLimits(0, 0, 0))
             except BaseException:
-                self._set_limits(before, self.budget.share(len(before)))
+                if fresh:  # a refused layout leaves nothing a restart would find
+                    shutil.rmtree(home, ignore_errors=True)
                 raise
+            try:
+                if creator is not None:  # before anything gives up room: a restart counts it too
+                    (home / CREATOR).write_text(str(creator))
+                    entry.creator = creator
+                self._apply({**before, lid: entry}, target)
+            except BaseException:
+                entry.close()
+                (home / CREATOR).unlink(missing_ok=True)
+                raise
+            self._in_use.add(lid)
+            self._entries[entry.layout_id] = entry  # served only with its share
+            self._root_used = True
+            return entry
 
-    def _set_limits(self, entries: list[LayoutEntry], limits: TierLimits) -> None:
-        for e in entries:
+    def _apply(self, entries: dict[str, LayoutEntry], target: dict[str, TierLimits]) -> None:
+        """Give ``entries`` their ``target`` limits, every lowering first (shares.py)."""
+        def set_limits(lid: str, limits: TierLimits) -> None:
+            e = entries[lid]
             e.over_limit = e.local.set_tier_limits(limits.device_bytes, limits.host_bytes, limits.disk_bytes)
+            e.limits = limits
             if e.over_limit:
                 log.warning("layout %s: %d slots stay above its new limits until their leases, reads or pins "
                             "end", e.layout_id, e.over_limit)
+
+        apply_in_order({lid: e.limits for lid, e in entries.items()}, target, set_limits)
+
+    @property
+    def in_use(self) -> frozenset[str]:
+        return frozenset(self._in_use)
+
+    def rebalance(self, in_use: set[str], as_of: float | None = None) -> None:
+        """Share the memory tiers among the layouts ``in_use`` (the daemon's loop, when one
+        turns idle; a HELLO, when an idle one is wanted again); a no-op when that is how
+        they are shared already. Runs in a worker thread (lowering a limit evicts). The
+        loop's set was seen at ``as_of``: a layout a HELLO bound since stays in use (its
+        rebalance may have run first)."""
+        with self._lock:
+            entries = {e.layout_id: e for e in self.entries()}
+            in_use = set(in_use) & set(entries)
+            if as_of is not None:
+                in_use |= {lid for lid, e in entries.items() if e.last_bound >= as_of}
+            if in_use == self._in_use:
+                return
+            log.info("layouts in use: %s (idle: %s)", ", ".join(sorted(in_use)) or "none",
+                     ", ".join(sorted(set(entries) - in_use)) or "none")
+            self._apply(entries, self.budget.plan(entries, in_use))
+            self._in_use = in_use
 
     def retrim(self) -> int:
         """Evict again what stayed above a lowered limit (its holders may be gone); returns
@@ -264,7 +264,8 @@ class Layouts:
         return left
 
     def _add(self, home: Path, layout: PageLayout, limits: TierLimits) -> LayoutEntry:
-        store, local = self._open_store(home, layout, limits)
+        lent = LentLock(self._home_lock) if home == self.home and self._home_lock is not None else None
+        store, local = self._open_store(home, layout, limits, lent)
         try:
             region, pool = regions.create_staging(self.shm_dir, layout, self.budget.staging_bytes)
         except BaseException:
@@ -273,8 +274,7 @@ class Layouts:
         quota = max(1, self.budget.client_staging_bytes // layout.page_bytes)
         entry = LayoutEntry(layout_id(layout), layout, home, store, local, region, pool,
                             StagingSlots(pool.shape[0], quota))
-        self._entries[entry.layout_id] = entry
-        return entry
+        return entry  # the caller serves it (self._entries) once its limits are set
 
     # ---- removing (tierkv layouts rm) ----------------------------------------------------
     def take(self, lid: str) -> LayoutEntry:
@@ -296,14 +296,12 @@ class Layouts:
         with self._lock:
             try:
                 entry.close()
-                if entry.home == self.home:
-                    # The root's store held the home's LOCK: the daemon takes it back first,
-                    # as before its first layout opened (the next new layout opens there).
-                    self._home_lock = HomeLock(self.home, self.socket_path)
-                    self._root_used = False
+                if entry.home == self.home:  # the next new layout opens at the root
+                    self._root_used = False  # (the daemon kept the LOCK: it lent it)
                 remove_store_files(self.home, entry.home)
-                rest = self.entries()
-                self._set_limits(rest, self.budget.share(len(rest)))
+                rest = {e.layout_id: e for e in self.entries()}
+                self._in_use.discard(entry.layout_id)
+                self._apply(rest, self.budget.plan(rest, self._in_use))
             finally:
                 self._removing.discard(entry.layout_id)
 
@@ -317,6 +315,15 @@ class Layouts:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def entry_of(self, store: StoreAPI) -> LayoutEntry:
+        """The entry serving ``store`` (one of a Home view over the served stores);
+        NotFoundError when its layout was removed meanwhile."""
+        for e in self.entries():
+            if e.store is store:
+                return e
+        raise NotFoundError("the layout of this chain is no longer served (removed meanwhile)",
+                            hint="list the daemon's layouts with `tierkv layouts`")
 
     def only(self) -> LayoutEntry | None:
         """The entry when exactly one layout is open (what a client that declares none gets)."""
@@ -351,44 +358,3 @@ class Layouts:
                              ("disk", self.budget.disk_bytes)):
             assert sum(getattr(e.local, tier).capacity_bytes for e in self._entries.values()) <= budget, \
                 f"{tier}: the layouts' limits exceed the daemon's budget"
-
-
-# ---- stats across layouts -----------------------------------------------------------------
-_RATES = ("hit_rate", "hit_rate_by_tier", "acquire_hit_rate", "acquire_hit_rate_by_tier", "mean_lookup_ms")  # recomputed
-
-
-def _sum(values: list[Any]) -> Any:
-    """Numbers add up, mappings merge key by key, anything else keeps the first value."""
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        return sum(values)
-    if all(isinstance(v, dict) for v in values):
-        keys = list(dict.fromkeys(k for v in values for k in v))
-        return {k: _sum([v[k] for v in values if k in v]) for k in keys}
-    return values[0]
-
-
-def merge_stats(per_layout: dict[str, dict[str, Any]], home: str) -> dict[str, Any]:
-    """The stats of several layouts' stores (each StoreStats' JSON shape) as one: blocks,
-    bytes and counters summed, rates recomputed from the sums, ``layout`` the only layout's
-    or None, and ``layouts`` with each store's own figures (layout id -> its stats)."""
-    from ..stats import Counters, acquire_rates
-
-    stores = list(per_layout.values())
-    out: dict[str, Any] = _sum(stores) if stores else {
-        "blocks": 0, "leased_blocks": 0, "model_versions": {}, "namespaces": {}, "disk_read_path": "",
-        "tiers": {t: {"blocks": 0, "used_bytes": 0, "capacity_bytes": 0} for t in ("device", "host", "disk")},
-        **Counters().as_dict(),
-    }
-    for name in _RATES:
-        out.pop(name, None)
-    lookups, asked = int(out.get("lookups", 0)), int(out.get("lookup_blocks", 0))
-    hits = dict(out.get("hits", {}))
-    out["hit_rate"] = sum(hits.values()) / asked if asked else 0.0
-    out["hit_rate_by_tier"] = {t: n / asked if asked else 0.0 for t, n in hits.items()}
-    out.update(acquire_rates(dict(out.get("acquire_hits", {})), int(out.get("acquire_blocks", 0))))
-    ms = sum(s.get("mean_lookup_ms", 0.0) * s.get("lookups", 0) for s in stores)
-    out["mean_lookup_ms"] = ms / lookups if lookups else 0.0
-    out["home"] = home
-    out["layout"] = stores[0]["layout"] if len(stores) == 1 else {}
-    out["layouts"] = per_layout
-    return out

@@ -1,79 +1,68 @@
 """The lease requests of the daemon: acquire (answered on the loop when it can finish now,
-else in a worker), release (one-way, ended on the loop or queued for the next store call),
-renew, and the ending of a connection's or an expired lease. :class:`~tierkv.daemon.
-handlers.Handlers` inherits these methods and owns the state they use (``leases``,
-``quota``, ``acquires``, ``_unreleased``, ``_flush_lock``, ``_drain_handle``, ``_drains``,
-``peers``; ``entry``, ``scope``, ``run``). Split out of handlers.py.
+else in a worker), release (one-way, ended on the loop or queued for the next store call:
+workers.py), renew, and the ending of a connection's or an expired lease.
+
+:class:`LeaseHandlers` is a part of :class:`~tierkv.daemon.handlers.Handlers`, which owns
+the lease table, the quota rules and the workers and hands them in; this class owns only
+the count of where acquires ran.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..errors import LeaseError, QuotaExceededError
 from ..identity import Scope
+from ..results import Lease
 from . import messages as m
-from .layouts import LayoutEntry
-from .operations import Reply
+from .messages import Answer
+from .layouts import LayoutEntry, Layouts, ServedStore
+from .leases import LeaseTable
+from .quotas import QuotaRules
+from .tenant_regions import TenantRegions
+from .workers import Workers
 
 if TYPE_CHECKING:
     from .connection import Connection
 
-log = logging.getLogger("tierkv.daemon.handlers")  # the handlers' log, as before the split
-RELEASE_DRAIN_S = 0.002  # queued releases wait at most this for a store call to end them
+log = logging.getLogger("tierkv.daemon.handlers")  # the request handlers' log
 INLINE_MAX_BLOCKS = 1024  # longer prompts are acquired in a worker even when resident
 
 
-def _acquire(store: Any, *args: Any) -> Any:
-    """``store.acquire``; a miss (no blocks) is released at once, so it holds nothing."""
-    lease = store.acquire(*args)
+def _acquire(store: ServedStore, msg: m.PrefixRequest, scope: Scope, max_blocks: int | None) -> Lease:
+    """``store.acquire`` of ``msg``'s prefix; a miss (no blocks) is released at once, so it
+    holds nothing."""
+    lease = store.acquire(msg.tokens, scope, msg.block_extra, max_blocks, msg.start_block)
     if not lease.keys:
         store.release(lease)
     return lease
 
 
 class LeaseHandlers:
-    """Acquire, release, renew and the release queue; mixed into Handlers."""
+    """Acquire, release, renew; ending a connection's leases and expired ones."""
 
-    # ---- releases nobody waits for ------------------------------------------------------------
-    # A one-way RELEASE takes the lease out of the table on the loop and queues the store
-    # lease; the next store call in any worker ends it first (no executor hop of its own),
-    # or, when none comes within RELEASE_DRAIN_S, a drain does. The flush holds a lock, so a
-    # store call that starts while another worker is ending queued leases waits for them.
-    def _flush_releases(self) -> None:
-        # Always through the lock (uncontended: ~0.1 us): a store call must not start while
-        # another worker is still ending leases it popped from the queue.
-        with self._flush_lock:
-            while self._unreleased:
-                lease = self._unreleased.popleft()
-                try:
-                    lease.store.release(lease)  # the store that issued it
-                except Exception:  # noqa: BLE001 - one bad lease must not keep the others pinned
-                    log.exception("releasing a lease failed")
+    def __init__(self, layouts: Layouts, leases: LeaseTable, quota: QuotaRules, workers: Workers, *,
+                 entry: Callable[["Connection"], LayoutEntry], scope: Callable[["Connection", m.WireScope], Scope],
+                 peers: Callable[[], list[tuple[int, int]]]) -> None:
+        """``entry``, ``scope``: the layout and the store scope of a connection's request
+        (Handlers); ``peers``: (connection id, uid) of every connection (the daemon's)."""
+        self.layouts = layouts
+        self.leases = leases
+        self.quota = quota
+        self.workers = workers
+        self.run = workers.run
+        self.entry = entry
+        self.scope = scope
+        self.peers = peers
+        self.acquires = {"inline": 0, "worker": 0}  # where acquires ran (daemon stats)
 
-    def _release_later(self, leases: list[Any]) -> None:
-        self._unreleased.extend(leases)
-        if self._drain_handle is None:
-            loop = asyncio.get_running_loop()
-            self._drain_handle = loop.call_later(RELEASE_DRAIN_S, self._start_drain)
-
-    def _start_drain(self) -> None:
-        self._drain_handle = None
-        if self._unreleased:
-            task = asyncio.ensure_future(self.run(lambda: None))
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
-
-    async def settle_releases(self) -> None:
-        """End every queued lease now (stopping, tests)."""
-        await self.run(lambda: None)
-
-    def acquire_now(self, conn: "Connection", msg: m.PrefixRequest) -> Reply | None:
+    def acquire_now(self, conn: "Connection", msg: m.PrefixRequest) -> Answer | None:
         """The acquire, when it can be done here on the event loop without waiting (see
         :meth:`_acquire_inline`): the server calls it as the request is read, with no task
         and no extra turn of the loop. None, with nothing done, when it must wait: the
         server then runs :meth:`acquire` in a task."""
+        if conn.tenant is not None:
+            return None  # a tenant's pages are copied into its read window: a worker's job
         entry, uid, uids, tier = self._acquire_checks(conn)
         # No reservation: nothing else runs on the loop between the checks and the entry.
         lease = self._acquire_inline(entry, msg, self.scope(conn, msg.scope))
@@ -82,7 +71,7 @@ class LeaseHandlers:
         self.acquires["inline"] += 1
         return self._lease_reply(conn, uid, uids, tier, lease)
 
-    async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Reply:
+    async def acquire(self, conn: "Connection", msg: m.PrefixRequest) -> Answer:
         """The acquire in a worker: the server runs it when :meth:`acquire_now`, which it
         tries first as the request is read, could not finish at once."""
         entry, uid, _, tier = self._acquire_checks(conn)
@@ -91,8 +80,13 @@ class LeaseHandlers:
         reservation = self.leases.reserve(conn.id, uid, 0)
         try:
             self.acquires["worker"] += 1
-            lease = await self.run(_acquire, entry.store, msg.tokens, self.scope(conn, msg.scope), msg.block_extra,
-                                   msg.max_blocks, msg.start_block)
+            max_blocks = msg.max_blocks
+            if conn.tenant is not None:  # no longer than its read window has room for
+                room = conn.tenant.read_free
+                max_blocks = room if max_blocks is None else min(max_blocks, room)
+            lease = await self.run(_acquire, entry.store, msg, self.scope(conn, msg.scope), max_blocks)
+            if conn.tenant is not None and lease.keys:
+                return await self._tenant_lease_reply(conn, conn.tenant, uid, tier, entry, lease)
             return self._lease_reply(conn, uid, [u for _, u in self.peers()], tier, lease)
         finally:
             self.leases.unreserve(reservation)
@@ -106,19 +100,34 @@ class LeaseHandlers:
         self.quota.check_lease(uid, uids, self.leases.count(conn.id), self.leases.blocks_of(uid), tier)
         return entry, uid, uids, tier
 
-    def _lease_reply(self, conn: "Connection", uid: int, uids: list[int], tier: int, lease: Any) -> Reply:
+    def _lease_reply(self, conn: "Connection", uid: int, uids: list[int], tier: int, lease: Lease) -> Answer:
         """Enter a store lease in the lease table (a miss holds nothing: lease id 0, no
         entry) and encode the reply, once the uid's tier share allows what was leased."""
         if lease.keys:
             try:  # the tier share, with what was leased (quotas.py)
                 self.quota.check_leased_blocks(uid, uids, self.leases.blocks_of(uid), lease.num_blocks, tier)
             except QuotaExceededError:
-                self._release_later([lease])
+                self.workers.release_later([lease])
                 raise
         lease_id = self.leases.add(conn.id, lease, uid).lease_id if lease.keys else 0
         return m.KeysReply(lease.keys, {"lease_id": lease_id}, tuple(lease.slots)).encode()
 
-    def _acquire_inline(self, entry: LayoutEntry, msg: m.PrefixRequest, scope: Scope) -> Any:
+    async def _tenant_lease_reply(self, conn: "Connection", tenant: TenantRegions, uid: int, tier: int,
+                                  entry: LayoutEntry, lease: Lease) -> Answer:
+        """A tenant's lease: its pages copied into the connection's read window (by a worker:
+        up to its size of memory), and the reply naming those slots; they are freed when the
+        lease ends, however it ends (LeaseTable's ``on_end``)."""
+        try:
+            self.quota.check_leased_blocks(uid, [u for _, u in self.peers()], self.leases.blocks_of(uid),
+                                           lease.num_blocks, tier)
+            window = await self.run(tenant.copy_in, entry.local.device.pool, lease.slots)
+        except BaseException:
+            self.workers.release_later([lease])
+            raise
+        held = self.leases.add(conn.id, lease, uid, on_end=lambda: tenant.free(window))
+        return m.KeysReply(lease.keys, {"lease_id": held.lease_id}, tuple(window)).encode()
+
+    def _acquire_inline(self, entry: LayoutEntry, msg: m.PrefixRequest, scope: Scope) -> Lease | None:
         """The acquire done here on the event loop when it cannot wait on anything: no
         release is queued (a connection's request must see its own releases done), the
         store is the local one (a cluster node may fetch), the prompt is at most
@@ -126,33 +135,13 @@ class LeaseHandlers:
         ``Store.acquire_resident`` finds the lock free and every block in the device tier.
         None when any of that fails: the caller goes through a worker. A miss is released
         here (it holds nothing)."""
-        if (self._unreleased or entry.store is not entry.local
+        if (self.workers.unreleased or entry.store is not entry.local
                 or len(msg.tokens) > INLINE_MAX_BLOCKS * entry.layout.block_size):
             return None
         lease = entry.local.acquire_resident(msg.tokens, scope, msg.block_extra, msg.max_blocks, msg.start_block)
         if lease is not None and not lease.keys:
-            self._release_soon([lease])
+            self.workers.release_soon([lease])
         return lease
-
-    def _release_soon(self, leases: list[Any]) -> None:
-        """End store leases now where their store's lock is free (on the loop: a release of
-        a few hundred blocks takes tens of microseconds), else queue them (_release_later);
-        after anything queued, queue too, so that releases end in order."""
-        if not self._unreleased:
-            leases = [lease for lease in leases if not self._try_release(lease)]
-        if leases:
-            self._release_later(leases)
-
-    @staticmethod
-    def _try_release(lease: Any) -> bool:
-        try_release = getattr(lease.store, "try_release", None)  # the local Store's; a cluster lease has none
-        if try_release is None:
-            return False
-        try:
-            return bool(try_release(lease))
-        except Exception:  # noqa: BLE001 - as in _flush_releases: logged, the others still end
-            log.exception("releasing a lease failed")
-            return True
 
     def release_oneway(self, conn: "Connection", msg: m.Release) -> bool:
         """A release that wants no reply, done now (fast_path.py); False, with nothing
@@ -168,37 +157,45 @@ class LeaseHandlers:
         """Take ``conn``'s leases ``lease_ids`` and release them soon; returns the ids it
         does not hold."""
         taken = [(i, self.leases.take(conn.id, i)) for i in lease_ids]
-        self._release_soon([lease for _, lease in taken if lease is not None])
+        self.workers.release_soon([lease for _, lease in taken if lease is not None])
         return [i for i, lease in taken if lease is None]
 
     def _not_held(self, unknown: list[int]) -> str:
         return (f"lease {', '.join(map(str, unknown))} is not held by this connection (released, or expired "
                 f"after {self.leases.timeout_s:g} s without renew)")
 
-    async def release(self, conn: "Connection", msg: m.Release) -> Reply | None:
+    async def release(self, conn: "Connection", msg: m.Release) -> Answer | None:
         if self.release_oneway(conn, msg):
             return None  # the client waits for nothing
         unknown = self._take_and_release(conn, msg.lease_ids)
         if unknown:
             raise LeaseError(self._not_held(unknown))
-        await self.settle_releases()
+        await self.workers.settle()
         return {}, b""
 
-    async def renew(self, conn: "Connection", msg: m.LeaseRef) -> Reply:
+    async def renew(self, conn: "Connection", msg: m.LeaseRef) -> Answer:
+        # A uid holding more than its fair share (others arrived since it leased) keeps its
+        # leases until they end or expire, but may not renew them (issue 34, item 9: a uid
+        # alone leased the whole tier and kept it, and later uids got acquires of 0 blocks).
+        entry, uid = self.entry(conn), conn.creds.uid
+        self.quota.check_leased_blocks(uid, [u for _, u in self.peers()], self.leases.blocks_of(uid), 0,
+                                       int(entry.local.device.slots.limit))
         if not self.leases.renew(conn.id, msg.lease_id):
             raise LeaseError(f"lease {msg.lease_id} is not held by this connection (released or expired)")
         return {}, b""
 
     # ---- ending leases ------------------------------------------------------------------------
-    async def release_all(self, leases: list) -> None:
+    async def release_all(self, leases: list[Lease]) -> None:
         """Release store leases taken out of the table (dead connection, timeout)."""
-        self._release_later(leases)
-        await self.settle_releases()
+        self.workers.release_later(leases)
+        await self.workers.settle()
 
     async def end_connection(self, conn: "Connection") -> int:
         leases = self.leases.take_connection(conn.id)
         for e in self.layouts.entries():  # a connection without HELLO may have staged on the only layout
             e.staging.free_connection(conn.id)
+        if conn.tenant is not None:  # its mappings lose their backing pages with the files
+            conn.tenant.close()
         await self.release_all(leases)
         return len(leases)
 

@@ -3,7 +3,8 @@
 A store lease taken for a client belongs to that client's connection: when the connection
 ends (the client closed it, exited or was killed, the kernel closes the socket either way)
 every lease it still holds is released, so a dead client never pins blocks. A lease not
-renewed for ``timeout_s`` is released too (a hung client).
+renewed for ``timeout_s`` is released too (a hung client). A staging slot not committed
+within the daemon's ``staging_timeout_s`` is taken back (:class:`StagingSlots`).
 
 Both tables are touched only from the event loop thread; the store calls that end a lease
 run in worker threads, so the methods here *take the leases out* and the caller releases
@@ -14,7 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from typing import Iterable
+from typing import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..results import Lease
@@ -28,6 +29,7 @@ class HeldLease:
     lease: Lease
     renewed: float = field(default_factory=time.monotonic)
     uid: int = -1
+    on_end: Callable[[], None] | None = None  # run when it leaves the table, however it leaves
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,8 @@ class LeaseTable:
         """Blocks leased by ``uid``'s connections, counting acquires in flight."""
         return self._blocks_by_uid[uid] + self._reserved_blocks[uid]
 
-    def add(self, conn_id: int, lease: Lease, uid: int = -1) -> HeldLease:
-        h = HeldLease(next(self._ids), conn_id, lease, uid=uid)
+    def add(self, conn_id: int, lease: Lease, uid: int = -1, on_end: Callable[[], None] | None = None) -> HeldLease:
+        h = HeldLease(next(self._ids), conn_id, lease, uid=uid, on_end=on_end)
         self._held[h.lease_id] = h
         self._by_conn.setdefault(conn_id, set()).add(h.lease_id)
         self._blocks_by_uid[uid] += lease.num_blocks
@@ -116,6 +118,8 @@ class LeaseTable:
         ids.discard(h.lease_id)
         if not ids:
             del self._by_conn[h.conn_id]
+        if h.on_end is not None:
+            h.on_end()
         return h.lease
 
     def check_integrity(self) -> None:
@@ -132,26 +136,40 @@ class LeaseTable:
 class StagingSlots:
     """Slots of the daemon-wide staging region, each owned by one connection while the
     client writes a page into it and until the commit that stores it returns.
-    Per-connection quota: ``quota`` slots."""
+    Per-connection quota: ``quota`` slots.
+
+    Slots expire (issue #34, item 10): two silent connections held the whole region and
+    every other uid's puts failed. A slot staged more than ``staging_timeout_s`` ago and not
+    yet in a commit is taken back by :meth:`take_expired`; the connection's later COMMIT
+    naming it is refused (:meth:`expired`) and stores nothing. A slot whose commit started
+    never expires: the commit copies its bytes, so handing it to another client then could
+    mix that client's page into this put."""
 
     def __init__(self, capacity: int, quota: int) -> None:
         self.slots = SlotAllocator(capacity)
         self.quota = min(quota, capacity)
         self._owner: dict[int, int] = {}  # slot -> conn id
         self._by_conn: dict[int, set[int]] = {}
+        self._staged_at: dict[int, float] = {}  # slot -> when staged; absent: in a commit
+        self._expired: dict[int, set[int]] = {}  # conn id -> its slots taken back (at most capacity)
 
-    def alloc(self, conn_id: int, n: int) -> list[int] | None:
+    def alloc(self, conn_id: int, n: int, now: float | None = None) -> list[int] | None:
         """``n`` slots for ``conn_id``, or None when its quota or the region is exhausted."""
         mine = self._by_conn.setdefault(conn_id, set())
         if len(mine) + n > self.quota or self.slots.num_free < n:
             if not mine:
                 del self._by_conn[conn_id]
             return None
+        now = time.monotonic() if now is None else now
         got = [self.slots.alloc() for _ in range(n)]
+        lost = self._expired.get(conn_id)
         for s in got:
             assert s is not None
             self._owner[s] = conn_id
+            self._staged_at[s] = now
             mine.add(s)
+            if lost is not None:
+                lost.discard(s)  # its own again: a commit naming it is a commit of the new page
         return got  # type: ignore[return-value]
 
     def held_by(self, conn_ids: "Iterable[int]") -> int:
@@ -161,11 +179,37 @@ class StagingSlots:
     def owns(self, conn_id: int, slots: tuple[int, ...]) -> bool:
         return len(set(slots)) == len(slots) and all(self._owner.get(s) == conn_id for s in slots)
 
+    def begin_commit(self, conn_id: int, slots: tuple[int, ...] | list[int]) -> None:
+        """The commit of these slots (owned by ``conn_id``: checked by the caller) started:
+        they no longer expire; :meth:`free` ends them as before."""
+        for s in slots:
+            assert self._owner.get(s) == conn_id, "commit of a slot the connection does not own"
+            self._staged_at.pop(s, None)
+
+    def expired(self, conn_id: int, slots: tuple[int, ...] | list[int]) -> bool:
+        """Whether any of ``slots`` was ``conn_id``'s and was taken back by the timeout."""
+        lost = self._expired.get(conn_id)
+        return bool(lost) and any(s in lost for s in slots)  # type: ignore[operator]
+
+    def take_expired(self, timeout_s: float, now: float | None = None) -> dict[int, list[int]]:
+        """Free every slot staged more than ``timeout_s`` ago and not in a commit; returns
+        them by connection (for the log)."""
+        now = time.monotonic() if now is None else now
+        old: dict[int, list[int]] = {}
+        for s, t in self._staged_at.items():
+            if now - t > timeout_s:
+                old.setdefault(self._owner[s], []).append(s)
+        for conn_id, slots in old.items():
+            self.free(conn_id, slots)
+            self._expired.setdefault(conn_id, set()).update(slots)
+        return old
+
     def free(self, conn_id: int, slots: tuple[int, ...] | list[int]) -> None:
         for s in slots:
             if self._owner.get(s) != conn_id:
                 continue
             del self._owner[s]
+            self._staged_at.pop(s, None)
             self._by_conn[conn_id].discard(s)
             self.slots.free(s)
         if conn_id in self._by_conn and not self._by_conn[conn_id]:
@@ -173,8 +217,12 @@ class StagingSlots:
 
     def free_connection(self, conn_id: int) -> None:
         self.free(conn_id, list(self._by_conn.get(conn_id, ())))
+        self._expired.pop(conn_id, None)
 
     def check_integrity(self) -> None:
         self.slots.check_integrity()
         assert set(self._owner) == self.slots.used_slots(), "staging owners disagree with the allocator"
         assert {s for ids in self._by_conn.values() for s in ids} == set(self._owner)
+        assert set(self._staged_at) <= set(self._owner), "a free staging slot has a stage time"
+        for conn_id, lost in self._expired.items():
+            assert not lost & self._by_conn.get(conn_id, set()), "a slot both held and expired by one connection"

@@ -5,8 +5,6 @@ checks and shared wire forms are in fields.py.
 """
 from __future__ import annotations
 
-import functools
-import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -15,9 +13,13 @@ import numpy as np
 from ..errors import ProtocolError
 from ..identity import KEY_BYTES, Scope
 from ..layout import PageLayout
-from .fields import (MAX_LIST, MAX_PAGE_BYTES, MAX_STR, Header, _get, _int, _ints, extra_from_wire,
-                     extra_to_wire, tokens_from, tokens_payload)
+from .fields import (MAX_LIST, MAX_PAGE_BYTES, MIN_PAGE_BYTES, MAX_STR, Header, _get, _int, _ints,
+                     _strs, extra_from_wire, extra_to_wire, split_keys, tokens_from, tokens_payload)
 from .protocol import MAX_TOKENS
+
+# What a daemon handler answers: the reply's header and payload (HELLO adds the descriptors
+# sent with it). Not ``Reply`` below, the decoded reply a client reads.
+Answer = tuple[Header, bytes]
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,9 @@ def layout_from_wire(raw: Header) -> PageLayout:
                             dtype=_get(raw, "dtype", str))
     except ValueError as e:
         raise ProtocolError(f"bad layout: {e}") from None
-    if layout.page_bytes > MAX_PAGE_BYTES:
-        raise ProtocolError(f"a page of layout {layout.to_json()} is {layout.page_bytes} bytes, "
-                            f"more than the {MAX_PAGE_BYTES} the daemon accepts")
+    if not MIN_PAGE_BYTES <= layout.page_bytes <= MAX_PAGE_BYTES:
+        raise ProtocolError(f"a page of layout {layout.to_json()} is {layout.page_bytes} bytes; the daemon accepts "
+                            f"pages of {MIN_PAGE_BYTES} to {MAX_PAGE_BYTES} bytes (one block of every layer's K and V)")
     return layout
 
 
@@ -236,7 +238,7 @@ class ManifestRequest:
 
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "ManifestRequest":
-        # The name's rules (length, '/', valid UTF-8) are the handlers' (tenancy.check_name):
+        # The name's rules (length, '/', valid UTF-8) are the handlers' (tierkv.manifest_names.check_name):
         # a bad name is InvalidNameError, a ValueError like the embedded store's.
         return cls(_get(h, "name", str), _get(h, "manifest", (dict, type(None)), None))
 
@@ -254,6 +256,23 @@ class Invalidate:
     def decode(cls, h: Header, payload: bytes) -> "Invalidate":
         return cls(_get(h, "model_version", (str, type(None)), None), _get(h, "namespace", (str, type(None)), None),
                    _get(h, "dry_run", bool, False))
+
+
+@dataclass(frozen=True)
+class Gc:
+    """GC: tierkv.gc's rule, run by the daemon over every store it serves."""
+
+    keep_model_versions: tuple[str, ...] = ()
+    keep_namespaces: tuple[str, ...] = ()
+    dry_run: bool = False
+
+    def encode(self) -> tuple[Header, bytes]:
+        return {"keep_model_versions": list(self.keep_model_versions), "keep_namespaces": list(self.keep_namespaces),
+                "dry_run": self.dry_run}, b""
+
+    @classmethod
+    def decode(cls, h: Header, payload: bytes) -> "Gc":
+        return cls(_strs(h, "keep_model_versions"), _strs(h, "keep_namespaces"), _get(h, "dry_run", bool, False))
 
 
 @dataclass(frozen=True)
@@ -324,23 +343,6 @@ class Reply:
     @classmethod
     def decode(cls, h: Header, payload: bytes) -> "Reply":
         return cls(h)
-
-
-SPLIT_STRUCT_MAX = 4096  # keys split by one cached struct up to this many (a reply of a long prompt)
-
-
-@functools.lru_cache(maxsize=32)
-def _keys_struct(n: int) -> struct.Struct:
-    return struct.Struct(f"{KEY_BYTES}s" * n)
-
-
-def split_keys(payload: bytes, n: int) -> tuple[bytes, ...]:
-    """The first ``n`` keys of ``payload`` (``KEY_BYTES`` each), as bytes: one struct unpack
-    for a reply of up to SPLIT_STRUCT_MAX keys (a fifth of the cost of slicing them in
-    Python, paid on every acquire a client makes)."""
-    if n <= SPLIT_STRUCT_MAX:
-        return _keys_struct(n).unpack_from(payload)
-    return tuple([payload[i : i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)])
 
 
 @dataclass(frozen=True)

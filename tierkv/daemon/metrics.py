@@ -1,4 +1,4 @@
-"""Prometheus metrics of the daemon, served as text on 127.0.0.1:<metrics_port>.
+"""Prometheus metrics of the daemon, served as text on <metrics_host>:<metrics_port> (127.0.0.1 by default).
 
 Store-side numbers (lookups, hits by tier, occupancy, promotions, demotions, evictions,
 quarantined blocks) are read from ``Store.stats()`` when scraped, by a collector, so they
@@ -196,9 +196,9 @@ class DaemonMetrics:
             child = self._latency_of[op] = self.latency.labels(op)
         child.observe(seconds)
 
-    def start(self, port: int) -> int:
-        """Serve on 127.0.0.1:``port`` (0: any free port); returns the port."""
-        server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    def start(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve on ``host``:``port`` (0: any free port); returns the port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
         self._server = server
         self.port = int(server.server_port)
         return self.port

@@ -1,158 +1,156 @@
 """The operations handlers: requests that work across every layout the daemon serves
 rather than on a connection's own pages (chains by their last key, manifests, invalidate,
-verify, stats, ping, check_integrity). :class:`~tierkv.daemon.handlers.Handlers` inherits
-them; it owns the state they use (``layouts``, ``config``, ``tenancy``, ``run``, ``stores``,
-``namespace_for``, ``_check_pinned``, ``daemon_stats``). Split out of handlers.py, which keeps
-the hot path (HELLO, lookup, acquire, release, staging, commit) and the lease bookkeeping.
+verify, gc, stats, ping, check_integrity, remove_layout). The rules across layouts are the
+home's (:class:`tierkv.home.Home`, run here on a view of the daemon's stores with the
+connection's own first), so ``--home`` and ``--socket`` answer alike; what is added here is
+the tenant's view (tierkv/home/tenancy.py) and the wire.
+
+:class:`OperationHandlers` is a part of :class:`~tierkv.daemon.handlers.Handlers`, which
+hands it the layouts, the tenancy and the services it shares with the other handlers; it
+holds no state of its own.
 """
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Awaitable, Callable
 
+from ..api import StoreAPI
 from ..blocks import Priority
-from ..errors import ConfigError, LayoutInUseError, NotFoundError, ProtocolError
+from ..errors import LayoutInUseError, NotFoundError, ProtocolError
+from ..home.home import Home
 from ..results import DEFAULT_STATS_NAMESPACES, InvalidateResult, VerifyResult, namespace_page
+from ..store import Store
 from . import messages as m
-from .layouts import layout_id, merge_stats
+from .layouts import LayoutEntry, Layouts
+from .messages import Answer
+from ..home.tenancy import Tenancy
+from ..home.tenant import TenantView
+
+if TYPE_CHECKING:
+    from .connection import Connection
 
 # The largest page of namespaces one stats reply carries, whatever the client asks: at
 # ~100 bytes a name (with each layout's copy) it stays far below the 16 MiB payload limit.
 MAX_STATS_NAMESPACES = 10_000
 
-if TYPE_CHECKING:
-    from .connection import Connection
 
-Reply = tuple[dict[str, Any], bytes]
+def merged_stats(layouts: Layouts) -> dict[str, Any]:
+    """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
+    same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
+    return Home(layouts.home, [e.store for e in layouts.entries()]).merged_stats()
 
 
 class OperationHandlers:
-    def _chain(self, conn: "Connection", last_key: bytes) -> tuple[Any, Any]:
-        """(store, ChainTokens) of the layout whose store holds the chain ending at
-        ``last_key`` (keys are unique across layouts: the model version names the layout).
-        Runs in a worker thread. NotFoundError when no store holds it."""
-        for st in self.stores(conn):
-            try:
-                return st, st.chain_tokens(last_key)
-            except NotFoundError:
-                continue
-        raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
+    """The handlers of the requests across every layout."""
 
-    async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[Any, Any, str, str]:
-        """Store, tokens, model version and namespace (as the client names it) of the chain
-        ending at ``last_key``. With ``namespace_per_uid`` a chain of another uid's namespace
-        is reported as not stored: a key must not let one tenant read or pin another's."""
-        st, (tokens, mv, ns) = await self.run(self._chain, conn, last_key)
-        if self.config.namespace_per_uid:
+    def __init__(self, layouts: Layouts, tenancy: Tenancy, *, run: Callable[..., Awaitable[Any]],
+                 namespace_for: Callable[["Connection", str], str],
+                 pin_guard: Callable[["Connection", Store, int, int], AsyncContextManager[None]],
+                 daemon_stats: Callable[[], dict[str, Any]],
+                 bound: Callable[[], list[LayoutEntry | None]]) -> None:
+        """``run``: a call in a worker thread; ``namespace_for``: the namespace the store
+        sees for a connection's; ``pin_guard``: the pinned quota around a call that may pin;
+        ``daemon_stats``: the daemon's own figures; ``bound``: each connection's layout."""
+        self.layouts = layouts
+        self.tenancy = tenancy
+        self.run = run
+        self.namespace_for = namespace_for
+        self.pin_guard = pin_guard
+        self.daemon_stats = daemon_stats
+        self.bound = bound
+
+    def stores(self, conn: "Connection") -> list[StoreAPI]:
+        """Every layout's store, the connection's own first (where its manifests go)."""
+        entries = self.layouts.entries()
+        if conn.entry is not None:
+            entries.sort(key=lambda e: e is not conn.entry)
+        return [e.store for e in entries]
+
+    def home_view(self, conn: "Connection") -> Home:
+        """Every store this daemon serves as one home, the connection's own first (where a
+        manifest naming no layout goes, and whose manifest wins a name two stores hold)."""
+        return Home(self.layouts.home, self.stores(conn), own=None if conn.entry is None else conn.entry.store)
+
+    async def _own_chain(self, conn: "Connection", last_key: bytes) -> tuple[LayoutEntry, Any, str, str]:
+        """The layout, tokens, model version and namespace (as the client names it) of the
+        chain ending at ``last_key``. With ``namespace_per_uid`` a chain of another uid's
+        namespace is reported as not stored: a key must not let one tenant read or pin another's."""
+        st, (tokens, mv, ns) = await self.run(self.home_view(conn).find_chain, last_key)
+        if self.tenancy.per_uid:
             own = self.namespace_for(conn, "")
             if not ns.startswith(own):
                 raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
             ns = ns[len(own):]
-        return st, tokens, mv, ns
+        return self.layouts.entry_of(st), tokens, mv, ns
 
-    async def chain_tokens(self, conn: "Connection", msg: m.ChainRef) -> Reply:
+    async def chain_tokens(self, conn: "Connection", msg: m.ChainRef) -> Answer:
         _, tokens, mv, ns = await self._own_chain(conn, msg.last_key)
         return {"model_version": mv, "namespace": ns}, m.tokens_payload(tokens)
 
-    async def chain_residency(self, conn: "Connection", msg: m.ChainRef) -> Reply:
+    async def chain_residency(self, conn: "Connection", msg: m.ChainRef) -> Answer:
         try:
-            st, *_ = await self._own_chain(conn, msg.last_key)
+            entry, *_ = await self._own_chain(conn, msg.last_key)
         except NotFoundError:
             return {"residency": {"blocks": 0, "device": 0, "host": 0, "disk": 0}}, b""
-        r = await self.run(st.chain_residency, msg.last_key)
+        r = await self.run(entry.store.chain_residency, msg.last_key)
         return {"residency": r.as_dict()}, b""
 
-    async def set_priority_from(self, conn: "Connection", msg: m.ChainRef) -> Reply:
+    async def set_priority_from(self, conn: "Connection", msg: m.ChainRef) -> Answer:
         if msg.priority is None:
             raise ProtocolError("set_priority_from needs a priority")
         try:
-            st, tokens, _, ns = await self._own_chain(conn, msg.last_key)
+            entry, tokens, *_ = await self._own_chain(conn, msg.last_key)
         except NotFoundError:
             return {"count": 0}, b""
-        if msg.priority == Priority.PINNED:
-            await self._check_pinned(conn, st, self.namespace_for(conn, ns), len(tokens) // st.layout.block_size)
-        return {"count": await self.run(st.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
+        async with self.pin_guard(conn, entry.local, msg.priority, len(tokens) // entry.layout.block_size):
+            return {"count": await self.run(entry.store.set_priority_from, msg.last_key, Priority(msg.priority))}, b""
 
-    async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
+    def tenant_view(self, conn: "Connection") -> TenantView:
+        """The home as this connection's uid sees it (its namespaces, its manifest names)."""
+        return TenantView(self.home_view(conn), self.tenancy, conn.creds.uid)
+
+    async def save_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
         if msg.manifest is None:
             raise ProtocolError("save_manifest needs a manifest object")
-        name = self.tenancy.manifest_name(conn.creds.uid, msg.name)
-        await self.run(self._manifest_store(conn, msg.manifest).save_manifest, name, msg.manifest)
+        await self.run(self.tenant_view(conn).save_manifest, msg.name, msg.manifest)
         return {}, b""
 
-    def _manifest_store(self, conn: "Connection", manifest: dict) -> Any:
-        """Where a manifest is saved: the store of the layout it names (``layout``, as
-        materialize writes), else the connection's own, else the only one."""
-        raw = manifest.get("layout")
-        if isinstance(raw, dict):
-            try:
-                entry = self.layouts.get(layout_id(m.layout_from_wire(raw)))
-            except ProtocolError:
-                entry = None
-            if entry is not None:
-                return entry.store
-        entry = conn.entry or self.layouts.only()
-        if entry is None:
-            raise ConfigError("the manifest names no layout this daemon serves, and this connection declared none",
-                              hint="connect with tierkv.connect(socket, layout=...) before saving a manifest")
-        return entry.store
+    async def get_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
+        return {"manifest": await self.run(self.tenant_view(conn).get_manifest, msg.name)}, b""
 
-    def _all_manifests(self, conn: "Connection") -> dict[str, tuple[Any, dict]]:
-        """Stored name -> (store, manifest) over every layout; the connection's own store wins
-        a name two stores hold. Runs in a worker thread."""
-        out: dict[str, tuple[Any, dict]] = {}
-        for st in reversed(self.stores(conn)):
-            out.update({k: (st, v) for k, v in st.list_manifests().items()})
-        return out
+    async def list_manifests(self, conn: "Connection", msg: m.Empty) -> Answer:
+        return {"manifests": await self.run(self.tenant_view(conn).list_manifests)}, b""
 
-    async def get_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
-        uid = conn.creds.uid
-        every = await self.run(self._all_manifests, conn)
-        hit = every.get(self.tenancy.manifest_name(uid, msg.name))
-        if hit is None:
-            # A tenant learns only its own names.
-            mine = self.tenancy.visible_manifests(uid, {k: v for k, (_, v) in every.items()})
-            raise NotFoundError(f"no prefix named {msg.name!r} (known: {', '.join(sorted(mine)) or 'none'})")
-        return {"manifest": self.tenancy.visible_manifest(uid, hit[1])}, b""
+    async def delete_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Answer:
+        return {"deleted": await self.run(self.tenant_view(conn).delete_manifest, msg.name)}, b""
 
-    async def list_manifests(self, conn: "Connection", msg: m.Empty) -> Reply:
-        uid = conn.creds.uid
-        every = await self.run(self._all_manifests, conn)
-        mine = self.tenancy.visible_manifests(uid, {k: v for k, (_, v) in every.items()})
-        return {"manifests": {k: self.tenancy.visible_manifest(uid, v) for k, v in mine.items()}}, b""
+    async def invalidate(self, conn: "Connection", msg: m.Invalidate) -> Answer:
+        r: InvalidateResult = await self.run(lambda: self.tenant_view(conn).invalidate(
+            model_version=msg.model_version, namespace=msg.namespace, dry_run=msg.dry_run))
+        return {"removed_blocks": r.removed_blocks, "freed_bytes": r.freed_bytes, "dry_run": msg.dry_run}, b""
 
-    async def delete_manifest(self, conn: "Connection", msg: m.ManifestRequest) -> Reply:
-        name = self.tenancy.manifest_name(conn.creds.uid, msg.name)
-        deleted = [await self.run(st.delete_manifest, name) for st in self.stores(conn)]
-        return {"deleted": any(deleted)}, b""
+    async def gc(self, conn: "Connection", msg: m.Gc) -> Answer:
+        """``tierkv gc --socket``: tierkv.gc's rule run here, over every store this daemon
+        serves as one (Home, as ``gc --home`` sees the home), so that it sees every
+        tenant's manifests and namespaces. Through a connection's tenant view it found no
+        model version (hidden from tenants) and removed nothing without a word (issue #34,
+        item 5). Removing other tenants' blocks is the daemon's uid's (NotPermittedError
+        for a tenant under namespace_per_uid). The result (which can list many prefixes)
+        travels as JSON in the payload, as stats does."""
+        from ..gc import collect
 
-    async def invalidate(self, conn: "Connection", msg: m.Invalidate) -> Reply:
-        if msg.namespace is not None or not self.config.namespace_per_uid:
-            targets = [None if msg.namespace is None else self.namespace_for(conn, msg.namespace)]
-        else:  # "every namespace" of a tenant is every namespace of its own, never another's
-            if msg.model_version is None:
-                raise ValueError("invalidate needs model_version or namespace")
-            stored = {ns for st in self.stores(conn) for ns in (await self.run(st.stats))["namespaces"]}
-            targets = self.tenancy.own_namespaces(conn.creds.uid, stored)  # type: ignore[assignment]
-        removed = freed = 0
-        if msg.model_version is None and targets == [None]:
-            raise ValueError("invalidate needs model_version or namespace")
-        for st in self.stores(conn):
-            for ns in targets:
-                r: InvalidateResult = await self.run(st.invalidate, model_version=msg.model_version, namespace=ns,
-                                                     dry_run=msg.dry_run)
-                removed += r.removed_blocks
-                freed += r.freed_bytes
-        return {"removed_blocks": removed, "freed_bytes": freed, "dry_run": msg.dry_run}, b""
+        self.tenancy.check_whole_store(conn.creds.uid, "gc")
+        r = await self.run(collect, self.home_view(conn), msg.keep_model_versions, msg.keep_namespaces, msg.dry_run)
+        return {"format": "json"}, json.dumps(r.as_dict()).encode()
 
-    async def verify(self, conn: "Connection", msg: m.Verify) -> Reply:
+    async def verify(self, conn: "Connection", msg: m.Verify) -> Answer:
         self.tenancy.check_whole_store(conn.creds.uid, "verify")
-        results: list[VerifyResult] = [await self.run(st.verify, msg.repair) for st in self.stores(conn)]
-        return {"checked": sum(r.checked for r in results), "corrupt": [k for r in results for k in r.corrupt],
-                "repaired": msg.repair, "unreadable": [k for r in results for k in r.unreadable]}, b""
+        r: VerifyResult = await self.run(self.home_view(conn).verify, msg.repair)
+        return {"checked": r.checked, "corrupt": list(r.corrupt), "repaired": msg.repair,
+                "unreadable": list(r.unreadable)}, b""
 
-    async def stats(self, conn: "Connection", msg: m.Stats) -> Reply:
-        s = await self.run(self.merged_stats)
+    async def stats(self, conn: "Connection", msg: m.Stats) -> Answer:
+        s = await self.run(merged_stats, self.layouts)
         s["daemon"] = self.daemon_stats()
         # JSON in the payload (16 MiB), not the header (64 KiB): 3,000 namespaces overflowed
         # the header and stats failed for everyone (issue 11, item 9). And a page of the
@@ -172,13 +170,7 @@ class OperationHandlers:
         out["layouts"] = layouts
         return {"format": "json"}, json.dumps(out).encode()
 
-    def merged_stats(self) -> dict[str, Any]:
-        """Every layout's stats summed (the JSON shape of StoreStats), with ``layouts``: the
-        same figures per layout id. Runs in a worker thread (and for metrics scrapes)."""
-        per = {e.layout_id: e.store.stats().as_dict() for e in self.layouts.entries()}
-        return merge_stats(per, str(self.layouts.home))
-
-    async def remove_layout(self, conn: "Connection", msg: m.LayoutRef) -> Reply:
+    async def remove_layout(self, conn: "Connection", msg: m.LayoutRef) -> Answer:
         """Remove a layout's store (``tierkv layouts rm``): refused while a connection is
         bound to it (its clients may hold leases and staging slots). The check and taking it
         out happen on the event loop with no await between, so no HELLO binds it meanwhile;
@@ -193,17 +185,16 @@ class OperationHandlers:
         await self.run(self.layouts.drop, entry)
         return {"removed_blocks": stats["blocks"], "freed_bytes": stats["tiers"]["disk"]["used_bytes"]}, b""
 
-    async def ping(self, conn: "Connection", msg: m.Empty) -> Reply:
+    async def ping(self, conn: "Connection", msg: m.Empty) -> Answer:
         return {}, b""
 
-    async def check_integrity(self, conn: "Connection", msg: m.Empty) -> Reply:
+    async def check_integrity(self, conn: "Connection", msg: m.Empty) -> Answer:
         """Every store's ``check_integrity`` (index against tiers, allocators, block table):
         ``error`` is the first failure's message, or null. What ``tierkv verify`` runs on a
         home it opens, so that ``--socket`` checks as much as ``--home``."""
         self.tenancy.check_whole_store(conn.creds.uid, "check_integrity")
-        for st in self.stores(conn):
-            try:
-                await self.run(st.check_integrity)
-            except AssertionError as e:
-                return {"error": str(e) or "integrity check failed"}, b""
+        try:
+            await self.run(self.home_view(conn).check_integrity)
+        except AssertionError as e:
+            return {"error": str(e) or "integrity check failed"}, b""
         return {"error": None}, b""

@@ -67,6 +67,7 @@ class Op(IntEnum):
     SET_PRIORITY_FROM = 21
     CHECK_INTEGRITY = 22
     REMOVE_LAYOUT = 23
+    GC = 24
 
 
 class FatalFrameError(ProtocolError):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..errors import LeaseError
+from ..errors import LeaseError, ProtocolError
 from ..layout import PageLayout
 from ..results import Lease
 from ..tiers.shm import SharedRegion
@@ -58,3 +58,34 @@ def cuda_pool(info: dict[str, Any], layout: PageLayout) -> torch.Tensor:
     t.set_(storage)  # 1-D over the whole storage, in the layout's dtype
     slots = int(info["slots"])
     return t[: slots * layout.numel].view(slots, *layout.shape)
+
+
+def map_pools(hello: dict[str, Any], fds: list[int],
+              layout: PageLayout) -> tuple[list[SharedRegion], torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A client's view of the daemon's pools from its HELLO reply: (the regions mapped,
+    device pool, host pool or None, staging pool). Each region is mapped from the descriptor
+    sent with the reply (``fds``; a used one is set to -1), never from a path the daemon
+    names: a fake listener could name any file this client may write."""
+    regions: list[SharedRegion] = []
+    pools = {}
+    try:
+        for name in ("device", "host", "staging"):
+            info = hello.get(name)
+            if info:
+                k = info.get("fd")
+                if not isinstance(k, int) or not 0 <= k < len(fds) or fds[k] < 0:
+                    raise ProtocolError(f"the daemon sent no descriptor for its {name} region")
+                fd, fds[k] = fds[k], -1
+                regions.append(SharedRegion.attach_fd(fd, int(info["nbytes"]), name))
+                pools[name] = pool_view(regions[-1], layout, int(info["slots"]), int(info["stride_bytes"]))
+        if "device" in pools:
+            device = pools["device"]
+        elif hello.get("device_ipc"):
+            device = cuda_pool(hello["device_ipc"], layout)
+        else:
+            raise ProtocolError("the daemon shares no device pool this client can map")
+    except BaseException:
+        for r in regions:
+            r.close()
+        raise
+    return regions, device, pools.get("host"), pools["staging"]

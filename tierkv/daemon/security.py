@@ -14,7 +14,7 @@
 The daemon's shared-memory files are 0600 to the daemon's user; an admitted peer gets them
 as file descriptors with the HELLO reply (SCM_RIGHTS), so only admitted peers map them.
 With ``namespace_per_uid`` each peer uid is a tenant confined to its own namespaces and
-manifests (tenancy.py).
+manifests (tierkv/home/tenancy.py).
 
 The client checks the other direction (:func:`check_listener`): the process listening on
 the socket must run as root, as the client's own user or as the uid it was told to expect,

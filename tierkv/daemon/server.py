@@ -7,9 +7,10 @@ daemon opens a store per layout on first use), binds the socket (security.py), w
 pid file, starts the metrics endpoint, and serves until SIGTERM/SIGINT (or
 :meth:`request_stop`). Stopping: no new connections, requests already received finish (a
 put that was read is stored and acknowledged), every lease is released, the stores are
-closed (which flushes write-back blocks), the socket and pid file are removed. SIGHUP re-reads the config file: lease
-timeout, staging quota, allowed uids and limits apply at once; tier capacities cannot be
-resized live and apply at the next start (logged).
+closed (which flushes write-back blocks), the socket and pid file are removed. SIGHUP re-reads the config file (reload.py): every
+setting that can change live is applied (timeouts, quotas, limits, allowed uids: a uid
+removed is cut off at once); the others (tier capacities, namespace_per_uid, ...) are
+refused with a WARNING naming each, and apply at the next start.
 
 Cluster: with ``remote_master`` set the daemon wraps each layout's store in a
 :class:`~tierkv.cluster.ClusterNode` (lookups count the remote tier, acquires pull from it,
@@ -17,6 +18,8 @@ puts publish by the policy), sets ``MC_TCP_BIND_ADDRESS`` before any Mooncake cl
 exists, and connects the remote tier from a keeper thread: a master that is absent or
 fails never stops the daemon, which serves locally meanwhile (docs/cluster.md; remote_keeper.py).
 
+Accepting: gate.py reads the listening socket; a peer whose uid is not admitted is refused
+there with one cheap close (no task, nothing read), refusals logged at most once per 10 s.
 Per connection: frames are read in order; each request runs as its own task (at most
 ``max_inflight`` per connection) and replies carry the request id, so a slow put does not
 hold up a lookup. Two kinds are served as they are read, without a task: a one-way
@@ -31,7 +34,6 @@ connection.py.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import signal
@@ -45,7 +47,8 @@ import torch
 
 from ..config import StoreConfig
 from ..devices import resolve_device
-from ..errors import ConfigError
+from ..errors import ConfigError, TierKVError
+from ..home.lock import LentLock
 from ..layout import PageLayout
 from ..store import Store
 from ..tiers.shm import default_shm_dir
@@ -53,34 +56,41 @@ from . import security
 from .config import DaemonConfig
 from .connection import Connection
 from .fast_path import FastPath, FastProtocol
+from .gate import Gate, admit_with
 from .gc_pauses import GcPauses, freeze_startup_heap
 from .handlers import Handlers
-from .layouts import Budget, Layouts, TierLimits
+from .layouts import Layouts, ServedStore
 from .metrics import DaemonMetrics
+from .operations import merged_stats
 from .reload import Reload
 from .remote_keeper import RemoteKeeper
 from .serving import OP_NAMES, Serving
+from .shares import Budget, TierLimits
 
 log = logging.getLogger(__name__)
-DRAIN_TIMEOUT_S = 60.0
 
 
-class Daemon(Serving, RemoteKeeper, Reload):
+class Daemon:
+    """Owns its parts: the settings in force and their reload (``reload``), the remote
+    tier's keeper (``remote_keeper``), the GC pause counter; once running, the layouts'
+    stores (``layouts``), the request handlers (``handlers``), the connections and their
+    serving (``connections``, ``serving``), the metrics, the gate and the fast path. Each
+    part is handed what it needs when it is made; none reads the daemon's attributes."""
+
     def __init__(self, config: DaemonConfig, *, reload: Callable[[], DaemonConfig] | None = None,
                  install_signals: bool = True, remote_backend_factory: Callable[[Any], Any] | None = None,
                  freeze_heap: bool = False) -> None:
-        """``freeze_heap``: this process is the daemon (``tierkv serve``): its startup heap
-        is frozen out of garbage collection before the stores open (tierkv.daemon.gc_pauses)."""
-        self.config = config
+        """``reload``: reads the config file again (SIGHUP); ``remote_backend_factory``: a
+        stand-in for the Mooncake client (tests); ``freeze_heap``: this process is the
+        daemon (``tierkv serve``): its startup heap is frozen out of garbage collection
+        before the stores open (tierkv.daemon.gc_pauses)."""
         self._freeze_heap = freeze_heap
-        self.gc_pauses = GcPauses()
-        self._remote_factory = remote_backend_factory  # tests: a stand-in for the Mooncake client
-        self._remote_stop = threading.Event()
-        self._remote_keeper: threading.Thread | None = None
-        self._reload = reload
         self._install_signals = install_signals
-        self._ids = itertools.count(1)
-        self.connections: dict[int, Connection] = {}
+        self._uid = os.getuid()
+        self.gc_pauses = GcPauses()
+        self.reload = Reload(config, reload, self._apply_settings, self._cut_off)
+        self.remote_keeper = RemoteKeeper(config, remote_backend_factory)
+        self.connections: dict[int, Connection] = {}  # kept by serving (serving.py)
         self.ready = threading.Event()
         self.metrics_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -88,17 +98,27 @@ class Daemon(Serving, RemoteKeeper, Reload):
         self.layouts: Layouts | None = None
         self.handlers: Handlers | None = None
         self.metrics: DaemonMetrics | None = None
+        self.serving: Serving | None = None
+        self.gate: Gate | None = None
+        self.fast: FastPath | None = None
+
+    @property
+    def config(self) -> DaemonConfig:
+        """The settings in force (a reload changes the live ones: reload.py)."""
+        return self.reload.config
 
     # ---- opening and closing -----------------------------------------------------------
     @property
-    def store(self) -> Any:
+    def store(self) -> ServedStore | None:
         """The store when the daemon serves exactly one layout (tests and tools), else None."""
         entry = self.layouts.only() if self.layouts is not None else None
         return None if entry is None else entry.store
 
-    def _open_store(self, home: Path, layout: PageLayout, limits: TierLimits) -> tuple[Any, Store]:
+    def _open_store(self, home: Path, layout: PageLayout, limits: TierLimits,
+                    home_lock: LentLock | None) -> tuple[ServedStore, Store]:
         """One layout's store, its tiers mapped at the whole budgets and limited to its share
-        ``limits`` (wrapped in a ClusterNode when the remote tier is on), and the local Store.
+        ``limits`` (wrapped in a ClusterNode when the remote tier is on), and the local Store;
+        ``home_lock``: the daemon's LOCK of the home, lent to the store at the root.
         Called by :class:`Layouts`, at start or on first use. Tiers that cannot be sparse
         (a CUDA device pool; a page-locked host pool) are mapped at 1/max_layouts instead
         (layouts.py)."""
@@ -108,7 +128,7 @@ class Daemon(Serving, RemoteKeeper, Reload):
         device_cuda = (cfg.device or ("cuda" if cuda else "cpu")).startswith("cuda")
         # Segments no bigger than the smallest share, as a tier of that size would have them.
         segment_pages = max(1, min(StoreConfig.segment_pages, cfg.disk_bytes // n // layout.slot_bytes))
-        local = store = Store(StoreConfig(
+        local = Store(StoreConfig(
             home=home, layout=layout, device=cfg.device,
             device_bytes=cfg.device_bytes // n if device_cuda else cfg.device_bytes,
             host_bytes=cfg.host_bytes // n if cuda else cfg.host_bytes, disk_bytes=cfg.disk_bytes,
@@ -116,16 +136,18 @@ class Daemon(Serving, RemoteKeeper, Reload):
             disk_limit_bytes=limits.disk_bytes, segment_pages=segment_pages, write_through=cfg.write_through,
             shm_dir=cfg.shm_dir, eviction_policy=cfg.eviction_policy, page_codec=cfg.page_codec,
             populate_memory=True,  # a daemon starts ahead of its clients: it has the idle time
-        ), socket_path=str(cfg.socket))
-        if cfg.remote_enabled:
-            try:
-                store = self._join_cluster(local)
-            except BaseException:
-                local.close()
-                raise
-        return store, local
+        ), socket_path=str(cfg.socket), home_lock=home_lock)
+        if not cfg.remote_enabled:
+            return local, local
+        try:
+            return self.remote_keeper.join_cluster(local), local
+        except BaseException:
+            local.close()
+            raise
 
-    def _open(self) -> socket.socket:
+    def _open(self, stop: asyncio.Event) -> socket.socket:
+        """Take the home and make the parts that serve it: layouts, metrics, handlers,
+        serving; bind the socket, write the pid file, start the metrics endpoint."""
         cfg = self.config
         if cfg.device is not None:
             resolve_device(cfg.device)  # refuse to start: else every client's first store open fails
@@ -135,28 +157,30 @@ class Daemon(Serving, RemoteKeeper, Reload):
         n = cfg.resolved_max_layouts
         budget = Budget(cfg.device_bytes, cfg.host_bytes, cfg.disk_bytes, cfg.staging_bytes // n,
                         min(cfg.client_staging_bytes, cfg.staging_bytes // n))
-        self.layouts = Layouts(cfg.home, str(cfg.socket), n, budget, shm_dir, self._open_store)
+        layouts = self.layouts = Layouts(cfg.home, str(cfg.socket), n, budget, shm_dir, self._open_store)
         sock = None
         try:
-            self.layouts.start(cfg.layout)
-            self.handlers = Handlers(self.layouts, cfg)
-            only = self.layouts.only()
-            self.metrics = DaemonMetrics(self.handlers.merged_stats, self._daemon_stats,
-                                         only.layout.page_bytes if only is not None else 0)
-            self.handlers.peers = lambda: [(c.id, c.creds.uid) for c in self.connections.values()]
-            self.handlers.bound = lambda: [c.entry for c in self.connections.values()]
-            self.handlers.gc_stats = self.gc_pauses.stats
-            refusals = self.metrics.quota_refusals
-            self.handlers.quota.on_refuse = lambda quota: refusals.labels(quota).inc()
+            layouts.start(cfg.layout)
+            only = layouts.only()
+            metrics = self.metrics = DaemonMetrics(lambda: merged_stats(layouts), self._daemon_stats,
+                                                   only.layout.page_bytes if only is not None else 0)
+            refusals = metrics.quota_refusals
+            connections = self.connections
+            self.handlers = Handlers(
+                layouts, cfg, peers=lambda: [(c.id, c.creds.uid) for c in connections.values()],
+                bound=lambda: [c.entry for c in connections.values()], gc_stats=self.gc_pauses.stats,
+                reload_stats=self.reload.last_dict, on_quota_refusal=lambda quota: refusals.labels(quota).inc())
+            self.serving = Serving(cfg, self.handlers, metrics, connections, stop.is_set)
             sock = security.bind_private_socket(cfg.socket, shared=bool(cfg.allowed_uids))
             security.write_pid_file(cfg.resolved_pid_file)
             if cfg.metrics_port is not None:
                 try:
-                    self.metrics_port = self.metrics.start(cfg.metrics_port)
+                    self.metrics_port = metrics.start(cfg.metrics_port, cfg.metrics_host)
                 except OSError as e:
-                    raise ConfigError(f"cannot serve metrics on 127.0.0.1:{cfg.metrics_port}: {e.strerror or e}",
-                                      hint="choose a free --metrics-port") from None
-                log.info("metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
+                    raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e.strerror or e}",
+                                      hint="choose a free --metrics-port, or an address of this machine for "
+                                           "--metrics-host") from None
+                log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, self.metrics_port)
         except BaseException:
             # Undo in reverse: nothing of a daemon that failed to start may stay behind.
             if sock is not None:
@@ -164,16 +188,38 @@ class Daemon(Serving, RemoteKeeper, Reload):
                 cfg.socket.unlink(missing_ok=True)
                 cfg.resolved_pid_file.unlink(missing_ok=True)
             if self.handlers is not None:
-                self.handlers.executor.shutdown(wait=False)
-            self.layouts.close()
+                self.handlers.workers.shutdown(wait=False)
+            layouts.close()
             raise
         return sock
 
     def _daemon_stats(self) -> dict[str, Any]:
         d = self.handlers.daemon_stats() if self.handlers else {}
         d["connections"] = len(self.connections)
+        d["refused_peers"] = self.gate.refused if self.gate is not None else 0
         return d
 
+    def _admitted(self, uid: int) -> bool:
+        """The gate's test: the daemon's own uid or one of ``allowed_uids`` (read live:
+        SIGHUP changes it)."""
+        return uid == self._uid or uid in self.config.allowed_uids
+
+    # ---- a reload's effects (reload.py decides them) ---------------------------------------
+    def _apply_settings(self, config: DaemonConfig) -> None:
+        """Put the settings a reload changed in force in each part that holds them."""
+        if self.handlers is not None:
+            self.handlers.apply_config(config)
+        if self.layouts is not None:
+            self.layouts.set_client_quota(min(config.client_staging_bytes, self.layouts.budget.staging_bytes))
+        if self.fast is not None:
+            self.fast.unread_reply_bytes = config.quotas.unread_reply_bytes
+        if self.serving is not None:
+            self.serving.apply_config(config)
+
+    def _cut_off(self, uids: tuple[int, ...], why: Callable[[int], TierKVError]) -> int:
+        return self.serving.cut_off(uids, why) if self.serving is not None else 0
+
+    # ---- running -------------------------------------------------------------------------
     def run(self) -> None:
         """Open, serve until stopped, close. Blocks; call from the main thread to get
         signal handling (tests run it in a thread with ``install_signals=False``)."""
@@ -195,67 +241,69 @@ class Daemon(Serving, RemoteKeeper, Reload):
             self._loop.call_soon_threadsafe(self._stop.set)
 
     async def _main(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        sock = self._open()
-        assert self.handlers is not None and self.layouts is not None
-        loop, stop = self._loop, self._stop
-        fast = FastPath(self.handlers, self.config.quotas.unread_reply_bytes, stop.is_set, self.metrics, OP_NAMES)
+        loop = self._loop = asyncio.get_running_loop()
+        stop = self._stop = asyncio.Event()
+        sock = self._open(stop)
+        handlers, layouts, serving, metrics = self.handlers, self.layouts, self.serving, self.metrics
+        assert handlers is not None and layouts is not None and serving is not None and metrics is not None
+        fast = self.fast = FastPath(handlers, self.config.quotas.unread_reply_bytes, stop.is_set, metrics, OP_NAMES)
 
         def connection() -> FastProtocol:  # = asyncio.start_unix_server's, with the fast path
-            return FastProtocol(asyncio.StreamReader(loop=loop), self._on_connect, loop, fast)
+            return FastProtocol(asyncio.StreamReader(loop=loop), serving.on_connect, loop, fast)
 
-        server = await loop.create_unix_server(connection, sock=sock)
+        # Accepting is the gate's (gate.py): a peer not admitted costs one cheap close.
+        setting_up: set[asyncio.Task] = set()
+        gate = self.gate = Gate(sock, loop, self._admitted, admit_with(loop, connection, setting_up),
+                                on_refuse=metrics.rejected.labels("uid").inc)
+        gate.start()
         if self._install_signals:
-            self._loop.add_signal_handler(signal.SIGTERM, self._stop.set)
-            self._loop.add_signal_handler(signal.SIGINT, self._stop.set)
-            self._loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
-        sweeper = asyncio.create_task(self._sweep_leases())
+            loop.add_signal_handler(signal.SIGTERM, stop.set)
+            loop.add_signal_handler(signal.SIGINT, stop.set)
+            loop.add_signal_handler(signal.SIGHUP, self.reload.on_sighup)
+        sweeper = asyncio.create_task(self._sweep_leases(handlers, layouts))
         if self.config.remote_enabled:
-            self._remote_keeper = threading.Thread(target=self._keep_remote, name="tierkv-remote-keeper", daemon=True)
-            self._remote_keeper.start()
+            self.remote_keeper.start(layouts.entries)
         log.info("tierkv daemon (pid %d) serving %s on %s (layouts: %s)", os.getpid(), self.config.home,
-                 self.config.socket, ", ".join(e.layout_id for e in self.layouts.entries()) or "none yet")
+                 self.config.socket, ", ".join(e.layout_id for e in layouts.entries()) or "none yet")
         self.ready.set()
         try:
-            await self._stop.wait()
+            await stop.wait()
         finally:
             log.info("stopping: finishing in-flight requests")
-            server.close()
+            gate.close()
             sweeper.cancel()
-            await self._drain()
-            await server.wait_closed()
-            await self.handlers.settle_releases()  # one-way releases still queued
-            self.handlers.executor.shutdown(wait=True)
-            self._stop_remote_keeper()
-            self.layouts.close()  # flushes write-back blocks, releases the home
+            if setting_up:
+                await asyncio.wait(list(setting_up))
+            await serving.drain()
+            await handlers.workers.settle()  # one-way releases still queued
+            handlers.workers.shutdown(wait=True)
+            self.remote_keeper.stop()
+            layouts.close()  # flushes write-back blocks, releases the home
             for p in (self.config.socket, self.config.resolved_pid_file):
                 Path(p).unlink(missing_ok=True)
-            if self.metrics:
-                self.metrics.stop()
+            metrics.stop()
             log.info("stopped cleanly")
 
-    async def _drain(self) -> None:
-        """Let every request already read finish, then end the connections (which releases
-        their leases)."""
-        tasks = [t for c in self.connections.values() for t in c.tasks]
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
-            if pending:
-                log.warning("%d requests did not finish within %.0f s", len(pending), DRAIN_TIMEOUT_S)
-        for c in list(self.connections.values()):
-            c.writer.close()
-        deadline = time.monotonic() + 10
-        while self.connections and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-
-    async def _sweep_leases(self) -> None:
-        assert self.handlers is not None
+    async def _sweep_leases(self, handlers: Handlers, layouts: Layouts) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.handlers.leases.timeout_s / 4))
-            await self.handlers.expire_leases()
-            if self.layouts is not None and any(e.over_limit for e in self.layouts.entries()):
-                await self.handlers.run(self.layouts.retrim)  # blocks held when a limit was lowered
+            await asyncio.sleep(min(1.0, handlers.leases.timeout_s / 4, self.config.staging_timeout_s / 4))
+            await handlers.lease_ops.expire_leases()
+            handlers.expire_staging([c.tenant.staging for c in self.connections.values() if c.tenant is not None])
+            if any(e.over_limit for e in layouts.entries()):
+                await handlers.run(layouts.retrim)  # blocks held when a limit was lowered
+            if len(layouts) > 1:
+                await self._share_among_layouts_in_use(handlers, layouts)
+
+    async def _share_among_layouts_in_use(self, handlers: Handlers, layouts: Layouts) -> None:
+        """Give the memory share of a layout no connection used for ``layout_idle_s`` to
+        those in use (shares.py); a HELLO takes it back (Handlers.hello)."""
+        now = time.monotonic()
+        for c in self.connections.values():
+            if c.entry is not None:
+                c.entry.last_bound = now
+        in_use = {e.layout_id for e in layouts.entries() if now - e.last_bound < self.config.layout_idle_s}
+        if in_use and in_use != layouts.in_use:
+            await handlers.run(layouts.rebalance, in_use, now)
 
     def check_integrity(self) -> None:
         """Cross-check the daemon's lease table, every layout's staging table and store, and
@@ -267,4 +315,3 @@ class Daemon(Serving, RemoteKeeper, Reload):
         for conn in self.connections.values():
             assert conn.entry is None or any(conn.entry.store is s for s in served), \
                 f"connection {conn.id} bound to a layout the daemon no longer serves"
-

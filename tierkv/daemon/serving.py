@@ -1,16 +1,18 @@
 """How the daemon serves one connection: accept or refuse it, read its frames in order,
 and run each request (as it is read, or as a task), replying or answering the error.
 
-A part of :class:`tierkv.daemon.server.Daemon` (a base class of it), split out of server.py,
-which opens the home and runs the event loop. Requests that can be answered as their bytes
-arrive, before this read loop wakes: fast_path.py.
+:class:`Serving` is a part of :class:`tierkv.daemon.server.Daemon` (which opens the home and
+runs the event loop): it is handed the handlers, the metrics and the daemon's connection
+table, which only this class adds to and removes from. Requests that can be answered as
+their bytes arrive, before this read loop wakes: fast_path.py.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import DaemonUnavailableError, ProtocolError, TierKVError
 from . import security
@@ -19,32 +21,68 @@ from .fast_path import FastProtocol
 from .protocol import BadHeaderError, FatalFrameError, Frame, FrameTimeoutError, IdleConnectionError, Op, read_frame
 
 if TYPE_CHECKING:
-    import itertools
-
     from .config import DaemonConfig
     from .handlers import Handlers
     from .metrics import DaemonMetrics
 
-log = logging.getLogger("tierkv.daemon.server")  # one logger for the daemon's messages, as before the split
+log = logging.getLogger("tierkv.daemon.server")  # the daemon's log (operators and tests filter on it)
 OP_NAMES = {int(op): op.name.lower() for op in Op}  # metric labels, without an enum lookup per request
+DRAIN_TIMEOUT_S = 60.0
 
 
 class Serving:
-    """The per-connection half of the daemon (state owned by :class:`Daemon`)."""
+    """Accepting, reading and running the requests of every connection."""
 
-    config: "DaemonConfig"
-    handlers: "Handlers | None"
-    metrics: "DaemonMetrics | None"
-    connections: dict[int, Connection]
-    _ids: "itertools.count[int]"
-    _stop: asyncio.Event | None
+    def __init__(self, config: "DaemonConfig", handlers: "Handlers", metrics: "DaemonMetrics",
+                 connections: dict[int, Connection], stopping: Callable[[], bool]) -> None:
+        """``connections``: the daemon's table (id -> connection) this class keeps;
+        ``stopping``: whether the daemon is shutting down (new requests are refused)."""
+        self.config = config
+        self.handlers = handlers
+        self.metrics = metrics
+        self.connections = connections
+        self._stopping = stopping
+        self._ids = itertools.count(1)
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def apply_config(self, config: "DaemonConfig") -> None:
+        """The settings a reload changed (reload.py): new connections get them, and the
+        send timeout applies to every connection now."""
+        self.config = config
+        for conn in self.connections.values():
+            conn.send_timeout_s = config.quotas.send_timeout_s
+
+    def cut_off(self, uids: tuple[int, ...], why: Callable[[int], TierKVError]) -> int:
+        """End every connection of ``uids`` now, each told ``why(uid)``; returns how many.
+        Their leases, staging and tenant regions end with them (:meth:`on_connect`)."""
+        closed = 0
+        for conn in list(self.connections.values()):
+            if conn.creds.uid in uids:
+                conn.cut_off(why(conn.creds.uid))
+                closed += 1
+        return closed
+
+    async def drain(self) -> None:
+        """Let every request already read finish, then end the connections (which releases
+        their leases)."""
+        tasks = [t for c in self.connections.values() for t in c.tasks]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
+            if pending:
+                log.warning("%d requests did not finish within %.0f s", len(pending), DRAIN_TIMEOUT_S)
+        for c in list(self.connections.values()):
+            c.writer.close()
+        deadline = time.monotonic() + 10
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         creds = security.peer_credentials(writer.get_extra_info("socket"))
         conn = Connection(next(self._ids), creds, writer, asyncio.Semaphore(self.config.max_inflight),
-                          send_timeout_s=self.config.quotas.send_timeout_s)
+                          send_timeout_s=self.config.quotas.send_timeout_s,
+                          idle_timeout_s=self.config.quotas.idle_timeout_s)
         reason = None
-        assert self.handlers is not None
+        # The gate (gate.py) refused other uids at accept; checked again here for a uid that
+        # a reload removed from allowed_uids between the accept and this task.
         if not security.peer_allowed(creds, self.config.allowed_uids):
             reason = "uid"
             err: TierKVError = security.PeerRejectedError(f"peer uid {creds.uid} (pid {creds.pid}) may not use this daemon")
@@ -54,13 +92,12 @@ class Serving:
                                          hint="retry later; the operator can raise max_connections")
         elif (err2 := self._uid_connection_refusal(creds.uid)) is not None:
             reason, err = "uid_connections", err2
-        elif self._stop is not None and self._stop.is_set():
+        elif self._stopping():
             reason = "stopping"
             err = DaemonUnavailableError("the daemon is shutting down")
         if reason is not None:
             log.warning("refused connection from pid %d uid %d: %s", creds.pid, creds.uid, reason)
-            if self.metrics:
-                self.metrics.rejected.labels(reason).inc()
+            self.metrics.rejected.labels(reason).inc()
             await conn.send_error(0, 0, err)
             writer.close()
             return
@@ -76,15 +113,13 @@ class Serving:
             conn.parked = False
             if conn.tasks:
                 await asyncio.wait(list(conn.tasks))  # their leases must be known before we free
-            assert self.handlers is not None
-            n = await self.handlers.end_connection(conn)
+            n = await self.handlers.lease_ops.end_connection(conn)
             if n:
                 log.info("connection %d (pid %d) ended holding %d leases; released", conn.id, conn.client_pid, n)
             del self.connections[conn.id]
             writer.close()
 
     def _uid_connection_refusal(self, uid: int) -> TierKVError | None:
-        assert self.handlers is not None
         try:
             self.handlers.quota.check_connection(uid, [c.creds.uid for c in self.connections.values()])
         except TierKVError as e:
@@ -98,7 +133,7 @@ class Serving:
         q = self.config.quotas
         conn.parked = True
         try:
-            return await read_frame(reader, idle_timeout=q.idle_timeout_s, frame_timeout=q.frame_timeout_s,
+            return await read_frame(reader, idle_timeout=conn.idle_timeout_s, frame_timeout=q.frame_timeout_s,
                                     is_idle=lambda: self._holds_nothing(conn) and self._quiet(conn),
                                     started=conn.unpark)
         finally:
@@ -106,13 +141,14 @@ class Serving:
 
     def _quiet(self, conn: Connection) -> bool:
         """No request served on the fast path for the idle timeout."""
-        idle = self.config.quotas.idle_timeout_s
-        return idle is None or time.monotonic() - conn.fast_at >= idle
+        return time.monotonic() - conn.fast_at >= conn.idle_timeout_s
 
     def _holds_nothing(self, conn: Connection) -> bool:
-        assert self.handlers is not None
-        return (conn.holds_nothing() and self.handlers.leases.count(conn.id) == 0
-                and not any(e.staging.held_by([conn.id]) for e in self.handlers.layouts.entries()))
+        """No request in flight, reply unsent or lease held. Staging slots do not count
+        (issue #34, item 10: two silent connections holding staging kept it forever):
+        a client between STAGE and COMMIT is busy writing pages, not silent for the idle
+        timeout, and its slots expire anyway (staging_timeout_s)."""
+        return conn.holds_nothing() and self.handlers.leases.count(conn.id) == 0
 
     async def _serve_connection(self, conn: Connection, reader: asyncio.StreamReader) -> None:
         q = self.config.quotas
@@ -121,8 +157,7 @@ class Serving:
                                                                                   q.send_timeout_s):
                 log.warning("connection %d: %d reply bytes unread for %.0f s; closing it", conn.id, conn.unsent,
                             q.send_timeout_s)
-                if self.metrics:
-                    self.metrics.rejected.labels("unread_replies").inc()
+                self.metrics.rejected.labels("unread_replies").inc()
                 conn.writer.transport.abort()
                 return
             try:
@@ -132,9 +167,8 @@ class Serving:
                 continue
             except FatalFrameError as e:
                 log.warning("connection %d: %s; closing it", conn.id, e.message)
-                if self.metrics:
-                    reason = {IdleConnectionError: "idle", FrameTimeoutError: "frame_timeout"}.get(type(e), "frame")
-                    self.metrics.rejected.labels(reason).inc()
+                reason = {IdleConnectionError: "idle", FrameTimeoutError: "frame_timeout"}.get(type(e), "frame")
+                self.metrics.rejected.labels(reason).inc()
                 await conn.send_error(0, 0, e)
                 return
             except (ConnectionError, OSError):
@@ -158,7 +192,6 @@ class Serving:
         """Decode one request, run its handler, send the reply (or the error). With
         ``now``: only if the handler's synchronous form (``Handlers.now``) can answer
         without waiting; False, with nothing done or sent, when it cannot."""
-        assert self.handlers is not None
         t0, measured = time.perf_counter(), True
         op_name = OP_NAMES.get(frame.opcode, "unknown")
         try:
@@ -167,7 +200,7 @@ class Serving:
             entry = self.handlers.table.get(frame.opcode)
             if entry is None:
                 raise ProtocolError(f"unknown opcode {frame.opcode}")
-            if self._stop is not None and self._stop.is_set() and frame.opcode != Op.RELEASE:
+            if frame.opcode != Op.RELEASE and self._stopping():
                 raise DaemonUnavailableError("the daemon is shutting down")
             cls, handler = entry
             msg = cls.decode(frame.header, frame.payload)
@@ -187,10 +220,9 @@ class Serving:
         except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
             if not isinstance(e, (TierKVError, ValueError, OSError)):
                 log.exception("request %s failed", op_name)
-            if self.metrics:
-                self.metrics.errors.labels(op_name, type(e).__name__).inc()
+            self.metrics.errors.labels(op_name, type(e).__name__).inc()
             await conn.send_error(frame.opcode, frame.request_id, e)
         finally:
-            if self.metrics and measured:
+            if measured:
                 self.metrics.observe_latency(op_name, time.perf_counter() - t0)
         return True

@@ -59,10 +59,6 @@ class BatchResult:
     def copied_prefix_bytes(self) -> int:
         return len(self.tokens) * self.prefix_bytes_held
 
-    @property
-    def suffix_bytes(self) -> int:
-        return sum(self.per_request_suffix_bytes)
-
 
 def _common_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
     first = list(prompts[0])

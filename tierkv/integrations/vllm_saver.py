@@ -102,12 +102,6 @@ class SaveQueue:
                     self.failed += 1
                 self._cond.notify_all()
 
-    @property
-    def queued_bytes(self) -> int:
-        """Bytes of pages copied and not yet written (the staging area in use)."""
-        with self._cond:
-            return self._queued_bytes
-
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save is written; False on timeout."""
         with self._cond:

@@ -16,8 +16,10 @@ Faults: an OSError while writing or syncing marks the tier *degraded* for
 ``DEGRADED_RETRY_S`` (puts then skip the disk and say so) and surfaces as DiskWriteError.
 After a failed fsync the data is treated as lost; the slot is never reported durable.
 
-Parts of the tier live beside it: disk_files.py (segment file names, locations, the scan and
-quarantine at open) and disk_reads.py (the read paths and read health).
+The tier holds two parts, each owning its state: :class:`SegmentFiles` (disk_files.py: the
+segment table, file names, locations, the scan and quarantine at open) and
+:class:`DiskReads` (disk_reads.py: the read paths, their descriptors and threads, read
+health). The tier itself hands out slots and writes; slot records are in disk_records.py.
 """
 from __future__ import annotations
 
@@ -37,11 +39,12 @@ from ..codec import PageCodec
 from ..errors import DiskReadError, DiskWriteError
 from ..layout import PageLayout
 from .base import TierName
-from .disk_files import SEG_RE, SEG_SHIFT, Segment, SegmentFiles, location, split_location  # SEG_*: re-exported
+from .disk_files import SEG_RE, SEG_SHIFT, SegmentFiles, location, split_location  # SEG_*: re-exported
 from .disk_reads import DiskReads
-from .disk_rooms import SegmentRooms
-from .diskio import BounceBuffer, KvikioFiles, probe_kvikio, probe_odirect
-from .segments import SegmentHeader, create_segment, encode_record
+from .free_slots import SegmentRooms
+from .disk_records import rewrite_records, wipe_record, write_run_records
+from .diskio import BounceBuffer, probe_odirect, pwrite_all
+from .segments import SegmentHeader
 
 log = logging.getLogger(__name__)
 DEGRADED_RETRY_S = 30.0
@@ -50,15 +53,7 @@ SlotBodies = Union[Sequence[bytes], Callable[[], Sequence[bytes]]]
 RUN_BYTES = 8 << 20  # largest single transfer: a few times dd's bs=4M, bounded staging memory
 
 
-def _pwrite_all(fd: int, data: memoryview | list[memoryview], off: int) -> None:
-    """One write of ``data`` (a buffer, or consecutive buffers in one ``pwritev``) at ``off``."""
-    bufs = data if isinstance(data, list) else [data]
-    n, want = os.pwritev(fd, bufs, off), sum(len(b) for b in bufs)
-    if n != want:
-        raise OSError(errno.EIO, f"short write {n} of {want}")
-
-
-class DiskTier(SegmentFiles, DiskReads):
+class DiskTier:
     name = TierName.DISK
 
     def __init__(
@@ -75,7 +70,6 @@ class DiskTier(SegmentFiles, DiskReads):
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._dir_dev = os.stat(self.dir).st_dev  # see page_missing
         self.layout = layout
         # Pages are stored in the codec's form (tierkv/codec.py): these sizes are the stored ones.
         self.codec = codec or PageCodec("none", layout)
@@ -87,25 +81,16 @@ class DiskTier(SegmentFiles, DiskReads):
         # budget); the files of the others are evicted by the store and not made again.
         self.segment_limit = self.max_segments
         self.fsync = fsync
-        self._segs: dict[int, Segment] = {}
-        self._rooms = SegmentRooms(self._segs, self.segment_pages)  # where the next page goes
-        self.quarantined_segments = 0  # damaged or foreign segments moved aside at open
-        self._fd_lock = threading.Lock()
-        self._read_fds: dict[int, int] = {}
-        self._reader_pool: ThreadPoolExecutor | None = None  # DiskReads.read_many's threads
-        self._local = threading.local()
+        self._local = threading.local()  # each thread's write staging buffers
         self.degraded_reason: str | None = None
         self._degraded_until = 0.0
-        # Read health (note_read_error): a read I/O error is a miss, never a deletion.
-        self.read_degraded_reason: str | None = None
-        self.read_errors = 0
         self.odirect = odirect and probe_odirect(self.dir)
-        self.direct_reads = direct_reads and self.odirect  # see StoreConfig.direct_reads
-        self._kvikio, kv_path = probe_kvikio()
-        self._cufiles = KvikioFiles(self._kvikio)
-        self.read_path = kv_path or ("posix-odirect" if self.direct_reads else "posix-buffered")
+        self.files = SegmentFiles(self.dir, layout, self.codec)
+        # The segment table is the files'; the tier changes only the used slots in it.
+        self._rooms = SegmentRooms(self.files.segments, self.segment_pages)  # where the next page goes
+        # Read health (note_read_error): a read I/O error is a miss, never a deletion.
+        self.reads = DiskReads(self.files, direct_reads=direct_reads and self.odirect)  # see StoreConfig.direct_reads
         log.info("disk tier %s: read path %s", self.dir, self.read_path)
-        self._scan()
 
     # ---- slots ---------------------------------------------------------------------
     @property
@@ -114,7 +99,7 @@ class DiskTier(SegmentFiles, DiskReads):
 
     @property
     def num_used(self) -> int:
-        return sum(len(s.used) for s in self._segs.values())
+        return sum(len(s.used) for s in self.files.segments.values())
 
     @property
     def capacity_bytes(self) -> int:
@@ -134,20 +119,20 @@ class DiskTier(SegmentFiles, DiskReads):
 
     def used_above_limit(self) -> int:
         """Used slots in segments at or above the limit."""
-        return sum(len(seg.used) for seg_id, seg in self._segs.items() if seg_id >= self.segment_limit)
+        return sum(len(seg.used) for seg_id, seg in self.files.segments.items() if seg_id >= self.segment_limit)
 
     @property
     def used_bytes(self) -> int:
         return self.num_used * self.page_bytes
 
     def file_bytes(self) -> int:
-        return sum(s.header.file_bytes() for s in self._segs.values())
+        return self.files.file_bytes()
 
     def claim(self, loc: int, model_version: str) -> bool:
         """Mark ``loc`` used while rebuilding from the index; False if it cannot hold a page
         of ``model_version`` (segment missing, retagged, or too short)."""
         seg_id, index = split_location(loc)
-        seg = self._segs.get(seg_id)
+        seg = self.files.segments.get(seg_id)
         if seg is None or seg.header.model_version != model_version or index >= seg.header.segment_pages:
             return False
         if index in seg.used:
@@ -170,45 +155,34 @@ class DiskTier(SegmentFiles, DiskReads):
     def alloc(self, model_version: str) -> int | None:
         """A free slot in a segment of ``model_version``; creates or retags a segment when
         needed. None when the tier is full. Raises DiskWriteError if a segment cannot be made."""
-        found = self._rooms.take(model_version, self.segment_limit)  # tierkv/tiers/disk_rooms.py
+        found = self._rooms.take(model_version, self.segment_limit)  # tierkv/tiers/free_slots.py
         if found is not None:
             return location(*found)
         header = SegmentHeader(self.layout, model_version, self.segment_pages, page_codec=self.codec.name)
-        if len(self._segs) >= self.segment_limit:
+        if len(self.files.segments) >= self.segment_limit:
             return None  # as many files as the limit allows (some above it, not yet emptied)
         for seg_id in range(self.segment_limit):
-            if seg_id not in self._segs:
-                self._guard_io(create_segment, self._path(seg_id), header)
-                self._segs[seg_id] = Segment(header, self._path(seg_id), {0})
+            if seg_id not in self.files.segments:
+                self._guard_io(self.files.create, seg_id, header)
                 self._rooms.added(seg_id)
                 return location(seg_id, 0)
         return None
 
     def reclaim_empty(self) -> int:
         """Delete segments no index entry points to (after the claims at open)."""
-        empty = [seg_id for seg_id, seg in self._segs.items() if not seg.used]
+        empty = [seg_id for seg_id, seg in self.files.segments.items() if not seg.used]
         for seg_id in empty:
             self._drop_segment(seg_id)
         return len(empty)
 
     def _drop_segment(self, seg_id: int) -> None:
-        with self._fd_lock:
-            fd = self._read_fds.pop(seg_id, None)
-            if fd is not None:
-                os.close(fd)
-        self._cufiles.drop(seg_id)
-        path = self._segs.pop(seg_id).path
+        self.reads.forget(seg_id)  # no descriptor left open on a deleted file
+        self.files.drop(seg_id)
         self._rooms.dropped(seg_id)
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as e:
-            # A failing file system: the slot is free all the same (the index no longer
-            # points here); the empty file is reclaimed at the next open.
-            log.warning("could not delete empty segment %s: %s", path, e)
 
     def free(self, loc: int) -> None:
         seg_id, index = split_location(loc)
-        seg = self._segs.get(seg_id)
+        seg = self.files.segments.get(seg_id)
         if seg is None or index not in seg.used:
             raise ValueError(f"disk location {loc:#x} freed but not in use")
         seg.used.remove(index)
@@ -217,29 +191,9 @@ class DiskTier(SegmentFiles, DiskReads):
             self._drop_segment(seg_id)
         else:
             self._rooms.freed(seg_id, index)
-            self._wipe_record(seg, index)
-
-    def _wipe_record(self, seg: Segment, index: int) -> None:
-        """Zero a freed slot's record, so that rebuilding the index from the segments does not
-        bring the block back. Not synced and best effort: a crash or an I/O error here at
-        worst lets a rebuild restore a deleted block, whose bytes are still exactly its key's."""
-        if not seg.header.record_bytes:
-            return
-        try:
-            fd = os.open(seg.path, os.O_WRONLY)
-            try:
-                os.pwrite(fd, bytes(seg.header.record_bytes), seg.header.record_offset(index))
-            finally:
-                os.close(fd)
-        except OSError as e:
-            log.warning("could not wipe the record of a freed slot in %s: %s", seg.path.name, e)
+            wipe_record(seg, index)
 
     # ---- bytes ---------------------------------------------------------------------
-    def _offset(self, loc: int) -> tuple[Segment, int, int]:
-        seg_id, index = split_location(loc)
-        seg = self._segs[seg_id]
-        return seg, seg_id, seg.header.data_offset + index * self.slot_bytes
-
     @property
     def degraded(self) -> bool:
         if self.degraded_reason and time.monotonic() >= self._degraded_until:
@@ -278,20 +232,6 @@ class DiskTier(SegmentFiles, DiskReads):
             raise ValueError(f"write_slots writes whole slots of {self.slot_bytes} bytes")
         self._guard_io(self._write_pages, items, records, fill)
 
-    def _runs(self, locs: list[int], run_bytes: int = RUN_BYTES) -> list[list[int]]:
-        """Positions of ``locs`` grouped into runs of consecutive slots of one segment (at
-        most ``run_bytes`` each), so that a transfer is one large request, as dd's bs=4M is."""
-        per_run = max(1, run_bytes // self.slot_bytes)
-        order = sorted(range(len(locs)), key=lambda k: locs[k])
-        runs: list[list[int]] = []
-        for k in order:
-            if runs and locs[k] == locs[runs[-1][-1]] + 1 and len(runs[-1]) < per_run \
-                    and split_location(locs[k])[0] == split_location(locs[runs[-1][0]])[0]:
-                runs[-1].append(k)
-            else:
-                runs.append([k])
-        return runs
-
     def _write_pages(self, items: list[tuple[int, torch.Tensor]] | list[tuple[int, memoryview]],
                      records: SlotBodies | None = None, fill: Callable[[list[int]], None] | None = None) -> None:
         """Both writes: pages (``fill`` None) copied into staging buffers, or slots filled in
@@ -302,7 +242,7 @@ class DiskTier(SegmentFiles, DiskReads):
         page_bytes, slot = self.page_bytes, self.slot_bytes
         to_stored = self.codec.to_stored  # pages arrive in the layout's form or already stored
         locs = [loc for loc, _ in items]
-        runs = self._runs(locs)
+        runs = self.files.runs(locs, RUN_BYTES)
         # Double buffering: run k is copied into one staging buffer (or its slots filled)
         # while run k-1 is written by a writer thread (os.pwritev and numpy's copy both
         # release the GIL).
@@ -327,7 +267,7 @@ class DiskTier(SegmentFiles, DiskReads):
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="tierkv-write") as writer:
                 for r_i, run in enumerate(runs):
-                    seg, seg_id, off = self._offset(locs[run[0]])
+                    seg, seg_id, off = self.files.offset(locs[run[0]])
                     if seg_id not in touched:
                         # O_DIRECT: the pages bypass (and do not evict) the page cache; whole
                         # padded slots are written from an aligned buffer as it requires.
@@ -335,11 +275,11 @@ class DiskTier(SegmentFiles, DiskReads):
                     data = prepare(r_i, run)
                     if pending is not None:
                         pending.result()
-                    pending = writer.submit(_pwrite_all, touched[seg_id], data, off)
+                    pending = writer.submit(pwrite_all, touched[seg_id], data, off)
                 if pending is not None:
                     pending.result()
             if records is not None:
-                self._write_records(locs, runs, records() if callable(records) else records, buffered)
+                write_run_records(self.files.offset, locs, runs, records() if callable(records) else records, buffered)
             if self.fsync:
                 # One fdatasync per segment covers its pages and records (one inode).
                 for seg_id, fd in touched.items():
@@ -348,45 +288,9 @@ class DiskTier(SegmentFiles, DiskReads):
             for fd in [*touched.values(), *buffered.values()]:
                 os.close(fd)
 
-    def _write_records(self, locs: list[int], runs: list[list[int]], records: Sequence[bytes],
-                       fds: dict[int, int]) -> None:
-        """The slot records of a write, one pwrite per run of consecutive slots (buffered:
-        records are small and not 4 KiB-aligned, so O_DIRECT does not apply)."""
-        for run in runs:
-            seg, seg_id, _ = self._offset(locs[run[0]])
-            size = seg.header.record_bytes
-            if not size:
-                continue  # a format-1 segment: no records
-            if seg_id not in fds:
-                fds[seg_id] = os.open(seg.path, os.O_WRONLY)
-            # A body that does not fit (an over-long namespace) leaves a zeroed record: the
-            # page is stored and served, only a rebuild cannot restore it.
-            raw = b"".join(encode_record(records[k], size) or bytes(size) for k in run)
-            _pwrite_all(fds[seg_id], memoryview(raw), seg.header.record_offset(split_location(locs[run[0]])[1]))
-
     def update_records(self, records: Sequence[tuple[int, bytes]]) -> None:
-        """Rewrite the slot records of pages already on disk (``(location, body)``, e.g. after
-        a priority change, whose index commit came first) and sync them. Best effort: a
-        failure is logged, and costs only that a rebuilt index has the old priority."""
-        try:
-            by_seg: dict[int, list[tuple[int, bytes]]] = {}
-            for loc, body in records:
-                by_seg.setdefault(split_location(loc)[0], []).append((loc, body))
-            for seg_id, items in by_seg.items():
-                seg = self._segs[seg_id]
-                if not seg.header.record_bytes:
-                    continue
-                fd = os.open(seg.path, os.O_WRONLY)
-                try:
-                    for loc, body in items:
-                        raw = encode_record(body, seg.header.record_bytes) or bytes(seg.header.record_bytes)
-                        _pwrite_all(fd, memoryview(raw), seg.header.record_offset(split_location(loc)[1]))
-                    if self.fsync:
-                        os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-        except OSError as e:
-            log.warning("could not rewrite slot records: %s", e)
+        """:func:`~tierkv.tiers.disk_records.rewrite_records` of this tier's segments."""
+        rewrite_records(self.files.segments, records, self.fsync)
 
     def _staging(self, nbytes: int) -> tuple[BounceBuffer, BounceBuffer]:
         """This thread's two aligned write buffers, grown to at least ``nbytes`` each."""
@@ -398,36 +302,70 @@ class DiskTier(SegmentFiles, DiskReads):
             pair = self._local.staging = (BounceBuffer(nbytes), BounceBuffer(nbytes))
         return pair
 
-    def segment_files(self) -> list[Path]:
-        return [s.path for s in self._segs.values()]
-
     def describe(self) -> dict[str, object]:
         return {
             "read_path": self.read_path,
             "page_codec": self.codec.name,
-            "segments": len(self._segs),
+            "segments": len(self.files.segments),
             "segment_pages": self.segment_pages,
             "limit_segments": self.segment_limit,
             "file_bytes": self.file_bytes(),
             "degraded": self.degraded_reason,
-            "read_degraded": self.read_degraded_reason,
-            "read_errors": self.read_errors,
-            "quarantined_segments": self.quarantined_segments,
+            "read_degraded": self.reads.read_degraded_reason,
+            "read_errors": self.reads.read_errors,
+            "quarantined_segments": self.files.quarantined,
         }
 
     def check_integrity(self) -> None:
-        for seg_id, seg in self._segs.items():
+        for seg_id, seg in self.files.segments.items():
             assert seg.path.exists(), f"segment {seg_id} missing on disk"
             assert all(0 <= i < seg.header.segment_pages for i in seg.used), "slot outside segment"
             assert seg.used, f"empty segment {seg_id} not reclaimed"
         self._rooms.check_integrity()
 
     def close(self) -> None:
-        if self._reader_pool is not None:
-            self._reader_pool.shutdown(wait=True)
-            self._reader_pool = None
-        with self._fd_lock:
-            for fd in self._read_fds.values():
-                os.close(fd)
-            self._read_fds.clear()
-        self._cufiles.close()
+        self.reads.close()
+
+    # ---- reads (DiskReads): the store's read API ----------------------------------------
+    @property
+    def read_path(self) -> str:
+        """:attr:`DiskReads.read_path`."""
+        return self.reads.read_path
+
+    @property
+    def reads_to_device(self) -> bool:
+        """:attr:`DiskReads.reads_to_device`."""
+        return self.reads.reads_to_device
+
+    def read_into(self, loc: int, buf: memoryview) -> None:
+        """:meth:`DiskReads.read_into`."""
+        self.reads.read_into(loc, buf)
+
+    def read_many(self, items: list[tuple[int, memoryview]], on_run: Callable[[list[int]], None] | None = None) -> None:
+        """:meth:`DiskReads.read_many`."""
+        self.reads.read_many(items, on_run)
+
+    def read_many_to_device(self, items: list[tuple[int, torch.Tensor]],
+                            on_run: Callable[[list[int]], None] | None = None) -> None:
+        """:meth:`DiskReads.read_many_to_device`."""
+        self.reads.read_many_to_device(items, on_run)
+
+    def read_page(self, loc: int) -> torch.Tensor:
+        """:meth:`DiskReads.read_page`."""
+        return self.reads.read_page(loc)
+
+    def staging(self, n: int) -> tuple[torch.Tensor, list[memoryview]]:
+        """:meth:`DiskReads.staging`."""
+        return self.reads.staging(n)
+
+    def note_read_error(self, err: BaseException) -> None:
+        """:meth:`DiskReads.note_read_error`."""
+        self.reads.note_read_error(err)
+
+    def note_read_ok(self) -> None:
+        """:meth:`DiskReads.note_read_ok`."""
+        self.reads.note_read_ok()
+
+    def page_missing(self, loc: int) -> bool:
+        """:meth:`SegmentFiles.page_missing`."""
+        return self.files.page_missing(loc)

@@ -1,7 +1,6 @@
 """The disk tier's read path (kvikio into CUDA pages, buffered ``preadv`` with each run
 dropped from the page cache once read, or O_DIRECT into aligned buffers) and its read
-health: a read I/O error is a miss, never a deletion. :class:`DiskReads` is a part of
-:class:`tierkv.tiers.disk.DiskTier`, which holds the state it uses."""
+health: a read I/O error is a miss, never a deletion."""
 from __future__ import annotations
 
 import errno
@@ -10,16 +9,14 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from ..codec import PageCodec
-from ..layout import PageLayout
-from .diskio import BounceBuffer, KvikioFiles, cuda_bytes, pread_full
-from .disk_files import Segment, split_location
+from .diskio import BounceBuffer, KvikioFiles, cuda_bytes, pread_full, probe_kvikio
+from .disk_files import SegmentFiles
 
-log = logging.getLogger("tierkv.tiers.disk")  # the disk tier's one logger
+log = logging.getLogger("tierkv.tiers.disk")  # one logger for the whole disk tier
 READ_DEPTH = 2  # runs of one read_many in flight at once (scripts/bench_store.py)
 # The largest read request (as the writes'). A smaller batch, such as a restore window, is
 # cut in READ_DEPTH runs, so that it is READ_DEPTH requests in flight, not one
@@ -28,27 +25,26 @@ READ_RUN_BYTES = 8 << 20
 
 
 class DiskReads:
-    """Reads of whole slots and pages (a mixin of DiskTier: it owns the attributes)."""
+    """Reads of whole slots and pages from ``files``. Owns what reading needs: the read
+    descriptors and kvikio handles (one per segment, closed by :meth:`forget` when the
+    segment goes), the reader threads, each thread's aligned buffer, and the read health.
+    ``direct_reads``: O_DIRECT reads (the caller has checked the file system takes them)."""
 
-    dir: Path
-    layout: PageLayout
-    codec: PageCodec
-    page_bytes: int  # of a stored page (the codec's form)
-    slot_bytes: int
-    odirect: bool
-    direct_reads: bool
-    read_errors: int
-    read_degraded_reason: str | None
-    _dir_dev: int
-    _segs: dict[int, Segment]
-    _local: threading.local
-    _fd_lock: threading.Lock
-    _read_fds: dict[int, int]
-    _reader_pool: ThreadPoolExecutor | None
-    _kvikio: Any
-    _cufiles: KvikioFiles
-    _offset: Callable[[int], tuple[Segment, int, int]]
-    _runs: Callable[[list[int], int], list[list[int]]]
+    def __init__(self, files: SegmentFiles, *, direct_reads: bool) -> None:
+        self.files = files
+        self.layout, self.codec = files.layout, files.codec
+        # Pages are stored in the codec's form: these sizes are the stored ones.
+        self.page_bytes, self.slot_bytes = self.codec.stored_bytes, self.codec.slot_bytes
+        self.direct_reads = direct_reads
+        self._fd_lock = threading.Lock()  # guards _read_fds and _reader_pool
+        self._read_fds: dict[int, int] = {}
+        self._reader_pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()  # each thread's bounce buffer
+        self._kvikio, kv_path = probe_kvikio()
+        self._cufiles = KvikioFiles(self._kvikio)
+        self.read_path = kv_path or ("posix-odirect" if direct_reads else "posix-buffered")
+        self.read_degraded_reason: str | None = None
+        self.read_errors = 0
 
     def note_read_error(self, err: BaseException) -> None:
         """A read failed with an I/O error (not a bad page). The tier is *read-degraded*
@@ -65,24 +61,6 @@ class DiskReads:
         if self.read_degraded_reason is not None:
             log.warning("disk tier reads work again (was: %s)", self.read_degraded_reason)
             self.read_degraded_reason = None
-
-    def page_missing(self, loc: int) -> bool:
-        """Whether the slot at ``loc`` is provably gone: its segment file is missing or too
-        short to hold it (a truncated segment). Anything else (an error while checking, the
-        segments directory no longer being the file system it was at open) is no proof."""
-        seg_id, index = split_location(loc)
-        seg = self._segs.get(seg_id)
-        if seg is None:
-            return True
-        try:
-            if os.stat(self.dir).st_dev != self._dir_dev:
-                return False  # the file system was unmounted underneath: not proof of anything
-            size = os.stat(seg.path).st_size
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
-        return size < seg.header.data_offset + (index + 1) * self.slot_bytes
 
     def _readers(self) -> ThreadPoolExecutor:
         """The tier's reader threads (READ_DEPTH), made on first use."""
@@ -101,12 +79,30 @@ class DiskReads:
             bounce = self._local.bounce = BounceBuffer(want)
         return bounce
 
-    def _read_fd(self, seg_id: int) -> int:
+    def forget(self, seg_id: int) -> None:
+        """Close what reads hold of segment ``seg_id`` (its file is about to go)."""
+        with self._fd_lock:
+            fd = self._read_fds.pop(seg_id, None)
+            if fd is not None:
+                os.close(fd)
+        self._cufiles.drop(seg_id)
+
+    def close(self) -> None:
+        if self._reader_pool is not None:
+            self._reader_pool.shutdown(wait=True)
+            self._reader_pool = None
+        with self._fd_lock:
+            for fd in self._read_fds.values():
+                os.close(fd)
+            self._read_fds.clear()
+        self._cufiles.close()
+
+    def _read_fd(self, seg_id: int, path: Path) -> int:
         with self._fd_lock:
             fd = self._read_fds.get(seg_id)
             if fd is None:
                 flags = os.O_RDONLY | (os.O_DIRECT if self.direct_reads else 0)
-                fd = os.open(self._segs[seg_id].path, flags)
+                fd = os.open(path, flags)
                 self._read_fds[seg_id] = fd
             return fd
 
@@ -114,8 +110,8 @@ class DiskReads:
         """Read ``len(buf)`` bytes of the slot at ``loc`` into ``buf``; with O_DIRECT the
         buffer's address and length must be 4 KiB multiples (a full slot, or a whole page
         whose size is a 4 KiB multiple)."""
-        _, seg_id, off = self._offset(loc)
-        fd = self._read_fd(seg_id)
+        seg, seg_id, off = self.files.offset(loc)
+        fd = self._read_fd(seg_id, seg.path)
         pread_full(fd, buf, off)
         self._uncache(fd, off, len(buf))
 
@@ -138,13 +134,13 @@ class DiskReads:
         locs = [loc for loc, _ in items]
         # Runs of at most READ_RUN_BYTES; a smaller batch in READ_DEPTH runs of equal size.
         even = -(-len(locs) // READ_DEPTH) * self.slot_bytes
-        runs = self._runs(locs, min(READ_RUN_BYTES, even))
+        runs = self.files.runs(locs, min(READ_RUN_BYTES, even))
 
         def read_run(run: list[int]) -> None:
-            _, seg_id, off = self._offset(locs[run[0]])
+            seg, seg_id, off = self.files.offset(locs[run[0]])
             bufs = [items[k][1] for k in run]
             want = sum(len(b) for b in bufs)
-            fd = self._read_fd(seg_id)
+            fd = self._read_fd(seg_id, seg.path)
             n = os.preadv(fd, bufs, off)
             if n != want:
                 raise OSError(errno.EIO, f"short read: {n} of {want} bytes at offset {off}")
@@ -210,7 +206,7 @@ class DiskReads:
         assert self._kvikio is not None
         locs = [loc for loc, _ in items]
         page = self.page_bytes
-        runs = self._runs(locs, READ_RUN_BYTES) if self.slot_bytes == page else [[k] for k in range(len(items))]
+        runs = self.files.runs(locs, READ_RUN_BYTES) if self.slot_bytes == page else [[k] for k in range(len(items))]
         parts: list[list[int]] = []
         for run in runs:  # a run (consecutive slots) split where its pages are not adjacent
             start = len(parts)
@@ -225,7 +221,7 @@ class DiskReads:
         error: BaseException | None = None
         try:
             for part in parts:
-                seg, seg_id, off = self._offset(locs[part[0]])
+                seg, seg_id, off = self.files.offset(locs[part[0]])
                 f = self._cufiles.get(seg_id, seg.path)
                 want = len(part) * page
                 pending.append((part, want, f.pread(cuda_bytes(items[part[0]][1], want), want, off)))  # type: ignore[attr-defined]

@@ -107,6 +107,15 @@ class BounceBuffer:
             pass
 
 
+def pwrite_all(fd: int, data: memoryview | list[memoryview], off: int) -> None:
+    """One write of ``data`` (a buffer, or consecutive buffers in one ``pwritev``) at ``off``;
+    a short write is an EIO."""
+    bufs = data if isinstance(data, list) else [data]
+    n, want = os.pwritev(fd, bufs, off), sum(len(b) for b in bufs)
+    if n != want:
+        raise OSError(errno.EIO, f"short write {n} of {want}")
+
+
 def pread_full(fd: int, buf: memoryview | mmap.mmap, offset: int) -> None:
     """Read exactly len(buf) bytes at ``offset``; a short read is an EIO (torn segment)."""
     n = os.preadv(fd, [buf], offset)

@@ -15,8 +15,8 @@ import os
 import socket
 from pathlib import Path
 
-from .errors import DaemonOwnsHomeError, StoreLockedError
-from .layout import PageLayout
+from ..errors import DaemonOwnsHomeError, StoreLockedError
+from ..layout import PageLayout
 
 
 class HomeLock:
@@ -71,11 +71,26 @@ class HomeLock:
             self.fd = -1
 
 
+class LentLock:
+    """A :class:`HomeLock` lent to a store opened under it: releasing it does nothing, so
+    the home stays locked by the lender whatever the store does. A daemon holds its home's
+    LOCK for its whole life and lends it to the store at the root (issue 34, item 4: it
+    used to release the LOCK for that store to take, and a store that failed to open left
+    the home unlocked beside the running daemon). Rejected: taking the LOCK again after a
+    failed open (another process may have taken it meanwhile)."""
+
+    def __init__(self, lock: HomeLock) -> None:
+        self.path = lock.path
+
+    def release(self) -> None:
+        pass
+
+
 def peek_layout(home: Path) -> PageLayout | None:
     """The page layout recorded in the index under ``home``, read without opening the store
     or taking the home (so it works while another process owns it), or None when ``home``
     holds no store. The one home-layout peek (``tierkv.home_layout``, the daemon's layouts)."""
-    from .index import peek_meta
+    from ..index import peek_meta
 
     raw = peek_meta(Path(home) / "index", "layout")
     return None if raw is None else PageLayout.from_dict(json.loads(raw))

@@ -8,12 +8,14 @@ sees only its own:
 
 * block requests (lookup, acquire, put, prefetch, priority) key under its namespaces, so it
   can neither hit nor probe another tenant's blocks;
-* manifests: save, get, list and delete see only its names;
+* manifests: save, get, list and delete see only its names; a manifest's namespace is stored
+  as the effective one (where its blocks are) and shown without the prefix;
 * ``stats`` lists only its namespaces (and no per-model-version counts, which would show
   which models other tenants serve); tier occupancy stays global;
 * ``invalidate`` without a namespace removes only its blocks;
 * ``verify`` (a full read of every disk page, with repair a quarantine across tenants)
-  is the daemon's own uid's.
+  and ``gc`` (which removes blocks of every tenant no named prefix keeps) are the daemon's
+  own uid's.
 
 Without ``namespace_per_uid`` the admitted peers share one store and nothing is rewritten.
 """
@@ -23,10 +25,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidNameError, NotPermittedError
-
-MAX_NAME = 200  # the store's manifest-name limit (operations.save_manifest), in characters
-MAX_NAME_BYTES = 400  # as UTF-8; LMDB refuses keys over 511 bytes (raw BadValsizeError before)
+from ..errors import NotPermittedError
+from ..manifest_names import MAX_NAME, check_name
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,16 @@ class Tenancy:
         prefix = self.manifest_prefix(uid)
         return {k[len(prefix):]: v for k, v in manifests.items() if k.startswith(prefix)}
 
+    def stored_manifest(self, uid: int, manifest: dict) -> dict:
+        """A manifest as the daemon stores it: its namespace the effective one, where the
+        tenant's blocks live (issue #34, item 5: kept as sent, ``gc --home`` looked for the
+        blocks under ``default`` and removed the tenant's pinned prefix). The inverse of
+        :meth:`visible_manifest`."""
+        ns = manifest.get("namespace")
+        if self.per_uid and isinstance(ns, str):
+            return {**manifest, "namespace": self.namespace(uid, ns)}
+        return manifest
+
     def visible_manifest(self, uid: int, manifest: dict) -> dict:
         """A manifest as its owner sees it: its namespace without the tenant prefix."""
         prefix = self.namespace_prefix(uid)
@@ -86,17 +96,3 @@ class Tenancy:
         if self.per_uid and uid != self.daemon_uid:
             raise NotPermittedError(f"{what} reads every tenant's blocks; under namespace_per_uid only the "
                                     f"daemon's uid ({self.daemon_uid}) may run it, not uid {uid}")
-
-
-def check_name(name: Any, max_len: int = MAX_NAME) -> None:
-    """InvalidNameError unless ``name`` is 1..max_len characters (at most MAX_NAME_BYTES
-    of UTF-8) without '/'. An empty or over-long name reached LMDB as a raw BadValsizeError
-    and a lone surrogate as a raw UnicodeEncodeError (issue 11, item 11)."""
-    if not isinstance(name, str) or not name or len(name) > max_len or "/" in name:
-        raise InvalidNameError(f"bad name {str(name)[:40]!r}: 1-{max_len} characters, no '/'")
-    try:
-        raw = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidNameError(f"bad name {name[:40]!r}: not valid UTF-8 (a lone surrogate?)") from None
-    if len(raw) > MAX_NAME_BYTES:
-        raise InvalidNameError(f"name of {len(raw)} UTF-8 bytes; at most {MAX_NAME_BYTES}")

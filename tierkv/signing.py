@@ -2,7 +2,7 @@
 
 KV pages cannot be checked without the model that made them (a forged page with a valid
 checksum is just as readable as a real one), so ``tierkv import`` trusts a bundle only when
-it is signed by a key the importer trusts (or when ``--verify-model`` recomputes a sample of
+it is signed by a key the importer trusts (or when ``--verify-model`` recomputes every one of
 its blocks). Keys are Ed25519 (the ``cryptography`` package): small, fast, deterministic
 signatures, no parameters to get wrong.
 
@@ -12,6 +12,13 @@ A keyring is a directory (the CLI picks it: ``--keys``, ``$TIERKV_KEYS`` or
     signing.key        this user's private key, 32 bytes as hex, mode 0600
     trusted/NAME.pub   a trusted public key, 32 bytes as hex (``self.pub`` is one's own)
 
+The keyring is refused (:class:`KeyringPermissionError`) when its directory, ``trusted/`` or
+any key file is writable by group or others, or owned by a user other than the caller or
+root, and ``signing.key`` when others can read it: the rule ssh applies to ``~/.ssh``. Issue
+#34, item 8: with a world-writable keyring directory another user planted a trusted key and
+root's ``tierkv import`` accepted a forged bundle. Checked on every read and every write,
+not only by ``tierkv doctor``: a keyring someone else can write vouches for nothing.
+
 Rejected: HMAC with a shared secret (every importer could then forge bundles of every
 exporter; a public key can be handed out freely), and GPG (an external tool and keyring).
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +42,54 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 class KeyringError(TierKVError):
     default_hint = "manage keys with `tierkv keys generate | trust NAME KEY | list`"
+
+
+class KeyringPermissionError(KeyringError):
+    """Another user could write the keyring (and so add a trusted key or replace the signing
+    key), or read the signing key."""
+
+
+def keyring_problems(directory: Path) -> list[tuple[Path, str]]:
+    """(path, what is wrong) for each part of the keyring at ``directory`` that another user
+    could write (or, for ``signing.key``, read): the directory, ``trusted/``, the signing key
+    and every file in ``trusted/``. Owned by the caller or root is fine (root can write
+    anything anyway). Follows symbolic links: what matters is the file that is read. Empty
+    when the keyring does not exist yet."""
+    uid = os.geteuid()
+    trusted = directory / "trusted"
+    parts: list[tuple[Path, int]] = [(directory, 0o022), (trusted, 0o022), (directory / "signing.key", 0o077)]
+    if trusted.is_dir():
+        parts += [(p, 0o022) for p in sorted(trusted.iterdir())]
+    out = []
+    for path, bad in parts:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in (uid, 0):
+            out.append((path, f"owned by uid {st.st_uid}, not {uid}"))
+        elif mode & bad:
+            out.append((path, f"mode {mode:04o} ({'readable' if bad == 0o077 else 'writable'} by others)"))
+    return out
+
+
+def check_keyring(directory: Path) -> None:
+    """KeyringPermissionError unless :func:`keyring_problems` finds nothing, with the
+    chmod/chown that fixes it."""
+    problems = keyring_problems(directory)
+    if not problems:
+        return
+    fixes = []
+    for path, what in problems:
+        if what.startswith("owned"):
+            fixes.append(f"chown {os.geteuid()} {path} (or remove it if you did not put it there)")
+        else:
+            fixes.append(f"chmod {'600' if path.name == 'signing.key' else 'go-w'} {path}")
+    raise KeyringPermissionError(
+        "refusing the keyring: another user could add a trusted key or sign as you: "
+        + "; ".join(f"{p} {w}" for p, w in problems),
+        hint="; ".join(fixes) + "; then check with `tierkv keys list` that every trusted key is one you added")
 
 
 @dataclass(frozen=True)
@@ -80,6 +136,7 @@ class Keyring:
             raise KeyringError(f"{self.signing_path} exists", hint="pass --force to replace it (old bundles stay "
                                                                "verifiable only where the old key is trusted)")
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_keyring(self.directory)
         key = Ed25519PrivateKey.generate()
         raw = key.private_bytes_raw()
         tmp = self.signing_path.with_name("signing.key.tmp")
@@ -95,6 +152,7 @@ class Keyring:
         return public
 
     def _signing_key(self) -> Ed25519PrivateKey:
+        check_keyring(self.directory)
         try:
             text = self.signing_path.read_text()
         except FileNotFoundError:
@@ -118,19 +176,32 @@ class Keyring:
         if len(public_key) != KEY_BYTES:
             raise KeyringError("an Ed25519 public key has 32 bytes")
         self.trusted_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_keyring(self.directory)
         path = self.trusted_dir / f"{name}.pub"
-        path.write_text(public_key.hex() + "\n")
+        # 0644 whatever the umask (a umask of 0 made it 0666, which the check then refuses);
+        # written beside and renamed, so a reader never sees half a key.
+        tmp = path.with_name(f".{name}.pub.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.fchmod(fd, 0o644)
+            os.write(fd, public_key.hex().encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
         return path
 
     def untrust(self, name: str) -> bool:
         path = self.trusted_dir / f"{name}.pub"
         if not NAME_RE.match(name) or not path.exists():
             return False
+        check_keyring(self.directory)
         path.unlink()
         return True
 
     def trusted(self) -> list[TrustedKey]:
         """Every trusted key; a damaged key file is an error (never silently skipped)."""
+        check_keyring(self.directory)
         if not self.trusted_dir.is_dir():
             return []
         out = []

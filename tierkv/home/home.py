@@ -1,13 +1,16 @@
-"""Every store of a home, opened in this process as one target: what the operations commands
-get with ``--home``, so that they reach every page layout of a home a daemon made
-(``HOME/layouts/<id>/``) exactly as ``--socket`` reaches them through the daemon.
+"""Every store of a home as one :class:`~tierkv.api.StoreAPI`: what the ``--home``
+commands open, so that they reach every page layout of a home a daemon made
+(``HOME/layouts/<id>/``), and what the daemon's cross-layout operations run on (a view over
+the stores it serves, the connection's own first: tierkv/daemon/operations.py), so that
+``--home`` and ``--socket`` answer by the same rules.
 
-:class:`HomeStores` answers as the daemon's operations do across its layouts
-(tierkv/daemon/operations.py): chains and manifests are found in whichever store holds them
-(a manifest naming its ``layout`` is saved in that layout's store), ``invalidate``,
-``verify``, ``check_integrity`` and ``stats`` cover every store, and ``stats`` has the
-daemon's shape (sums, with ``layouts``: each store's own figures). Like a daemon client
-that declared no layout, it stores and reads pages only when the home holds one layout.
+Chains and manifests are found in whichever store holds them (a manifest naming its
+``layout`` is saved in that layout's store), ``invalidate``, ``verify``,
+``check_integrity`` and ``stats`` cover every store, and ``stats`` has the daemon's shape
+(sums, with ``layouts``: each store's own figures). Like a daemon client that declared no
+layout, it stores and reads pages only when the home holds one layout. ``tierkv gc`` runs
+its rule (tierkv/gc.py) on a Home whether through ``--home`` or the daemon's GC, so both see
+every tenant's blocks and manifests (issue #34, item 5).
 
 Rejected: a command looping over the stores itself (each command would re-implement the
 daemon's rules, and ``--home`` and ``--socket`` would drift apart again); opening only the
@@ -24,9 +27,7 @@ import torch
 
 from ..api import StoreAPI
 from ..blocks import Priority
-from ..daemon.layouts import LAYOUTS_DIR, find_layouts, layout_id, merge_stats, remove_store_files
 from ..errors import ConfigError, NotFoundError
-from ..home import HomeLock
 from ..identity import Scope
 from ..layout import PageLayout
 from ..results import (
@@ -34,31 +35,25 @@ from ..results import (
     namespace_page,
 )
 from ..store import Store
+from .directory import find_layouts, layout_id, remove_store_files
+from .lock import HomeLock
+from .stats import merge_stats
 
 
-def store_home(home: Path, layout: PageLayout) -> Path:
-    """Where the store of ``layout`` lives in ``home``: where it is; else the root when the
-    root holds no store yet; else ``HOME/layouts/<id>`` (as a daemon would create it)."""
-    found = find_layouts(home)
-    for h, lo in found:
-        if lo == layout:
-            return h
-    if not any(h == home for h, _ in found):
-        return home
-    return home / LAYOUTS_DIR / layout_id(layout)
+class Home(StoreAPI):
+    """The stores of one home (root first). Build with :meth:`open`; the daemon builds a
+    view over the stores it serves (``own``: the connection's, which comes first and takes
+    a manifest that names no layout). A view does not own its stores: do not close it."""
 
-
-class HomeStores(StoreAPI):
-    """The stores of one home (root first). Build with :meth:`open`."""
-
-    def __init__(self, home: Path, stores: Sequence[Store]) -> None:
+    def __init__(self, home: Path, stores: Sequence[StoreAPI], own: StoreAPI | None = None) -> None:
         self.home = home
         self.stores = list(stores)
+        self.own = own
         self.layouts = tuple(layout_id(s.layout) for s in self.stores)
         self.layout: PageLayout | None = self.stores[0].layout if len(self.stores) == 1 else None
 
     @classmethod
-    def open(cls, home: Path, **options: Any) -> "HomeStores":
+    def open(cls, home: Path, **options: Any) -> "Home":
         """Open every store ``home`` holds (``options``: StoreConfig fields for each). Raises
         NotFoundError when it holds none, StoreLockedError/DaemonOwnsHomeError when another
         process has it."""
@@ -75,7 +70,7 @@ class HomeStores(StoreAPI):
             raise
         return cls(home, stores)
 
-    def store_for(self, layout: PageLayout) -> Store:
+    def store_for(self, layout: PageLayout) -> StoreAPI:
         """The store of ``layout``; ConfigError when the home holds none."""
         for s in self.stores:
             if s.layout == layout:
@@ -83,7 +78,7 @@ class HomeStores(StoreAPI):
         raise ConfigError(f"{self.home} holds no store of layout {layout_id(layout)} (it holds {', '.join(self.layouts)})")
 
     # ---- the data path: only with one layout (as a daemon client that declared none) --------
-    def _only(self) -> Store:
+    def _only(self) -> StoreAPI:
         if self.layout is None:
             raise ConfigError(f"{self.home} holds {len(self.stores)} page layouts ({', '.join(self.layouts)}); "
                               "storing or reading pages needs one", hint="open the layout's store with tierkv.open")
@@ -105,6 +100,10 @@ class HomeStores(StoreAPI):
                  block_extra: Sequence[Sequence[str | bytes]] | None = None) -> Future[int]:
         return self._only().prefetch(tokens, scope, block_extra)
 
+    def block_keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope, n_blocks: int | None = None,
+                   block_extra: Sequence[Sequence[str | bytes]] | None = None) -> list[bytes]:
+        return self._only().block_keys(tokens, scope, n_blocks, block_extra)
+
     def put(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, pages: torch.Tensor, scope: Scope, *,
             start_block: int = 0, block_extra: Sequence[Sequence[str | bytes]] | None = None,
             priority: Priority = Priority.NORMAL) -> PutResult:
@@ -115,7 +114,10 @@ class HomeStores(StoreAPI):
         return self._only().set_priority(tokens, scope, priority)
 
     # ---- chains: in the store that holds them (keys are unique across layouts) ------------
-    def _chain(self, last_key: bytes) -> tuple[Store, ChainTokens]:
+    def find_chain(self, last_key: bytes) -> tuple[StoreAPI, ChainTokens]:
+        """The store that holds the chain ending at ``last_key`` (keys are unique across
+        layouts: the model version names the layout), and its tokens. NotFoundError when
+        none does."""
         for s in self.stores:
             try:
                 return s, s.chain_tokens(last_key)
@@ -124,50 +126,58 @@ class HomeStores(StoreAPI):
         raise NotFoundError(f"block {last_key.hex()[:16]} is not stored")
 
     def chain_tokens(self, last_key: bytes) -> ChainTokens:
-        return self._chain(last_key)[1]
+        return self.find_chain(last_key)[1]
 
     def chain_residency(self, last_key: bytes) -> Residency:
         try:
-            s, _ = self._chain(last_key)
+            s, _ = self.find_chain(last_key)
         except NotFoundError:
             return Residency()
         return s.chain_residency(last_key)
 
     def set_priority_from(self, last_key: bytes, priority: Priority) -> int:
         try:
-            s, _ = self._chain(last_key)
+            s, _ = self.find_chain(last_key)
         except NotFoundError:
             return 0
         return s.set_priority_from(last_key, priority)
 
     # ---- manifests -------------------------------------------------------------------------
-    def save_manifest(self, name: str, manifest: dict[str, Any]) -> None:
+    def manifest_store(self, manifest: dict[str, Any]) -> StoreAPI:
+        """Where a manifest is saved: the store of the layout it names (``layout``, as
+        materialize writes), else the view's own store, else the only one."""
         raw = manifest.get("layout")
-        target = None
         if isinstance(raw, dict):
             try:
-                target = self.store_for(PageLayout.from_dict(raw))
+                return self.store_for(PageLayout.from_dict(raw))
             except (ConfigError, ValueError, TypeError, KeyError):
-                target = None
-        if target is None and self.layout is None:
+                pass
+        if self.own is not None:
+            return self.own
+        if self.layout is None:
             raise ConfigError(f"the manifest names no layout that {self.home} holds, and it holds several",
                               hint="give the manifest its 'layout' (as materialize writes it)")
-        (target or self.stores[0]).save_manifest(name, manifest)
+        return self.stores[0]
 
-    def _all_manifests(self) -> dict[str, tuple[Store, dict[str, Any]]]:
-        out: dict[str, tuple[Store, dict[str, Any]]] = {}
-        for s in reversed(self.stores):  # the root's wins a name two stores hold, as in the daemon
+    def save_manifest(self, name: str, manifest: dict[str, Any]) -> None:
+        self.manifest_store(manifest).save_manifest(name, manifest)
+
+    def manifests(self) -> dict[str, tuple[StoreAPI, dict[str, Any]]]:
+        """Name -> (store, manifest) over every store; the first store's wins a name two
+        stores hold (the root's here, the connection's own in the daemon)."""
+        out: dict[str, tuple[StoreAPI, dict[str, Any]]] = {}
+        for s in reversed(self.stores):
             out.update({k: (s, v) for k, v in s.list_manifests().items()})
         return out
 
     def get_manifest(self, name: str) -> dict[str, Any]:
-        every = self._all_manifests()
+        every = self.manifests()
         if name not in every:
             raise NotFoundError(f"no prefix named {name!r} (known: {', '.join(sorted(every)) or 'none'})")
         return every[name][1]
 
     def list_manifests(self) -> dict[str, dict[str, Any]]:
-        return {k: v for k, (_, v) in self._all_manifests().items()}
+        return {k: v for k, (_, v) in self.manifests().items()}
 
     def delete_manifest(self, name: str) -> bool:
         return any([s.delete_manifest(name) for s in self.stores])  # a list: every store, not the first
@@ -190,7 +200,7 @@ class HomeStores(StoreAPI):
         the namespaces paged as :meth:`tierkv.api.StoreAPI.stats` says (each layout's
         figures carry the namespaces of the page only), as the daemon answers."""
         namespace_page({}, namespace_limit, namespace_after)  # ValueError on a bad limit, as the Store's
-        merged = merge_stats({lid: s.stats().as_dict() for lid, s in zip(self.layouts, self.stores)}, str(self.home))
+        merged = self.merged_stats()
         merged["namespaces"], after = namespace_page(merged["namespaces"], namespace_limit, namespace_after)
         if after is not None:
             merged["namespaces_next"] = after
@@ -198,6 +208,11 @@ class HomeStores(StoreAPI):
                                                         if ns in merged["namespaces"]}}
                              for lid, ls in merged["layouts"].items()}
         return StoreStats.from_dict(merged)
+
+    def merged_stats(self) -> dict[str, Any]:
+        """Every store's stats summed (the JSON shape of StoreStats), with ``layouts``: the
+        same figures per layout id, every namespace (unpaged)."""
+        return merge_stats({lid: s.stats().as_dict() for lid, s in zip(self.layouts, self.stores)}, str(self.home))
 
     def remove_layout(self, lid: str) -> RemoveLayoutResult:
         """Close the store of layout ``lid`` and delete its files, as the daemon's
@@ -207,7 +222,10 @@ class HomeStores(StoreAPI):
             raise NotFoundError(f"{self.home} holds no layout {lid} (it holds {', '.join(self.layouts)})",
                                 hint="list them with `tierkv layouts`")
         i = self.layouts.index(lid)
-        store = self.stores.pop(i)
+        store = self.stores[i]
+        if not isinstance(store, Store):
+            raise ConfigError(f"layout {lid} is served by a daemon", hint="tierkv layouts rm --socket")
+        self.stores.pop(i)
         self.layouts = self.layouts[:i] + self.layouts[i + 1:]
         stats = store.stats()
         store_home = Path(store.config.home)
@@ -236,7 +254,7 @@ class HomeStores(StoreAPI):
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> "HomeStores":
+    def __enter__(self) -> "Home":
         return self
 
     def __exit__(self, *exc: object) -> None:
