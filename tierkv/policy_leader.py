@@ -59,6 +59,7 @@ class Shadow:
     ``_insert``, ``_victim``, ``_dropped``, ``_after``, ``candidates``, ``head``)."""
 
     name = ""
+    baseline = True  # one of issue #33's baselines (the leader must not fall behind these)
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
@@ -266,6 +267,8 @@ class LRU2Shadow(Shadow):
         heap = self._heap
         while heap and not self._valid(heap[0]):
             heapq.heappop(heap)  # re-ranked keys leave old, low entries at the front
+        if heap and ok(heap[0][1]):
+            return heap[0][1]  # the usual case: the first of candidates(), without the walk
         for k in self.candidates():
             if ok(k):
                 return k
@@ -317,6 +320,7 @@ class PolicyShadow(Shadow):
         super().__init__(capacity)
         self.name = order.name
         self.order = order
+        self.baseline = False
 
     def _hit(self, keys: list[Key]) -> None:
         self.order.touch(keys[::-1], True)
@@ -364,6 +368,7 @@ class LeaderPolicy(EvictionPolicy):
         self.margin = margin
         self.leader = 0  # lru until the trace says otherwise (all agree until the tier fills)
         self.switches = 0
+        self.hits = 0  # the tier's own hits (the keys of touch(hit=True)), since the start
         self._real: dict[Key, None] = {}  # the tier's keys
         self._strays: OrderedDict[Key, None] = OrderedDict()  # ... that the leader does not hold
         self._open = False  # a request is open (see the module docstring)
@@ -399,12 +404,11 @@ class LeaderPolicy(EvictionPolicy):
             del self._strays[key]
 
     def _switch(self) -> None:
-        """At a request boundary: hand the lead to the best-scoring shadow if it is ahead of
-        the leader by more than ``margin``; the blocks the new leader does not hold become
-        strays (those already strays first, then in the old leader's order)."""
-        s = self.scores
-        best = max(range(len(s)), key=lambda j: (s[j], j == self.leader))
-        if best == self.leader or s[best] <= s[self.leader] * (1.0 + self.margin):
+        """At a request boundary: pick the leader (``_choose``) and, if it changes, make
+        the blocks the new leader does not hold strays (those already strays first, then in
+        the old leader's order)."""
+        best = self._choose()
+        if best == self.leader:
             return
         old, new = self.shadows[self.leader], self.shadows[best].resident
         real = self._real
@@ -418,6 +422,20 @@ class LeaderPolicy(EvictionPolicy):
         self._strays = strays
         self.leader = best
         self.switches += 1
+
+    def _choose(self) -> int:
+        """The bank: the recent (decayed) leader only while the tier's hits since the start
+        are ahead of every baseline shadow's, i.e. a switch is paid from hits already won;
+        otherwise the shadow with the most hits since the start. Following the recent leader
+        everywhere lost the switches where the lead changed on noise (docs/eviction.md)."""
+        lead, shadows = self.leader, self.shadows
+        best_baseline = max(s.hits for s in shadows if s.baseline)
+        if self.hits > best_baseline:  # ahead: the recent leader, past the margin
+            s = self.scores
+            best = max(range(len(s)), key=lambda j: (s[j], j == lead))
+            return best if s[best] > s[lead] * (1.0 + self.margin) else lead
+        best = max(range(len(shadows)), key=lambda j: (shadows[j].hits, j == lead))
+        return best if shadows[best].hits > shadows[lead].hits else lead
 
     # ---- the table's calls ----
     def add(self, key: Key, hint: int = HINT_FRESH) -> None:
@@ -444,6 +462,7 @@ class LeaderPolicy(EvictionPolicy):
             return
         if hit:
             self._begin()
+            self.hits += len(keys)
             for k in reversed(keys):
                 self._see(k)
         elif self._open:
