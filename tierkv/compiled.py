@@ -25,7 +25,8 @@ from typing import Mapping, NamedTuple, Sequence
 # modules fail or crash at named fault points instead (tierkv/faults.py).
 MODULES: tuple[str, ...] = (
     "tierkv.blocks", "tierkv.checksum", "tierkv.faults", "tierkv.holds", "tierkv.ingest", "tierkv.leasing",
-    "tierkv.matching", "tierkv.placement", "tierkv.policy", "tierkv.policy_mix", "tierkv.tiers.base",
+    "tierkv.matching", "tierkv.placement", "tierkv.policy", "tierkv.policy_leader", "tierkv.policy_mix",
+    "tierkv.tiers.base",
 )
 MANIFEST = "_native.json"  # written by setup.py beside the package; read by tierkv/native.py
 

@@ -369,17 +369,17 @@ class LeaderPolicy(EvictionPolicy):
         self.leader = 0  # lru until the trace says otherwise (all agree until the tier fills)
         self.switches = 0
         self.hits = 0  # the tier's own hits (the keys of touch(hit=True)), since the start
-        self._real: dict[Key, None] = {}  # the tier's keys
+        self._in_tier: dict[Key, None] = {}  # the tier's keys (not "_real": mypyc names it __real, a GCC keyword)
         self._strays: OrderedDict[Key, None] = OrderedDict()  # ... that the leader does not hold
         self._open = False  # a request is open (see the module docstring)
         self._added = False  # ... and an add has continued it
         self.ghost_hits = 0
 
     def __len__(self) -> int:
-        return len(self._real)
+        return len(self._in_tier)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._real
+        return key in self._in_tier
 
     # ---- requests, as the shadows see them ----
     def _begin(self) -> None:
@@ -398,7 +398,7 @@ class LeaderPolicy(EvictionPolicy):
                 scores[j] += 1.0
         lead = self.shadows[self.leader]
         v = lead.evicted
-        if v is not None and v in self._real:
+        if v is not None and v in self._in_tier:
             self._strays[v] = None
         if key in self._strays and key in lead.resident:
             del self._strays[key]
@@ -411,7 +411,7 @@ class LeaderPolicy(EvictionPolicy):
         if best == self.leader:
             return
         old, new = self.shadows[self.leader], self.shadows[best].resident
-        real = self._real
+        real = self._in_tier
         strays: OrderedDict[Key, None] = OrderedDict((k, None) for k in self._strays if k not in new)
         for k in old.candidates():
             if k in real and k not in new:
@@ -443,7 +443,7 @@ class LeaderPolicy(EvictionPolicy):
             self._begin()  # a put that found no prefix: a request of its own
         self._added = True
         self._see(key, bool(hint & HINT_TAIL))
-        self._real[key] = None
+        self._in_tier[key] = None
         if key not in self.shadows[self.leader].resident:
             self._strays[key] = None
         d = self.decay
@@ -452,7 +452,7 @@ class LeaderPolicy(EvictionPolicy):
             scores[j] *= d
 
     def remove(self, key: Key, evicted: bool = False) -> str:
-        self._real.pop(key, None)
+        self._in_tier.pop(key, None)
         if self._strays.pop(key, 0) is None:
             return "stray"
         return self.shadows[self.leader].name
@@ -472,7 +472,7 @@ class LeaderPolicy(EvictionPolicy):
 
     def candidates(self) -> Iterator[Key]:
         yield from self._strays
-        real = self._real
+        real = self._in_tier
         lead = self.shadows[self.leader]
         for k in lead.candidates():
             if k in real:
@@ -488,7 +488,7 @@ class LeaderPolicy(EvictionPolicy):
         lead = self.shadows[self.leader]
         if lead.resident:
             k = lead.head()
-            if k in self._real:
+            if k in self._in_tier:
                 return k
         return next(self.candidates())
 
@@ -496,12 +496,12 @@ class LeaderPolicy(EvictionPolicy):
         return "stray" if key in self._strays else self.shadows[self.leader].name
 
     def keys(self) -> set[Key]:
-        return set(self._real)
+        return set(self._in_tier)
 
     def check_integrity(self) -> None:
         for s in self.shadows:
             s.check_integrity()
         held = self.shadows[self.leader].resident
-        assert set(self._strays) == {k for k in self._real if k not in held}, (
+        assert set(self._strays) == {k for k in self._in_tier if k not in held}, (
             "strays are not the tier's blocks the leader does not hold")
         assert all(x >= 0.0 for x in self.scores)

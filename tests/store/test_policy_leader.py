@@ -104,7 +104,7 @@ def test_switch_happens_only_at_a_request_boundary_and_strays_go_first():
     assert pol.leader == 1 and pol.switches == 1
     pol.check_integrity()
     # A block the leader does not hold is a stray, and strays are offered first.
-    pol._real[99] = None
+    pol._in_tier[99] = None
     pol._strays[99] = None
     assert pol.head() == 99 and next(pol.candidates()) == 99 and pol.segment(99) == "stray"
     assert pol.remove(99, evicted=True) == "stray"
