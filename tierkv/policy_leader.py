@@ -16,8 +16,11 @@ leaf-first victims and the rules of :func:`tierkv.traces.simulate_lru` /
 So while the leader does not change the tier holds what the leader's shadow holds, and
 its hits are the leader's; after a switch the strays go first and the tier converges on
 the new leader's contents within about one turnover. The leader changes only at a request
-boundary and only when another shadow's score exceeds the leader's by ``margin`` (a
-switch costs the blocks the two disagree on).
+boundary, by *the bank* (``_choose``): while the tier's own hits since the start exceed
+every baseline shadow's, the shadow whose decayed score exceeds the leader's by ``margin``
+leads (switches are paid from hits already won); otherwise the shadow with the most hits
+since the start. The decayed leader alone took leads on a handful of hits and lost them
+again (worst develop row -0.0047; with the bank -0.0013).
 
 What a shadow sees: the table's calls, read as requests. ``touch(keys, hit=True)`` starts a
 request (its keys, root first, are the first of the request's chain); the ``add`` calls that
@@ -34,13 +37,13 @@ Metadata: each shadow holds up to ``capacity`` keys; the ``lru2-history`` shadow
 remembers the last use of up to ``history_factor`` x capacity evicted keys (the reference
 remembers every key of the trace, which no store can), the ``arc`` shadow its ghosts.
 
-Chosen on the develop set and the shared synthetic trace (24 rows, docs/eviction.md):
-without the ``arc`` shadow, 7 rows below the best baseline (worst -0.0038, sum of the
-differences +0.008); with it 3 (worst -0.0046, sum +0.060). Half-life 1 / 2 / 4 / 8 / 16
-and margin 0 / 0.01 / 0.02 / 0.05 were tried: short half-lives and no margin switch tens of
-times at 1% of the distinct blocks and lose the switches' cost; long ones and wide margins
-stay too long with LRU where an LRU-2 wins (worst rows -0.005 to -0.007). Also tried and
-dropped: strays that another shadow holds offered after the others (no change).
+Chosen on the develop set and the shared synthetic trace (24 rows, docs/eviction.md has
+the figures): the ``arc`` shadow beside the three baselines, half-life 8, margin 0.01 (other
+half-lives 1-16 and margins 0-0.05 switched too often or stayed too long with LRU), then the
+bank. Tried and dropped: the most hits since the start alone, a wider margin for ``arc``,
+hysteresis on the since-the-start lead, a lead change only when the advantage exceeds the
+blocks the two shadows disagree on times the hit rate, and strays that another shadow holds
+offered after the others.
 """
 from __future__ import annotations
 
