@@ -21,6 +21,7 @@ import tierkv
 import tierkv.core.blocks
 import tierkv.core.ingest
 from tierkv import compiled, native
+from tierkv.core.policy import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXT = importlib.machinery.EXTENSION_SUFFIXES[0]
@@ -115,7 +116,7 @@ def test_plain_python_and_compiled_stores_give_the_same_hits():
     assert plain["native"]["compiled"] == []
     assert compiled["native"]["compiled"] == native.check(env={})[0]  # this install's build, if any
     rows = lambda r: [(x["capacity"], x["policy"], x["block_hit_rate"]) for x in r["rows"] if x["kind"] == "store"]  # noqa: E731
-    assert rows(compiled) == rows(plain) and len(rows(plain)) == 8  # 2 capacities x (lru, arc, lru2, mix)
+    assert rows(compiled) == rows(plain) and len(rows(plain)) == 2 * len(POLICIES)  # 2 capacities x every policy
 
 
 def test_a_leftover_extension_that_the_manifest_does_not_list_imports_from_source(tmp_path, monkeypatch):

@@ -70,7 +70,7 @@ class StoreConfig:
     # restart 196-228 ms instead of 87-97 ms, docs/performance-history.md); once a tier is
     # used, the same thread faults it in only 64 MiB ahead of its use (tiers/memory.py).
     populate_memory: bool = False
-    eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "arc" (adaptive), "lru", "lru2" or "mix"
+    eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "arc" (adaptive), "lru", "lru2", "mix" or "leader"
     # tierkv/codec.py: how the host and disk tiers store pages, "none" (exact) or "int8";
     # fixed when the home is created. None: the home's codec ("none" for a new home).
     page_codec: str | None = None

@@ -16,7 +16,8 @@ keeps the same invariants. The table calls, with the store lock held:
 
 Two policies here, two more in :mod:`tierkv.core.policy_mix` (``lru2``: LRU-2 with a bounded
 history of evicted blocks; ``mix``: a regret-weighted choice between ``arc`` and ``lru2``,
-issue #33):
+issue #33) and one in :mod:`tierkv.core.policy_leader` (``leader``: exact shadow caches of LRU
+and both LRU-2s, victims from the one with the most recent hits, issue #33):
 
 ``lru``: the original rule. One recency list; a touched chain moves leaf first, root last,
 so a prefix is always more recent than its extensions and the head is normally a leaf.
@@ -78,7 +79,7 @@ HINT_TAIL = 2  # bit: the block is the last one of its put (the deepest of the r
 # replays of these same classes. Any rather than bytes: compiled (setup.py), an annotation
 # is a type check at every call.
 Key = Any
-POLICIES = ("lru", "arc", "lru2", "mix")  # the last two: tierkv/core/policy_mix.py
+POLICIES = ("lru", "arc", "lru2", "mix", "leader")  # lru2, mix: core/policy_mix.py; leader: core/policy_leader.py
 DEFAULT_POLICY = "arc"
 _SEEN = -1  # an ARC list's value for a key seen again since it entered (no insertion class)
 _NOT_LISTED = -2  # pop()'s default: the key is not in that list (an int: no boxing, compiled)

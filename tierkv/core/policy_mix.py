@@ -256,4 +256,7 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
         return LRU2Policy(capacity)
     if name == "mix":
         return MixPolicy(capacity)
+    if name == "leader":
+        from .policy_leader import LeaderPolicy  # here: policy_leader builds on this module's package
+        return LeaderPolicy(capacity)
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")

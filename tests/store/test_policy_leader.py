@@ -1,0 +1,138 @@
+"""tierkv/core/policy_leader.py: each shadow replays its reference exactly, the leader is the
+shadow with the most recent hits (switching only past the margin, at a request boundary),
+the tier converges on the leader's contents, and the order's invariants (the store-level
+ones, leaf first, leases and pins, and store == model, run for every policy in
+tests/store/test_policy.py)."""
+from __future__ import annotations
+
+import random
+
+from tierkv.core.policy import HINT_CONTINUATION
+from tierkv.core.policy_leader import LeaderPolicy
+from tierkv.traces import Request, _replay, simulate_belady, simulate_lru, simulate_lru2, simulate_policy
+
+from .kit import random_tree_trace
+
+
+def _replay_leader(trace: list[Request], capacity: int, **kw: float) -> tuple[LeaderPolicy, int]:
+    """simulate_policy with a LeaderPolicy we keep (its shadows' hits are read after)."""
+    pol = LeaderPolicy(capacity, **kw)
+    res = _replay(trace, capacity,
+                  on_hit=lambda r, ks: pol.touch(ks[::-1], True),
+                  on_insert=lambda r, x, i, hint: pol.add(x, hint),
+                  victim=lambda ok: next((k for k in pol.candidates() if ok(k)), None),
+                  on_evict=lambda x: pol.remove(x, True),
+                  after=lambda r, ks: pol.touch(ks[::-1], False))
+    pol.check_integrity()
+    return pol, sum(res.hits)
+
+
+def _hot_between_one_offs(n: int = 90) -> list[Request]:
+    """A 4-block prefix every third request, one-off 4-block requests between: LRU loses the
+    prefix to every pair of one-offs, LRU-2 keeps it."""
+    out, u = [], 100
+    for i in range(n):
+        if i % 3 == 0:
+            out.append(Request(tuple(range(4)), 4 * 512))
+        else:
+            out.append(Request(tuple(range(u, u + 4)), 4 * 512))
+            u += 10
+    return out
+
+
+def test_each_shadow_equals_its_reference_request_by_request():
+    for seed in range(12):
+        trace = random_tree_trace(random.Random(seed), 60)
+        for cap in (3, 6, 10):
+            # history_factor large enough to remember every block: lru2-history is exact too.
+            pol, _ = _replay_leader(trace, cap, history_factor=100.0)
+            lru, lru2, hist, arc = pol.shadows
+            assert arc.hits == sum(simulate_policy(trace, cap, "arc").hits), (seed, cap)
+            assert lru.hits == sum(simulate_lru(trace, cap).hits), (seed, cap)
+            assert lru2.hits == sum(simulate_lru2(trace, cap).hits), (seed, cap)
+            assert hist.hits == sum(simulate_lru2(trace, cap, keep_history=True).hits), (seed, cap)
+
+
+def test_leader_leaves_lru_on_a_hot_prefix_between_one_offs_and_the_tier_follows():
+    trace = _hot_between_one_offs()
+    assert sum(simulate_lru(trace, 8).hits) == 0
+    pol, hits = _replay_leader(trace, 8)
+    assert pol.shadows[pol.leader].name != "lru" and pol.switches >= 1
+    assert hits >= 0.8 * sum(simulate_lru2(trace, 8).hits)
+    # Once it leads, the tier holds what the leader's shadow holds: no strays left.
+    assert not pol._strays and pol.keys() == set(pol.shadows[pol.leader].resident)
+
+
+def test_margin_holds_the_recent_lead_while_the_tier_is_ahead_of_the_baselines():
+    # The bank (LeaderPolicy._choose): ahead of every baseline shadow's hits since the start,
+    # the recent (decayed) leader leads, past the margin; not ahead, the most hits since the
+    # start, whatever the recent scores.
+    pol = LeaderPolicy(capacity=4, margin=0.5)
+    lru, lru2, hist, arc = pol.shadows
+    lru.hits, lru2.hits, hist.hits, arc.hits = 10, 12, 11, 9
+    pol.scores = [1.0, 1.0, 1.0, 9.0]
+    pol.hits = 12  # level with the best baseline: not ahead
+    assert pol._choose() == 1  # lru2: the most hits since the start
+    pol.hits = 13  # ahead: the recent leader (arc, far past the margin)
+    assert pol._choose() == 3
+    pol.scores = [1.0, 1.0, 1.0, 1.4]  # arc ahead, but within the margin: lru keeps the lead
+    assert pol._choose() == 0
+    pol.leader = 3
+    arc.hits = 13  # arc leads on both counts: it keeps the lead either way
+    pol.hits = 0
+    assert pol._choose() == 3
+
+
+def test_the_tier_tracks_the_best_shadow_on_a_trace_where_one_baseline_wins_throughout():
+    # A hot prefix between one-offs: lru2 (and lru2-history) keep it, lru loses it to every
+    # pair of one-offs. The tier ends within the switches' cost of the best shadow.
+    trace = _hot_between_one_offs(300)
+    pol, hits = _replay_leader(trace, 8)
+    best = max(s.hits for s in pol.shadows)
+    assert pol.shadows[pol.leader].hits == best
+    assert hits >= best - 8  # at most one tier's worth lost to the one switch
+
+
+def test_switch_happens_only_at_a_request_boundary_and_strays_go_first():
+    pol = LeaderPolicy(capacity=4, margin=0.0)
+    for k in (1, 2):  # one request: a fresh chain 1-2
+        pol.add(k, 0 if k == 1 else 0)
+    pol.touch([2, 1], False)
+    pol.shadows[1].hits = 5  # lru2 ahead (and the tier not): nothing changes until the next request begins
+    assert pol.leader == 0
+    pol.add(3, 0)  # a put that found no prefix: a new request, so the switch happens here
+    assert pol.leader == 1 and pol.switches == 1
+    pol.check_integrity()
+    # A block the leader does not hold is a stray, and strays are offered first.
+    pol._in_tier[99] = None
+    pol._strays[99] = None
+    assert pol.head() == 99 and next(pol.candidates()) == 99 and pol.segment(99) == "stray"
+    assert pol.remove(99, evicted=True) == "stray"
+    pol.check_integrity()
+
+
+def test_an_add_with_the_continuation_hint_continues_the_request_a_hit_opened():
+    pol = LeaderPolicy(capacity=10)
+    pol.add(1, 0)
+    pol.touch([1], False)
+    pol.touch([1], True)  # request 2 hits 1 ...
+    pol.add(2, HINT_CONTINUATION)  # ... and stores 2 after it: one request, 2 a child of 1
+    for s in pol.shadows:
+        assert s.request == 2 and s.resident[2] == 1 and s.hits == 1
+    pol.touch([2, 1], False)  # the put's end
+    pol.touch([1], True)  # request 3: a hit and no put
+    pol.add(7, 0)  # a put that found no prefix (no continuation hint): request 4, 7 a root
+    assert all(s.request == 4 and s.resident[7] is None and s.hits == 2 for s in pol.shadows)
+    pol.check_integrity()
+
+
+def test_candidates_do_not_mutate_head_is_first_and_never_beats_belady():
+    for seed in range(6):
+        trace = random_tree_trace(random.Random(seed), 60)
+        for cap in (3, 6, 10):
+            pol, hits = _replay_leader(trace, cap)
+            before = list(pol.candidates())
+            assert before == list(pol.candidates()) and set(before) == pol.keys() and len(before) == len(pol)
+            assert pol.head() == before[0]
+            assert hits <= sum(simulate_belady(trace, cap).hits)
+            assert hits == sum(simulate_policy(trace, cap, "leader").hits)

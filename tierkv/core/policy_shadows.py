@@ -1,0 +1,325 @@
+"""Shadow caches for ``leader`` (:mod:`tierkv.core.policy_leader`): one baseline's cache of
+the tier's capacity replayed beside the tier from the block table's calls, metadata only.
+
+What a shadow sees: the table's calls, read as requests. ``touch(keys, hit=True)`` starts a
+request (its keys, root first, are the first of the request's chain); the ``add`` calls that
+follow continue it (``add`` without :data:`HINT_CONTINUATION` and no ``add`` yet starts a
+request of its own: a put that found no prefix); ``touch(hit=False)`` (after a put) ends
+it. In each shadow the chain is a hit as far as the shadow holds its prefix; the hits are
+touched when the prefix breaks, then the rest is inserted, evicting the shadow's own victim
+(never a block of the request, never a block with a resident child), as the references
+do. In a store with one tier and one priority class (``scripts/replay_trace.py``) a shadow's
+hits equal its reference's request by request (a test); with several classes or tiers each
+policy's shadows see every chain touched, so they approximate.
+
+Metadata: each shadow holds up to ``capacity`` keys; the ``lru2-history`` shadow also
+remembers the last use of up to ``history_factor`` x capacity evicted keys (the reference
+remembers every key of the trace, which no store can), the ``arc`` shadow its ghosts.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Callable, Iterator
+
+from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, EvictionPolicy, Key
+
+_NO_USE = -1  # a block's second-to-last use before it has one
+
+
+class Shadow:
+    """One baseline's cache of ``capacity`` keys replayed from the table's calls. Residency
+    (key -> parent) and child counts here; the order in the subclasses (``_hit``,
+    ``_insert``, ``_victim``, ``_dropped``, ``_after``, ``candidates``, ``head``)."""
+
+    name = ""
+    baseline = True  # one of issue #33's baselines (the leader must not fall behind these)
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.resident: dict[Key, Key] = {}  # key -> its parent (None for a root)
+        self._kids: dict[Key, int] = {}  # resident key -> resident children
+        self.request = 0  # requests begun
+        self.hits = 0  # blocks hit, over the whole replay
+        self.evicted: Key = None  # the victim of the last see(), None if none
+        self.hint = HINT_FRESH  # the insertion class of the last key inserted
+        self._chain: list[Key] = []
+        self._protect: set[Key] = set()
+        self._pending: list[Key] = []  # hits not yet touched, root first
+        self._missed = False  # the request's prefix broke in this shadow
+        self._broken = False  # an insertion found no victim: the rest is not placed
+        self._open = False
+
+    def begin(self) -> None:
+        """Start a request (ending the open one)."""
+        self.end()
+        self.request += 1
+        self._chain, self._protect, self._pending = [], set(), []
+        self._missed = self._broken = False
+        self._open = True
+
+    def see(self, key: Key, tail: bool = False) -> bool:
+        """The next key of the open request's chain: a hit (True) while the shadow holds
+        the prefix so far; otherwise inserted, evicting (``evicted``) if full. ``tail``:
+        the key is the last of its put (for an order that classes insertions)."""
+        self.evicted = None
+        depth = len(self._chain)
+        parent = self._chain[-1] if depth else None
+        self._chain.append(key)
+        self._protect.add(key)
+        resident = self.resident
+        if not self._missed:
+            if key in resident:
+                self._pending.append(key)
+                self.hits += 1
+                return True
+            self._missed = True
+            if self._pending:
+                self._hit(self._pending)
+        if self._broken or key in resident:
+            return False
+        if len(resident) >= self.capacity:
+            protect, kids = self._protect, self._kids
+            v = self._victim(lambda k: k not in protect and kids[k] == 0)
+            if v is None:
+                self._broken = True
+                return False
+            self._drop(v)
+            self.evicted = v
+        resident[key] = parent
+        self._kids[key] = 0
+        if parent is not None and parent in resident:
+            self._kids[parent] += 1
+        # The insertion class as the references give it: the request found a prefix here.
+        self.hint = (HINT_CONTINUATION if self._pending else HINT_FRESH) | (HINT_TAIL if tail else 0)
+        self._insert(key, depth)
+        return False
+
+    def end(self) -> None:
+        """End the open request: its hits touched if not yet, then the re-ordering after a
+        put (the request's resident keys)."""
+        if not self._open:
+            return
+        self._open = False
+        if not self._missed and self._pending:
+            self._hit(self._pending)
+        self._after([k for k in self._chain if k in self.resident])
+
+    def _drop(self, v: Key) -> None:
+        p = self.resident.pop(v)
+        del self._kids[v]
+        if p is not None and p in self.resident:
+            self._kids[p] -= 1
+        self._dropped(v)
+
+    # ---- the order ----
+    def _hit(self, keys: list[Key]) -> None:
+        raise NotImplementedError
+
+    def _insert(self, key: Key, depth: int) -> None:
+        raise NotImplementedError
+
+    def _victim(self, ok: Callable[[Key], bool]) -> Key:
+        raise NotImplementedError
+
+    def _dropped(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def _after(self, keys: list[Key]) -> None:
+        raise NotImplementedError
+
+    def candidates(self) -> Iterator[Key]:
+        """The resident keys, this baseline's victim first."""
+        raise NotImplementedError
+
+    def head(self) -> Key:
+        raise NotImplementedError
+
+    def check_integrity(self) -> None:
+        res = self.resident
+        assert len(res) <= self.capacity, f"shadow {self.name} over its capacity"
+        kids = {k: 0 for k in res}
+        for k, p in res.items():
+            if p is not None and p in res:
+                kids[p] += 1
+        assert kids == self._kids, f"shadow {self.name}: child counts out of step"
+        assert set(self.candidates()) == set(res), f"shadow {self.name}: order and residency disagree"
+
+
+class LRUShadow(Shadow):
+    """:func:`tierkv.traces.simulate_lru`: chains touched leaf first, root last."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def _touch(self, keys: list[Key]) -> None:
+        to_end = self._order.move_to_end
+        for k in reversed(keys):
+            to_end(k)
+
+    def _hit(self, keys: list[Key]) -> None:
+        self._touch(keys)
+
+    def _after(self, keys: list[Key]) -> None:
+        self._touch(keys)
+
+    def _insert(self, key: Key, depth: int) -> None:
+        self._order[key] = None
+
+    def _victim(self, ok: Callable[[Key], bool]) -> Key:
+        for k in self._order:
+            if ok(k):
+                return k
+        return None
+
+    def _dropped(self, key: Key) -> None:
+        del self._order[key]
+
+    def candidates(self) -> Iterator[Key]:
+        return iter(self._order)
+
+    def head(self) -> Key:
+        return next(iter(self._order))
+
+
+class LRU2Shadow(Shadow):
+    """:func:`tierkv.traces.simulate_lru2`: the oldest second-to-last use (by request) goes
+    first, blocks used in one request before any used in two, deeper first on a tie.
+    ``history`` > 0: an evicted key's last use is remembered (up to ``history`` keys, oldest
+    forgotten first), so a returning block ranks by it (``lru2-history``)."""
+
+    def __init__(self, capacity: int, history: int = 0) -> None:
+        super().__init__(capacity)
+        self.name = "lru2-history" if history else "lru2"
+        self.history = history
+        self._uses: dict[Key, tuple[int, int]] = {}  # resident key -> (second-to-last, last use)
+        self._prio: dict[Key, tuple[int, int, int]] = {}
+        self._depth: dict[Key, int] = {}
+        self._heap: list[tuple[tuple[int, int, int], Key]] = []  # lazy: stale entries skipped
+        self._evicted: OrderedDict[Key, int] = OrderedDict()  # evicted key -> last use
+        self._deferred: list[Key] = []  # keys of the open request, ranked but not in the heap
+
+    def _set(self, key: Key, prio: tuple[int, int, int]) -> None:
+        # Only keys of the open request get a new rank, and none of them may go while it is
+        # open: their heap entries wait for the request's end (_after). Pushed at once, a
+        # chain just hit sat at the heap's front, ranked by its previous use, and every
+        # eviction of the request walked past it (10x slower on develop:sessions at 10%).
+        self._prio[key] = prio
+        self._deferred.append(key)
+
+    def _after(self, keys: list[Key]) -> None:
+        prio, heap = self._prio, self._heap
+        for k in self._deferred:
+            p = prio.get(k)
+            if p is not None:
+                heapq.heappush(heap, (p, k))
+        self._deferred = []
+        if len(heap) > 2 * len(prio) + 64:  # mostly stale: rebuild from the truth
+            self._heap = [(p, k) for k, p in prio.items()]
+            heapq.heapify(self._heap)
+
+    def _hit(self, keys: list[Key]) -> None:
+        r, uses, depth = self.request, self._uses, self._depth
+        for k in keys:
+            last = uses[k][1]
+            uses[k] = (last, r)
+            self._set(k, (last, r, -depth[k]))
+
+    def _insert(self, key: Key, depth: int) -> None:
+        before = self._evicted.pop(key, _NO_USE) if self.history else _NO_USE
+        self._depth[key] = depth
+        self._uses[key] = (before, self.request)
+        self._set(key, (before, self.request, -depth))
+
+    def _valid(self, entry: tuple[tuple[int, int, int], Key]) -> bool:
+        return self._prio.get(entry[1]) == entry[0]
+
+    def _victim(self, ok: Callable[[Key], bool]) -> Key:
+        heap = self._heap
+        while heap and not self._valid(heap[0]):
+            heapq.heappop(heap)  # re-ranked keys leave old, low entries at the front
+        if heap and ok(heap[0][1]):
+            return heap[0][1]  # the usual case: the first of candidates(), without the walk
+        for k in self.candidates():
+            if ok(k):
+                return k
+        return None
+
+    def _dropped(self, key: Key) -> None:
+        del self._prio[key]
+        del self._depth[key]
+        last = self._uses.pop(key)[1]
+        if self.history:
+            h = self._evicted
+            h[key] = last
+            if len(h) > self.history:
+                h.popitem(last=False)
+
+    def candidates(self) -> Iterator[Key]:
+        # The heap in order without popping it: a best-first walk of its tree.
+        heap = self._heap
+        frontier: list[tuple[tuple[tuple[int, int, int], Key], int]] = [(heap[0], 0)] if heap else []
+        n = len(heap)
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            if self._valid(entry):
+                yield entry[1]
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < n:
+                    heapq.heappush(frontier, (heap[c], c))
+        yield from self._deferred  # the open request's: last (none of them may go now)
+
+    def head(self) -> Key:
+        heap = self._heap
+        while heap and not self._valid(heap[0]):
+            heapq.heappop(heap)  # a stale entry: dropping it changes no order
+        return heap[0][1] if heap else self._deferred[0]
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        assert set(self._uses) == set(self._prio) == set(self._depth) == set(self.resident), (
+            f"shadow {self.name}: uses and residency disagree")
+        assert len(self._evicted) <= self.history, f"shadow {self.name}: history over its bound"
+        assert not (set(self._evicted) & set(self.resident)), f"shadow {self.name}: a resident key in the history"
+
+
+class PolicyShadow(Shadow):
+    """Any :mod:`tierkv.core.policy` order as a shadow (``arc``): the calls
+    :func:`tierkv.traces.simulate_policy` makes, on the shadow's own residency."""
+
+    def __init__(self, capacity: int, order: EvictionPolicy) -> None:
+        super().__init__(capacity)
+        self.name = order.name
+        self.order = order
+        self.baseline = False
+
+    def _hit(self, keys: list[Key]) -> None:
+        self.order.touch(keys[::-1], True)
+
+    def _after(self, keys: list[Key]) -> None:
+        self.order.touch(keys[::-1], False)
+
+    def _insert(self, key: Key, depth: int) -> None:
+        self.order.add(key, self.hint)
+
+    def _victim(self, ok: Callable[[Key], bool]) -> Key:
+        for k in self.order.candidates():
+            if ok(k):
+                return k
+        return None
+
+    def _dropped(self, key: Key) -> None:
+        self.order.remove(key, True)
+
+    def candidates(self) -> Iterator[Key]:
+        return self.order.candidates()
+
+    def head(self) -> Key:
+        return self.order.head()
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        self.order.check_integrity()
