@@ -38,7 +38,7 @@ from collections import OrderedDict
 from typing import Iterator
 
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, ARCPolicy, EvictionPolicy, Key
-from .policy_shadows import LRU2Shadow, LRUShadow, PolicyShadow, Shadow
+from .policy_shadows import LRU2Order, LRUOrder, PolicyOrder, Shadow
 
 
 class LeaderPolicy(EvictionPolicy):
@@ -49,10 +49,10 @@ class LeaderPolicy(EvictionPolicy):
     def __init__(self, capacity: int, half_life: float = 8.0, margin: float = 0.01,
                  history_factor: float = 8.0, arc: bool = True) -> None:
         self.capacity = max(1, capacity)
-        self.shadows: list[Shadow] = [LRUShadow(capacity), LRU2Shadow(capacity),
-                                      LRU2Shadow(capacity, max(1, int(self.capacity * history_factor)))]
+        self.shadows: list[Shadow] = [Shadow(capacity, LRUOrder()), Shadow(capacity, LRU2Order()),
+                                      Shadow(capacity, LRU2Order(max(1, int(self.capacity * history_factor))))]
         if arc:
-            self.shadows.append(PolicyShadow(capacity, ARCPolicy(capacity)))
+            self.shadows.append(Shadow(capacity, PolicyOrder(ARCPolicy(capacity))))
         self.scores = [0.0] * len(self.shadows)
         self.decay = 0.5 ** (1.0 / (half_life * self.capacity))
         self.margin = margin

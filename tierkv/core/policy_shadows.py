@@ -27,22 +27,56 @@ from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, EvictionPolicy, Ke
 _NO_USE = -1  # a block's second-to-last use before it has one
 
 
-class Shadow:
-    """One baseline's cache of ``capacity`` keys replayed from the table's calls. Residency
-    (key -> parent) and child counts here; the order in the subclasses (``_hit``,
-    ``_insert``, ``_victim``, ``_dropped``, ``_after``, ``candidates``, ``head``)."""
+class ShadowOrder:
+    """The victim order of one shadow (an interface, like :class:`EvictionPolicy`: a plain
+    base class so that compiled calls through it are direct; it holds no state). Told of
+    hits, insertions (with the request's number and the insertion class), drops and the
+    re-ordering after a put by its :class:`Shadow`, which owns the residency."""
 
     name = ""
     baseline = True  # one of issue #33's baselines (the leader must not fall behind these)
 
-    def __init__(self, capacity: int) -> None:
+    def hit(self, keys: list[Key], request: int) -> None:
+        raise NotImplementedError
+
+    def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
+        raise NotImplementedError
+
+    def victim(self, ok: Callable[[Key], bool]) -> Key:
+        raise NotImplementedError
+
+    def dropped(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def after(self, keys: list[Key]) -> None:
+        raise NotImplementedError
+
+    def candidates(self) -> Iterator[Key]:
+        """The resident keys, this order's victim first."""
+        raise NotImplementedError
+
+    def head(self) -> Key:
+        raise NotImplementedError
+
+    def check_integrity(self, resident: dict[Key, Key]) -> None:
+        raise NotImplementedError
+
+
+class Shadow:
+    """One baseline's cache of ``capacity`` keys replayed from the table's calls: the
+    residency (key -> parent) and child counts here, the victim order in ``order`` (a part
+    it owns: :class:`LRUOrder`, :class:`LRU2Order`, :class:`PolicyOrder`)."""
+
+    def __init__(self, capacity: int, order: ShadowOrder) -> None:
         self.capacity = max(1, capacity)
+        self.order = order
+        self.name = order.name
+        self.baseline = order.baseline
         self.resident: dict[Key, Key] = {}  # key -> its parent (None for a root)
         self._kids: dict[Key, int] = {}  # resident key -> resident children
         self.request = 0  # requests begun
         self.hits = 0  # blocks hit, over the whole replay
         self.evicted: Key = None  # the victim of the last see(), None if none
-        self.hint = HINT_FRESH  # the insertion class of the last key inserted
         self._chain: list[Key] = []
         self._protect: set[Key] = set()
         self._pending: list[Key] = []  # hits not yet touched, root first
@@ -75,12 +109,12 @@ class Shadow:
                 return True
             self._missed = True
             if self._pending:
-                self._hit(self._pending)
+                self.order.hit(self._pending, self.request)
         if self._broken or key in resident:
             return False
         if len(resident) >= self.capacity:
             protect, kids = self._protect, self._kids
-            v = self._victim(lambda k: k not in protect and kids[k] == 0)
+            v = self.order.victim(lambda k: k not in protect and kids[k] == 0)
             if v is None:
                 self._broken = True
                 return False
@@ -91,8 +125,8 @@ class Shadow:
         if parent is not None and parent in resident:
             self._kids[parent] += 1
         # The insertion class as the references give it: the request found a prefix here.
-        self.hint = (HINT_CONTINUATION if self._pending else HINT_FRESH) | (HINT_TAIL if tail else 0)
-        self._insert(key, depth)
+        hint = (HINT_CONTINUATION if self._pending else HINT_FRESH) | (HINT_TAIL if tail else 0)
+        self.order.insert(key, depth, self.request, hint)
         return False
 
     def end(self) -> None:
@@ -102,38 +136,22 @@ class Shadow:
             return
         self._open = False
         if not self._missed and self._pending:
-            self._hit(self._pending)
-        self._after([k for k in self._chain if k in self.resident])
+            self.order.hit(self._pending, self.request)
+        self.order.after([k for k in self._chain if k in self.resident])
 
     def _drop(self, v: Key) -> None:
         p = self.resident.pop(v)
         del self._kids[v]
         if p is not None and p in self.resident:
             self._kids[p] -= 1
-        self._dropped(v)
-
-    # ---- the order ----
-    def _hit(self, keys: list[Key]) -> None:
-        raise NotImplementedError
-
-    def _insert(self, key: Key, depth: int) -> None:
-        raise NotImplementedError
-
-    def _victim(self, ok: Callable[[Key], bool]) -> Key:
-        raise NotImplementedError
-
-    def _dropped(self, key: Key) -> None:
-        raise NotImplementedError
-
-    def _after(self, keys: list[Key]) -> None:
-        raise NotImplementedError
+        self.order.dropped(v)
 
     def candidates(self) -> Iterator[Key]:
-        """The resident keys, this baseline's victim first."""
-        raise NotImplementedError
+        """The resident keys, this shadow's victim first."""
+        return self.order.candidates()
 
     def head(self) -> Key:
-        raise NotImplementedError
+        return self.order.head()
 
     def check_integrity(self) -> None:
         res = self.resident
@@ -144,15 +162,15 @@ class Shadow:
                 kids[p] += 1
         assert kids == self._kids, f"shadow {self.name}: child counts out of step"
         assert set(self.candidates()) == set(res), f"shadow {self.name}: order and residency disagree"
+        self.order.check_integrity(res)
 
 
-class LRUShadow(Shadow):
+class LRUOrder(ShadowOrder):
     """:func:`tierkv.traces.simulate_lru`: chains touched leaf first, root last."""
 
     name = "lru"
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
+    def __init__(self) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()
 
     def _touch(self, keys: list[Key]) -> None:
@@ -160,22 +178,22 @@ class LRUShadow(Shadow):
         for k in reversed(keys):
             to_end(k)
 
-    def _hit(self, keys: list[Key]) -> None:
+    def hit(self, keys: list[Key], request: int) -> None:
         self._touch(keys)
 
-    def _after(self, keys: list[Key]) -> None:
+    def after(self, keys: list[Key]) -> None:
         self._touch(keys)
 
-    def _insert(self, key: Key, depth: int) -> None:
+    def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
         self._order[key] = None
 
-    def _victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, ok: Callable[[Key], bool]) -> Key:
         for k in self._order:
             if ok(k):
                 return k
         return None
 
-    def _dropped(self, key: Key) -> None:
+    def dropped(self, key: Key) -> None:
         del self._order[key]
 
     def candidates(self) -> Iterator[Key]:
@@ -184,15 +202,17 @@ class LRUShadow(Shadow):
     def head(self) -> Key:
         return next(iter(self._order))
 
+    def check_integrity(self, resident: dict[Key, Key]) -> None:
+        pass  # candidates() == residency: checked by the Shadow
 
-class LRU2Shadow(Shadow):
+
+class LRU2Order(ShadowOrder):
     """:func:`tierkv.traces.simulate_lru2`: the oldest second-to-last use (by request) goes
     first, blocks used in one request before any used in two, deeper first on a tie.
     ``history`` > 0: an evicted key's last use is remembered (up to ``history`` keys, oldest
     forgotten first), so a returning block ranks by it (``lru2-history``)."""
 
-    def __init__(self, capacity: int, history: int = 0) -> None:
-        super().__init__(capacity)
+    def __init__(self, history: int = 0) -> None:
         self.name = "lru2-history" if history else "lru2"
         self.history = history
         self._uses: dict[Key, tuple[int, int]] = {}  # resident key -> (second-to-last, last use)
@@ -204,13 +224,13 @@ class LRU2Shadow(Shadow):
 
     def _set(self, key: Key, prio: tuple[int, int, int]) -> None:
         # Only keys of the open request get a new rank, and none of them may go while it is
-        # open: their heap entries wait for the request's end (_after). Pushed at once, a
+        # open: their heap entries wait for the request's end (after). Pushed at once, a
         # chain just hit sat at the heap's front, ranked by its previous use, and every
         # eviction of the request walked past it (10x slower on develop:sessions at 10%).
         self._prio[key] = prio
         self._deferred.append(key)
 
-    def _after(self, keys: list[Key]) -> None:
+    def after(self, keys: list[Key]) -> None:
         prio, heap = self._prio, self._heap
         for k in self._deferred:
             p = prio.get(k)
@@ -221,23 +241,23 @@ class LRU2Shadow(Shadow):
             self._heap = [(p, k) for k, p in prio.items()]
             heapq.heapify(self._heap)
 
-    def _hit(self, keys: list[Key]) -> None:
-        r, uses, depth = self.request, self._uses, self._depth
+    def hit(self, keys: list[Key], request: int) -> None:
+        r, uses, depth = request, self._uses, self._depth
         for k in keys:
             last = uses[k][1]
             uses[k] = (last, r)
             self._set(k, (last, r, -depth[k]))
 
-    def _insert(self, key: Key, depth: int) -> None:
+    def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
         before = self._evicted.pop(key, _NO_USE) if self.history else _NO_USE
         self._depth[key] = depth
-        self._uses[key] = (before, self.request)
-        self._set(key, (before, self.request, -depth))
+        self._uses[key] = (before, request)
+        self._set(key, (before, request, -depth))
 
     def _valid(self, entry: tuple[tuple[int, int, int], Key]) -> bool:
         return self._prio.get(entry[1]) == entry[0]
 
-    def _victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, ok: Callable[[Key], bool]) -> Key:
         heap = self._heap
         while heap and not self._valid(heap[0]):
             heapq.heappop(heap)  # re-ranked keys leave old, low entries at the front
@@ -248,7 +268,7 @@ class LRU2Shadow(Shadow):
                 return k
         return None
 
-    def _dropped(self, key: Key) -> None:
+    def dropped(self, key: Key) -> None:
         del self._prio[key]
         del self._depth[key]
         last = self._uses.pop(key)[1]
@@ -278,40 +298,39 @@ class LRU2Shadow(Shadow):
             heapq.heappop(heap)  # a stale entry: dropping it changes no order
         return heap[0][1] if heap else self._deferred[0]
 
-    def check_integrity(self) -> None:
-        super().check_integrity()
-        assert set(self._uses) == set(self._prio) == set(self._depth) == set(self.resident), (
+    def check_integrity(self, resident: dict[Key, Key]) -> None:
+        assert set(self._uses) == set(self._prio) == set(self._depth) == set(resident), (
             f"shadow {self.name}: uses and residency disagree")
         assert len(self._evicted) <= self.history, f"shadow {self.name}: history over its bound"
-        assert not (set(self._evicted) & set(self.resident)), f"shadow {self.name}: a resident key in the history"
+        assert not (set(self._evicted) & set(resident)), f"shadow {self.name}: a resident key in the history"
 
 
-class PolicyShadow(Shadow):
-    """Any :mod:`tierkv.core.policy` order as a shadow (``arc``): the calls
+class PolicyOrder(ShadowOrder):
+    """Any :mod:`tierkv.core.policy` order as a shadow's (``arc``): the calls
     :func:`tierkv.traces.simulate_policy` makes, on the shadow's own residency."""
 
-    def __init__(self, capacity: int, order: EvictionPolicy) -> None:
-        super().__init__(capacity)
+    baseline = False
+
+    def __init__(self, order: EvictionPolicy) -> None:
         self.name = order.name
         self.order = order
-        self.baseline = False
 
-    def _hit(self, keys: list[Key]) -> None:
+    def hit(self, keys: list[Key], request: int) -> None:
         self.order.touch(keys[::-1], True)
 
-    def _after(self, keys: list[Key]) -> None:
+    def after(self, keys: list[Key]) -> None:
         self.order.touch(keys[::-1], False)
 
-    def _insert(self, key: Key, depth: int) -> None:
-        self.order.add(key, self.hint)
+    def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
+        self.order.add(key, hint)
 
-    def _victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, ok: Callable[[Key], bool]) -> Key:
         for k in self.order.candidates():
             if ok(k):
                 return k
         return None
 
-    def _dropped(self, key: Key) -> None:
+    def dropped(self, key: Key) -> None:
         self.order.remove(key, True)
 
     def candidates(self) -> Iterator[Key]:
@@ -320,6 +339,5 @@ class PolicyShadow(Shadow):
     def head(self) -> Key:
         return self.order.head()
 
-    def check_integrity(self) -> None:
-        super().check_integrity()
+    def check_integrity(self, resident: dict[Key, Key]) -> None:
         self.order.check_integrity()
