@@ -57,7 +57,7 @@ def test_a_refused_first_hello_keeps_the_home_locked(workdir):
 TINY = PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="float16")  # 4-byte pages
 
 
-@pytest.mark.parametrize("layout,error", [(TINY, "pages of 512 to"), (HUGE, "share of the daemon's budgets")])
+@pytest.mark.parametrize("layout,error", [(TINY, "pages of 512 to"), (HUGE, "share of the home's budgets")])
 def test_a_page_too_small_or_too_large_is_refused_at_hello_and_changes_nothing(workdir, layout, error):
     """A 2-byte page grew the daemon by 1.75 GiB of per-slot objects per 64 MiB of budget; a
     page larger than the budget's share was built into a store anyway. Both are refused at

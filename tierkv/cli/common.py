@@ -112,7 +112,8 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     tierkv/cli/layouts.py."""
     import tierkv
 
-    from ..home.directory import store_home
+    from ..home.budgets import check_fits, command_limits, limit_options
+    from ..home.directory import find_layouts, layout_id, store_home
 
     require_layout(home, socket_path, layout, new_layout)
     if socket_path is not None:
@@ -122,7 +123,13 @@ def open_store(home: Path, layout: PageLayout, socket_path: Path | None = None, 
     from ..daemon import direct_store_options
 
     opts = {**direct_store_options(os.environ), **{k: v for k, v in options.items() if v is not None}}
-    return tierkv.open(store_home(home, layout), layout, **opts)
+    # Its share of the home's budgets, as a daemon gives the one layout in use: the memory
+    # tiers whole, the disk divided among every layout the home holds (home/budgets.py).
+    lid = layout_id(layout)
+    ids = list(dict.fromkeys([layout_id(lo) for _, lo in find_layouts(home)] + [lid]))
+    share = command_limits(opts, ids, [lid])[lid]
+    check_fits(lid, layout, share)
+    return tierkv.open(store_home(home, layout), layout, **opts, **limit_options(share))
 
 
 # The layout guard of open_store (issue #37, item 2; tierkv/cli/layouts.py says why). Here,
@@ -174,7 +181,12 @@ def open_target(home: Path, socket_path: Path | None, **options: Any) -> "StoreA
 
     if socket_path is not None:
         return connect_daemon(socket_path)
-    return Home.open(home, **{**OPS_STORE_OPTIONS, **options})
+    # The home's budgets as the daemon would read them (TIERKV_* over $TIERKV_CONFIG), so
+    # each layout gets the share a daemon gives it; the tiers an operation needs no more of
+    # (OPS_STORE_OPTIONS) stay small.
+    from ..daemon import direct_store_options
+
+    return Home.open(home, **{**direct_store_options(os.environ), **OPS_STORE_OPTIONS, **options})
 
 
 def warn(message: str) -> None:

@@ -180,7 +180,7 @@ class Handlers:
             entry = self.layouts.only()
         if entry is not None:
             entry.last_bound = time.monotonic()
-            if entry.layout_id not in self.layouts.in_use:  # idle: its memory share back first (shares.py)
+            if entry.layout_id not in self.layouts.in_use:  # idle: its memory share back first (home/budgets.py)
                 await self.run(self.layouts.rebalance, self.layouts.in_use | {entry.layout_id})
         conn.entry = entry
         header: dict[str, Any] = {

@@ -11,7 +11,7 @@ fixed, so a second model with other KV shapes gets a store of its own.
 
 Budgets. ``device_bytes``, ``host_bytes`` and ``disk_bytes`` are daemon-wide budgets shared
 by the layouts: the memory tiers among the N in use, ``budget // N`` each, the disk among
-all open ones (shares.py: a layout idle for ``layout_idle_s`` gives its memory share back;
+all open ones (home/budgets.py: a layout idle for ``layout_idle_s`` gives its memory share back;
 the one layout of a one-model daemon gets the whole budget). A new layout is checked (its
 page must fit its share) and its store opened with limits of 0; only then are the open ones
 lowered to their new shares (each evicts down to it through the store's normal eviction,
@@ -65,7 +65,7 @@ from ..core.store import Store
 from ..tiers.shm import SharedRegion
 from . import regions
 from .leases import StagingSlots
-from .shares import Budget, TierLimits, apply_in_order, check_fits
+from ..home.budgets import Budget, TierLimits, apply_in_order, check_fits
 
 if TYPE_CHECKING:
     from ..cluster.node import ClusterNode
@@ -99,7 +99,7 @@ class LayoutEntry:
     staging: StagingSlots
     over_limit: int = 0  # slots still used above its limits (held when they were lowered)
     creator: int | None = None  # the other uid whose HELLO made it (None: the daemon's own)
-    limits: TierLimits = TierLimits(0, 0, 0)  # its share now (shares.py)
+    limits: TierLimits = TierLimits(0, 0, 0)  # its share now (home/budgets.py)
     # When a connection was last seen bound to it (monotonic; server.py): opening counts.
     last_bound: float = field(default_factory=time.monotonic)
 
@@ -126,7 +126,7 @@ class Layouts:
         self._home_lock: HomeLock | None = None
         self._root_used = False
         self._removing: set[str] = set()  # taken out by take(), not dropped yet
-        self._in_use: set[str] = set()  # the layouts whose memory shares are not 0 (shares.py)
+        self._in_use: set[str] = set()  # the layouts whose memory shares are not 0 (home/budgets.py)
 
     # ---- opening -----------------------------------------------------------------------
     def start(self, preset: PageLayout | None = None) -> None:
@@ -219,7 +219,7 @@ class Layouts:
             return entry
 
     def _apply(self, entries: dict[str, LayoutEntry], target: dict[str, TierLimits]) -> None:
-        """Give ``entries`` their ``target`` limits, every lowering first (shares.py)."""
+        """Give ``entries`` their ``target`` limits, every lowering first (home/budgets.py)."""
         def set_limits(lid: str, limits: TierLimits) -> None:
             e = entries[lid]
             e.over_limit = e.local.set_tier_limits(limits.device_bytes, limits.host_bytes, limits.disk_bytes)

@@ -65,7 +65,7 @@ from .operation_handlers import merged_stats
 from .reload import Reload
 from .remote_keeper import RemoteKeeper
 from .serving import OP_NAMES, Serving
-from .shares import Budget, TierLimits
+from ..home.budgets import Budget, TierLimits
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class Daemon:
 
     async def _share_among_layouts_in_use(self, handlers: Handlers, layouts: Layouts) -> None:
         """Give the memory share of a layout no connection used for ``layout_idle_s`` to
-        those in use (shares.py); a HELLO takes it back (Handlers.hello)."""
+        those in use (home/budgets.py); a HELLO takes it back (Handlers.hello)."""
         now = time.monotonic()
         for c in self.connections.values():
             if c.entry is not None:

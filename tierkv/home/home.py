@@ -36,6 +36,7 @@ from ..results import (
 )
 from ..lease import Lease
 from ..core.store import Store
+from .budgets import check_fits, command_limits, limit_options
 from .directory import LAYOUTS_DIR, find_layouts, layout_id, remove_store_files
 from .lock import HomeLock
 from .stats import merge_stats
@@ -64,10 +65,15 @@ class Home(StoreAPI):
         # that never held a store is a mistyped --home.
         if not found and not (home / LAYOUTS_DIR).is_dir():
             raise NotFoundError(f"{home} holds no tierkv store", hint="materialise a prefix first, or check --home")
+        # Each layout's share of the budgets, as a daemon with the same budgets and no
+        # layout in use gives it (budgets.py): the budgets are the home's, not each store's.
+        ids = [layout_id(layout) for _, layout in found]
+        shares = command_limits(options, ids, ids)
         stores: list[Store] = []
         try:
-            for h, layout in found:
-                stores.append(Store(_config(h, layout, options)))
+            for (h, layout), lid in zip(found, ids):
+                check_fits(lid, layout, shares[lid])
+                stores.append(Store(_config(h, layout, {**options, **limit_options(shares[lid])})))
         except BaseException:
             for s in stores:
                 s.close()

@@ -143,7 +143,7 @@ class StagingSettings:
 @dataclass(frozen=True)
 class LayoutSettings:
     """``[layouts]``: the page layouts (models) served at once; the N in use share each tier
-    budget, 1/N each (layouts.py, shares.py)."""
+    budget, 1/N each (layouts.py, home/budgets.py)."""
 
     preload: PageLayout | None = None  # a layout whose store is opened at start (clients declare theirs)
     max_open: int | None = None  # None: 1 with a preload (a one-model daemon), else 4

@@ -1,12 +1,16 @@
-"""How the daemon-wide tier budgets are divided among the open layouts (layouts.py): the
-memory tiers (device, host) among the layouts in use, the disk tier among all of them.
+"""How a home's tier budgets are divided among the page layouts it holds: the memory tiers
+(device, host) among the layouts in use, the disk tier among all of them. The rule is the
+home's, so the daemon and a command that opens the home itself give a layout the same
+share (:func:`command_limits`; before, a command opened each layout with the whole budget,
+so two layouts written without a daemon could hold twice the disk budget between them).
 
-A layout is in use while a connection is bound to it, and for ``layout_idle_s`` after its
-last one left (the daemon's loop decides, server.py). An idle layout's memory share returns
-to the layouts in use (issue 34: three idle junk layouts held three quarters of every tier
-for good); it keeps its disk share, because lowering a disk limit deletes blocks, and a
-model's KV surviving its idle hours is what the disk tier is for. When no layout is in use,
-nobody gains from a lowered share, so every open layout keeps an equal part.
+The daemon (daemon/layouts.py) decides which layouts are in use: one is while a connection
+is bound to it, and for ``layout_idle_s`` after its last one left. An idle layout's memory
+share returns to the layouts in use (issue 34: three idle junk layouts held three quarters
+of every tier for good); it keeps its disk share, because lowering a disk limit deletes
+blocks, and a model's KV surviving its idle hours is what the disk tier is for. When no
+layout is in use, nobody gains from a lowered share, so every open layout keeps an equal
+part. A command uses the layout it opens (all of them, for ``Home.open``).
 
 Limits change in two passes, every lowering before any raise, so the limits never add up to
 more than a budget, not even between two stores' calls.
@@ -14,7 +18,7 @@ more than a budget, not even between two stores' calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import CapacityError
 from ..layout import PageLayout
@@ -77,6 +81,29 @@ def check_fits(lid: str, layout: PageLayout, share: TierLimits) -> None:
     no slot (disk, when there is one): a store that can hold nothing is refused, not built."""
     if share.device_bytes < layout.page_bytes or 0 < share.disk_bytes < layout.slot_bytes:
         raise CapacityError(
-            f"a page of layout {lid} is {layout.page_bytes} bytes; its share of the daemon's "
-            f"budgets would be {share.device_bytes} bytes of device tier and {share.disk_bytes} of disk",
-            hint="declare a smaller block_size, or restart the daemon with larger --device-bytes/--disk-bytes")
+            f"a page of layout {lid} is {layout.page_bytes} bytes; its share of the home's budgets "
+            f"(the daemon's, when one serves it) would be {share.device_bytes} bytes of device tier and "
+            f"{share.disk_bytes} of disk",
+            hint="declare a smaller block_size, or give larger budgets (the daemon's --device-bytes/--disk-bytes, "
+                 "TIERKV_DEVICE_BYTES/TIERKV_DISK_BYTES, or [store] in the config file)")
+
+
+def command_limits(options: Mapping[str, Any], layout_ids: Iterable[str], opened: Iterable[str]) -> dict[str, TierLimits]:
+    """Each layout's share when a command opens a home holding ``layout_ids`` (a new layout
+    included) itself, the ``opened`` ones in use: the budgets are what ``options`` name
+    (StoreConfig fields; its defaults where they name none), divided as the daemon with the
+    same budgets divides them."""
+    from ..config import StoreConfig
+
+    def size(name: str) -> int:
+        given = options.get(name)
+        return int(given) if given is not None else int(getattr(StoreConfig, name))
+
+    budget = Budget(size("device_bytes"), size("host_bytes"), size("disk_bytes"), 0, 0)
+    return budget.plan(layout_ids, opened)
+
+
+def limit_options(share: TierLimits) -> dict[str, int]:
+    """A share as the StoreConfig fields that set a store's limits."""
+    return {"device_limit_bytes": share.device_bytes, "host_limit_bytes": share.host_bytes,
+            "disk_limit_bytes": share.disk_bytes}
