@@ -122,6 +122,21 @@ def slot_offset(store: Store, key: bytes) -> tuple[Path, int]:
     return path, read_header(path).data_offset + index * store.layout.slot_bytes
 
 
+def hot_between_one_offs(n: int) -> list:
+    """A 4-block prefix every third request, one-off 4-block requests between: LRU loses the
+    prefix to every pair of one-offs, LRU-2 keeps it (the eviction policies' tests)."""
+    from tierkv.traces import Request
+
+    out, u = [], 100
+    for i in range(n):
+        if i % 3 == 0:
+            out.append(Request(tuple(range(4)), 4 * 512))
+        else:
+            out.append(Request(tuple(range(u, u + 4)), 4 * 512))
+            u += 10
+    return out
+
+
 def random_tree_trace(rng: random.Random, n: int) -> list:
     """``n`` requests of six conversations whose histories grow and are sometimes re-read in
     part: a small prefix-tree trace for tierkv.traces' simulators (block ids, not tokens)."""

@@ -11,7 +11,7 @@ from tierkv.core.policy import HINT_CONTINUATION
 from tierkv.core.policy_leader import LeaderPolicy
 from tierkv.traces import Request, _replay, simulate_belady, simulate_lru, simulate_lru2, simulate_policy
 
-from .kit import random_tree_trace
+from .kit import hot_between_one_offs, random_tree_trace
 
 
 def _replay_leader(trace: list[Request], capacity: int, **kw: float) -> tuple[LeaderPolicy, int]:
@@ -25,19 +25,6 @@ def _replay_leader(trace: list[Request], capacity: int, **kw: float) -> tuple[Le
                   after=lambda r, ks: pol.touch(ks[::-1], False))
     pol.check_integrity()
     return pol, sum(res.hits)
-
-
-def _hot_between_one_offs(n: int = 90) -> list[Request]:
-    """A 4-block prefix every third request, one-off 4-block requests between: LRU loses the
-    prefix to every pair of one-offs, LRU-2 keeps it."""
-    out, u = [], 100
-    for i in range(n):
-        if i % 3 == 0:
-            out.append(Request(tuple(range(4)), 4 * 512))
-        else:
-            out.append(Request(tuple(range(u, u + 4)), 4 * 512))
-            u += 10
-    return out
 
 
 def test_each_shadow_equals_its_reference_request_by_request():
@@ -54,7 +41,7 @@ def test_each_shadow_equals_its_reference_request_by_request():
 
 
 def test_leader_leaves_lru_on_a_hot_prefix_between_one_offs_and_the_tier_follows():
-    trace = _hot_between_one_offs()
+    trace = hot_between_one_offs(90)
     assert sum(simulate_lru(trace, 8).hits) == 0
     pol, hits = _replay_leader(trace, 8)
     assert pol.shadows[pol.leader].name != "lru" and pol.switches >= 1
@@ -86,7 +73,7 @@ def test_margin_holds_the_recent_lead_while_the_tier_is_ahead_of_the_baselines()
 def test_the_tier_tracks_the_best_shadow_on_a_trace_where_one_baseline_wins_throughout():
     # A hot prefix between one-offs: lru2 (and lru2-history) keep it, lru loses it to every
     # pair of one-offs. The tier ends within the switches' cost of the best shadow.
-    trace = _hot_between_one_offs(300)
+    trace = hot_between_one_offs(300)
     pol, hits = _replay_leader(trace, 8)
     best = max(s.hits for s in pol.shadows)
     assert pol.shadows[pol.leader].hits == best

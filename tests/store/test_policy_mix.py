@@ -8,7 +8,7 @@ import random
 from tierkv.core.policy_mix import LRU2Policy, MixPolicy, make_policy
 from tierkv.traces import Request, simulate_belady, simulate_lru, simulate_lru2, simulate_policy
 
-from .kit import random_tree_trace
+from .kit import hot_between_one_offs, random_tree_trace
 
 
 def _random_trees(seed: int, n: int = 60) -> list[Request]:
@@ -101,21 +101,8 @@ def test_mix_history_is_bounded():
     p.check_integrity()
 
 
-def _hot_between_one_offs(n: int = 60) -> list[Request]:
-    """A 4-block prefix every third request, one-off 4-block requests between: LRU loses the
-    prefix to every pair of one-offs."""
-    out, u = [], 100
-    for i in range(n):
-        if i % 3 == 0:
-            out.append(Request(tuple(range(4)), 4 * 512))
-        else:
-            out.append(Request(tuple(range(u, u + 4)), 4 * 512))
-            u += 10
-    return out
-
-
 def test_lru2_and_mix_beat_lru_on_a_hot_prefix_between_one_offs():
-    trace = _hot_between_one_offs()
+    trace = hot_between_one_offs(60)
     assert sum(simulate_lru(trace, 8).hits) == 0
     best = sum(simulate_belady(trace, 8).hits)
     for name in ("lru2", "mix"):
