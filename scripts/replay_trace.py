@@ -37,8 +37,9 @@ import tierkv
 from tierkv.daemon.gc_pauses import GcPauses, freeze_startup_heap
 from tierkv.identity import Scope
 from tierkv.core.policy import POLICIES
-from tierkv.traces import (REFERENCES, TRACE_BLOCK, Request, SimResult, block_tokens, read_trace, simulate_policy,
-                           simulate_tiers)
+from tierkv.disk_admission import ADMISSIONS
+from tierkv.tier_model import simulate_tiers
+from tierkv.traces import REFERENCES, TRACE_BLOCK, Request, SimResult, block_tokens, read_trace, simulate_policy
 from tierkv.workloads import trace_set
 
 LAYOUT = tierkv.PageLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=TRACE_BLOCK, dtype="float16")
@@ -180,8 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave this process's heap to the collector during store replays (see replay_store)")
     ap.add_argument("--check-model", action="store_true", help="assert the store's hits equal the policy model's")
     ap.add_argument("--tiers", action="append", metavar="HOST:DISK",
-                    help="admission/promotion experiment on a small host tier over a disk tier, in blocks "
-                         "(policy models, write-through): promote vs read-through, admit on first vs second use")
+                    help="experiment on a small host tier over a disk tier (policy models, tierkv/tier_model.py), "
+                         "in blocks or as percentages of the trace's distinct blocks (1%%:3%%): promote vs "
+                         "read-through, admit into memory on first vs second use, write-through; with "
+                         "--admission, each disk admission rule written through and written back")
+    ap.add_argument("--admission", action="append", choices=[*ADMISSIONS, "adaptive"],
+                    help="with --tiers: disk admission rules to compare (tierkv/disk_admission.py; 'adaptive' "
+                         "follows whichever of the others is winning, tierkv/tier_model.py)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.workload:
@@ -265,24 +271,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _tier_size(spec: str, distinct: int) -> int:
+    return max(1, distinct * int(spec[:-1]) // 100) if spec.endswith("%") else int(spec)
+
+
 def tiers_experiment(args: argparse.Namespace, trace: list[Request]) -> int:
     rows = []
+    distinct = len({x for r in trace for x in r.hash_ids})
+    if args.admission:  # (label, promote, admit on second use, write back, admission)
+        variants = [(f"{adm}, {'write-back' if wb else 'write-through'}", True, False, wb, adm)
+                    for adm in args.admission for wb in (False, True)]
+    else:
+        variants = [("promote, admit first use", True, False, False, "all"),
+                    ("read through, admit first use", False, False, False, "all"),
+                    ("promote, admit second use", True, True, False, "all")]
     for spec in args.tiers:
-        host, disk = (int(x) for x in spec.split(":"))
+        host, disk = (_tier_size(x, distinct) for x in spec.split(":"))
         for pol in args.policy or list(POLICIES):
-            for label, promote, second in (("promote, admit first use", True, False),
-                                           ("read through, admit first use", False, False),
-                                           ("promote, admit second use", True, True)):
-                r = simulate_tiers(trace, host, disk, pol, promote, second)
+            for label, promote, second, wb, adm in variants:
+                r = simulate_tiers(trace, host, disk, pol, promote, second, wb, adm)
                 rows.append({"host": host, "disk": disk, "policy": pol, "variant": label,
-                             "hit_rate": round(r.hit_rate, 4), "host_hit_rate": round(r.host_hit_rate, 4)})
+                             "hit_rate": round(r.hit_rate, 4), "host_hit_rate": round(r.host_hit_rate, 4),
+                             "disk_writes": r.disk_writes})
     if args.json:
-        print(json.dumps({"trace": str(args.trace), "requests": len(trace), "tiers": rows}, indent=1))
+        print(json.dumps({"trace": str(args.trace), "requests": len(trace), "distinct_blocks": distinct,
+                          "tiers": rows}, indent=1))
         return 0
-    print(f"{'host':>6} {'disk':>6} {'policy':<6} {'variant':<30} {'hit':>7} {'host hit':>8}")
+    print(f"{'host':>6} {'disk':>6} {'policy':<6} {'variant':<30} {'hit':>7} {'host hit':>8} {'disk writes':>11}")
     for r in rows:
         print(f"{r['host']:>6} {r['disk']:>6} {r['policy']:<6} {r['variant']:<30} {r['hit_rate']:>7.4f} "
-              f"{r['host_hit_rate']:>8.4f}")
+              f"{r['host_hit_rate']:>8.4f} {r['disk_writes']:>11}")
     return 0
 
 

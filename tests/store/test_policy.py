@@ -15,7 +15,7 @@ from tierkv import Priority, StoreConfig
 from tierkv.core.policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy
 from tierkv.core.policy_mix import MixPolicy
 from tierkv.traces import (Request, block_tokens, read_trace, simulate_belady, simulate_lru, simulate_lru2,
-                           simulate_policy, simulate_tiers)
+                           simulate_policy)
 from .kit import LAYOUT, PAGE, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, random_tree_trace, tier_keys, toks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -322,14 +322,6 @@ def test_replay_script_json(tmp_path, capsys):
     for r in rows.values():
         assert r["block_hit_rate"] <= rows["belady"]["block_hit_rate"]
         assert 0 <= r["token_hit_rate"] <= 1
-
-
-def test_tiered_model_promotion_known_answer():
-    trace = _trace((1,), (2,), (1,), (1,))
-    promoted = simulate_tiers(trace, 1, 10, "lru", promote=True)
-    assert (promoted.host_hits, promoted.disk_hits) == (1, 1)  # r2 from disk, promoted; r3 from host
-    through = simulate_tiers(trace, 1, 10, "lru", promote=False)
-    assert (through.host_hits, through.disk_hits) == (0, 2)
 
 
 def test_policy_metrics_from_store_stats(make_store):
