@@ -22,7 +22,7 @@ import heapq
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, EvictionPolicy, Key
+from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, EvictionPolicy, Key, heap_in_order
 
 _NO_USE = -1  # a block's second-to-last use before it has one
 
@@ -279,17 +279,9 @@ class LRU2Order(ShadowOrder):
                 h.popitem(last=False)
 
     def candidates(self) -> Iterator[Key]:
-        # The heap in order without popping it: a best-first walk of its tree.
-        heap = self._heap
-        frontier: list[tuple[tuple[tuple[int, int, int], Key], int]] = [(heap[0], 0)] if heap else []
-        n = len(heap)
-        while frontier:
-            entry, i = heapq.heappop(frontier)
+        for entry in heap_in_order(self._heap):
             if self._valid(entry):
                 yield entry[1]
-            for c in (2 * i + 1, 2 * i + 2):
-                if c < n:
-                    heapq.heappush(frontier, (heap[c], c))
         yield from self._deferred  # the open request's: last (none of them may go now)
 
     def head(self) -> Key:
