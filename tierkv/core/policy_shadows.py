@@ -7,10 +7,17 @@ follow continue it (``add`` without :data:`HINT_CONTINUATION` and no ``add`` yet
 request of its own: a put that found no prefix); ``touch(hit=False)`` (after a put) ends
 it. In each shadow the chain is a hit as far as the shadow holds its prefix; the hits are
 touched when the prefix breaks, then the rest is inserted, evicting the shadow's own victim
-(never a block of the request, never a block with a resident child), as the references
-do. In a store with one tier and one priority class (``scripts/replay_trace.py``) a shadow's
-hits equal its reference's request by request (a test); with several classes or tiers each
-policy's shadows see every chain touched, so they approximate.
+(never a block of the request seen so far, never a block with a resident child), as the
+references do. In a store with one tier and one priority class (``scripts/replay_trace.py``)
+a shadow's hits equal its reference's request by request (a test); with several classes or
+tiers each policy's shadows see every chain touched, so they approximate.
+
+One :class:`Chain` per request, shared (issue #33's replay speed): the leader appends each
+key once, and each shadow reads the chain at its own pace (``Shadow.seen``). Only the
+leading shadow must read each key as it comes (its evictions make the tier's strays); the
+others catch up when the request ends (``Shadow.end``), which is exact: a shadow's replay
+depends on its own state and the chain alone, and nothing reads a lagging shadow before
+the request's end but :meth:`Shadow.check_integrity`, which holds at every key.
 
 Metadata: each shadow holds up to ``capacity`` keys; the ``lru2-history`` shadow also
 remembers the last use of up to ``history_factor`` x capacity evicted keys (the reference
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Iterator
 
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, EvictionPolicy, Key, heap_in_order
 
@@ -36,19 +43,23 @@ class ShadowOrder:
     name = ""
     baseline = True  # one of issue #33's baselines (the leader must not fall behind these)
 
-    def hit(self, keys: list[Key], request: int) -> None:
+    def hit(self, keys: list[Key], n: int, request: int) -> None:
+        """The first ``n`` keys of the chain ``keys`` (root first) were hits in ``request``."""
         raise NotImplementedError
 
     def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
         raise NotImplementedError
 
-    def victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, shadow: Shadow) -> Key:
+        """The first key of this order that ``shadow.may_go``; None if none may."""
         raise NotImplementedError
 
     def dropped(self, key: Key) -> None:
         raise NotImplementedError
 
-    def after(self, keys: list[Key]) -> None:
+    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
+        """The request whose chain is ``keys`` ended: the re-ordering after a put, of the
+        chain's keys in ``resident``."""
         raise NotImplementedError
 
     def candidates(self) -> Iterator[Key]:
@@ -60,6 +71,25 @@ class ShadowOrder:
 
     def check_integrity(self, resident: dict[Key, Key]) -> None:
         raise NotImplementedError
+
+
+class Chain:
+    """One request's keys, root first, shared by a leader's shadows (module docstring):
+    appended by the leader, read by each shadow at its own pace."""
+
+    def __init__(self) -> None:
+        self.keys: list[Key] = []
+        self.tails: list[bool] = []  # the key is the last of its put (an insertion class bit)
+        # key -> its first position: a shadow that has seen ``seen`` keys protects the keys
+        # placed before that (the original per-shadow set held exactly those; a shadow that
+        # reads the chain late must not protect a key the request brings only later).
+        self.first: dict[Key, int] = {}
+
+    def append(self, key: Key, tail: bool) -> None:
+        if key not in self.first:
+            self.first[key] = len(self.keys)
+        self.keys.append(key)
+        self.tails.append(tail)
 
 
 class Shadow:
@@ -77,67 +107,76 @@ class Shadow:
         self.request = 0  # requests begun
         self.hits = 0  # blocks hit, over the whole replay
         self.evicted: Key = None  # the victim of the last see(), None if none
-        self._chain: list[Key] = []
-        self._protect: set[Key] = set()
-        self._pending: list[Key] = []  # hits not yet touched, root first
+        self.seen = 0  # keys of the open request's chain read so far
+        self.prefix = 0  # ... of which the first ``prefix`` were hits
+        self._chain = Chain()
         self._missed = False  # the request's prefix broke in this shadow
         self._broken = False  # an insertion found no victim: the rest is not placed
         self._open = False
 
-    def begin(self) -> None:
-        """Start a request (ending the open one)."""
+    def begin(self, chain: Chain) -> None:
+        """Start a request (ending the open one) whose keys the caller appends to ``chain``
+        as they come; :meth:`see` reads them in order, :meth:`end` reads the rest."""
         self.end()
         self.request += 1
-        self._chain, self._protect, self._pending = [], set(), []
+        self._chain = chain
+        self.seen = self.prefix = 0
         self._missed = self._broken = False
         self._open = True
 
-    def see(self, key: Key, tail: bool = False) -> bool:
-        """The next key of the open request's chain: a hit (True) while the shadow holds
-        the prefix so far; otherwise inserted, evicting (``evicted``) if full. ``tail``:
-        the key is the last of its put (for an order that classes insertions)."""
+    def see(self) -> bool:
+        """Read the chain's next key (the caller has appended it): a hit (True) while the
+        shadow holds the prefix so far; otherwise inserted, evicting (``evicted``) if full."""
         self.evicted = None
-        depth = len(self._chain)
-        parent = self._chain[-1] if depth else None
-        self._chain.append(key)
-        self._protect.add(key)
+        chain = self._chain
+        depth = self.seen
+        key = chain.keys[depth]
+        self.seen = depth + 1
         resident = self.resident
         if not self._missed:
             if key in resident:
-                self._pending.append(key)
+                self.prefix += 1
                 self.hits += 1
                 return True
             self._missed = True
-            if self._pending:
-                self.order.hit(self._pending, self.request)
+            if self.prefix:
+                self.order.hit(chain.keys, self.prefix, self.request)
         if self._broken or key in resident:
             return False
         if len(resident) >= self.capacity:
-            protect, kids = self._protect, self._kids
-            v = self.order.victim(lambda k: k not in protect and kids[k] == 0)
+            v = self.order.victim(self)
             if v is None:
                 self._broken = True
                 return False
             self._drop(v)
             self.evicted = v
+        parent = chain.keys[depth - 1] if depth else None
         resident[key] = parent
         self._kids[key] = 0
         if parent is not None and parent in resident:
             self._kids[parent] += 1
         # The insertion class as the references give it: the request found a prefix here.
-        hint = (HINT_CONTINUATION if self._pending else HINT_FRESH) | (HINT_TAIL if tail else 0)
+        hint = (HINT_CONTINUATION if self.prefix else HINT_FRESH) | (HINT_TAIL if chain.tails[depth] else 0)
         self.order.insert(key, depth, self.request, hint)
         return False
 
+    def may_go(self, key: Key) -> bool:
+        """Whether ``key`` (resident) may be this shadow's victim now: not a key of the open
+        request seen so far, and no resident child."""
+        return self._chain.first.get(key, self.seen) >= self.seen and self._kids[key] == 0
+
     def end(self) -> None:
-        """End the open request: its hits touched if not yet, then the re-ordering after a
-        put (the request's resident keys)."""
+        """End the open request: the rest of its chain read, its hits touched if not yet,
+        then the re-ordering after a put (the request's resident keys)."""
         if not self._open:
             return
+        keys = self._chain.keys
+        while self.seen < len(keys):
+            self.see()
         self._open = False
-        if not self._missed and self._pending:
-            self.order.hit(self._pending, self.request)
-        self.order.after([k for k in self._chain if k in self.resident])
+        if not self._missed and self.prefix:
+            self.order.hit(keys, self.prefix, self.request)
+        self.order.after(keys, self.resident)
 
     def _drop(self, v: Key) -> None:
         p = self.resident.pop(v)
@@ -162,6 +201,7 @@ class Shadow:
                 kids[p] += 1
         assert kids == self._kids, f"shadow {self.name}: child counts out of step"
         assert set(self.candidates()) == set(res), f"shadow {self.name}: order and residency disagree"
+        assert self.seen <= len(self._chain.keys) and self.prefix <= self.seen, f"shadow {self.name}: read past its chain"
         self.order.check_integrity(res)
 
 
@@ -173,23 +213,23 @@ class LRUOrder(ShadowOrder):
     def __init__(self) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()
 
-    def _touch(self, keys: list[Key]) -> None:
+    def hit(self, keys: list[Key], n: int, request: int) -> None:
         to_end = self._order.move_to_end
-        for k in reversed(keys):
-            to_end(k)
+        for i in range(n - 1, -1, -1):
+            to_end(keys[i])
 
-    def hit(self, keys: list[Key], request: int) -> None:
-        self._touch(keys)
-
-    def after(self, keys: list[Key]) -> None:
-        self._touch(keys)
+    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
+        to_end = self._order.move_to_end
+        for i in range(len(keys) - 1, -1, -1):
+            if keys[i] in resident:
+                to_end(keys[i])
 
     def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
         self._order[key] = None
 
-    def victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, shadow: Shadow) -> Key:
         for k in self._order:
-            if ok(k):
+            if shadow.may_go(k):
                 return k
         return None
 
@@ -230,7 +270,7 @@ class LRU2Order(ShadowOrder):
         self._prio[key] = prio
         self._deferred.append(key)
 
-    def after(self, keys: list[Key]) -> None:
+    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
         prio, heap = self._prio, self._heap
         for k in self._deferred:
             p = prio.get(k)
@@ -241,9 +281,10 @@ class LRU2Order(ShadowOrder):
             self._heap = [(p, k) for k, p in prio.items()]
             heapq.heapify(self._heap)
 
-    def hit(self, keys: list[Key], request: int) -> None:
+    def hit(self, keys: list[Key], n: int, request: int) -> None:
         r, uses, depth = request, self._uses, self._depth
-        for k in keys:
+        for i in range(n):
+            k = keys[i]
             last = uses[k][1]
             uses[k] = (last, r)
             self._set(k, (last, r, -depth[k]))
@@ -257,14 +298,14 @@ class LRU2Order(ShadowOrder):
     def _valid(self, entry: tuple[tuple[int, int, int], Key]) -> bool:
         return self._prio.get(entry[1]) == entry[0]
 
-    def victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, shadow: Shadow) -> Key:
         heap = self._heap
         while heap and not self._valid(heap[0]):
             heapq.heappop(heap)  # re-ranked keys leave old, low entries at the front
-        if heap and ok(heap[0][1]):
+        if heap and shadow.may_go(heap[0][1]):
             return heap[0][1]  # the usual case: the first of candidates(), without the walk
         for k in self.candidates():
-            if ok(k):
+            if shadow.may_go(k):
                 return k
         return None
 
@@ -307,18 +348,21 @@ class PolicyOrder(ShadowOrder):
         self.name = order.name
         self.order = order
 
-    def hit(self, keys: list[Key], request: int) -> None:
-        self.order.touch(keys[::-1], True)
+    def hit(self, keys: list[Key], n: int, request: int) -> None:
+        self.order.touch(keys[:n][::-1], True)
 
-    def after(self, keys: list[Key]) -> None:
-        self.order.touch(keys[::-1], False)
+    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
+        self.order.touch([k for k in reversed(keys) if k in resident], False)
 
     def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
         self.order.add(key, hint)
 
-    def victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, shadow: Shadow) -> Key:
+        k = self.order.head()  # the first of candidates() without a generator (the order is full)
+        if shadow.may_go(k):
+            return k
         for k in self.order.candidates():
-            if ok(k):
+            if shadow.may_go(k):
                 return k
         return None
 
