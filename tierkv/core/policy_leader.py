@@ -38,7 +38,8 @@ from collections import OrderedDict
 from typing import Iterator
 
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, ARCPolicy, EvictionPolicy, Key
-from .policy_shadows import Chain, LRU2Order, LRUOrder, PolicyOrder, Shadow
+from .policy_lru2_order import LRU2Order
+from .policy_shadows import Chain, LRUOrder, PolicyOrder, Shadow
 
 
 class LeaderPolicy(EvictionPolicy):

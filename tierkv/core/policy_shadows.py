@@ -21,17 +21,16 @@ the request's end but :meth:`Shadow.check_integrity`, which holds at every key.
 
 Metadata: each shadow holds up to ``capacity`` keys; the ``lru2-history`` shadow also
 remembers the last use of up to ``history_factor`` x capacity evicted keys (the reference
-remembers every key of the trace, which no store can), the ``arc`` shadow its ghosts.
+remembers every key of the trace, which no store can), the ``arc`` shadow its ghosts. The
+orders: :class:`LRUOrder` and :class:`PolicyOrder` here, ``LRU2Order`` in
+:mod:`tierkv.core.policy_lru2_order`.
 """
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from typing import Iterator
 
-from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, EvictionPolicy, Key, heap_in_order
-
-_NO_USE = -1  # a block's second-to-last use before it has one
+from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, EvictionPolicy, Key
 
 
 class ShadowOrder:
@@ -95,7 +94,7 @@ class Chain:
 class Shadow:
     """One baseline's cache of ``capacity`` keys replayed from the table's calls: the
     residency (key -> parent) and child counts here, the victim order in ``order`` (a part
-    it owns: :class:`LRUOrder`, :class:`LRU2Order`, :class:`PolicyOrder`)."""
+    it owns: :class:`LRUOrder`, ``LRU2Order``, :class:`PolicyOrder`)."""
 
     def __init__(self, capacity: int, order: ShadowOrder) -> None:
         self.capacity = max(1, capacity)
@@ -244,98 +243,6 @@ class LRUOrder(ShadowOrder):
 
     def check_integrity(self, resident: dict[Key, Key]) -> None:
         pass  # candidates() == residency: checked by the Shadow
-
-
-class LRU2Order(ShadowOrder):
-    """:func:`tierkv.traces.simulate_lru2`: the oldest second-to-last use (by request) goes
-    first, blocks used in one request before any used in two, deeper first on a tie.
-    ``history`` > 0: an evicted key's last use is remembered (up to ``history`` keys, oldest
-    forgotten first), so a returning block ranks by it (``lru2-history``)."""
-
-    def __init__(self, history: int = 0) -> None:
-        self.name = "lru2-history" if history else "lru2"
-        self.history = history
-        self._uses: dict[Key, tuple[int, int]] = {}  # resident key -> (second-to-last, last use)
-        self._prio: dict[Key, tuple[int, int, int]] = {}
-        self._depth: dict[Key, int] = {}
-        self._heap: list[tuple[tuple[int, int, int], Key]] = []  # lazy: stale entries skipped
-        self._evicted: OrderedDict[Key, int] = OrderedDict()  # evicted key -> last use
-        self._deferred: list[Key] = []  # keys of the open request, ranked but not in the heap
-
-    def _set(self, key: Key, prio: tuple[int, int, int]) -> None:
-        # Only keys of the open request get a new rank, and none of them may go while it is
-        # open: their heap entries wait for the request's end (after). Pushed at once, a
-        # chain just hit sat at the heap's front, ranked by its previous use, and every
-        # eviction of the request walked past it (10x slower on develop:sessions at 10%).
-        self._prio[key] = prio
-        self._deferred.append(key)
-
-    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
-        prio, heap = self._prio, self._heap
-        for k in self._deferred:
-            p = prio.get(k)
-            if p is not None:
-                heapq.heappush(heap, (p, k))
-        self._deferred = []
-        if len(heap) > 2 * len(prio) + 64:  # mostly stale: rebuild from the truth
-            self._heap = [(p, k) for k, p in prio.items()]
-            heapq.heapify(self._heap)
-
-    def hit(self, keys: list[Key], n: int, request: int) -> None:
-        r, uses, depth = request, self._uses, self._depth
-        for i in range(n):
-            k = keys[i]
-            last = uses[k][1]
-            uses[k] = (last, r)
-            self._set(k, (last, r, -depth[k]))
-
-    def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
-        before = self._evicted.pop(key, _NO_USE) if self.history else _NO_USE
-        self._depth[key] = depth
-        self._uses[key] = (before, request)
-        self._set(key, (before, request, -depth))
-
-    def _valid(self, entry: tuple[tuple[int, int, int], Key]) -> bool:
-        return self._prio.get(entry[1]) == entry[0]
-
-    def victim(self, shadow: Shadow) -> Key:
-        heap = self._heap
-        while heap and not self._valid(heap[0]):
-            heapq.heappop(heap)  # re-ranked keys leave old, low entries at the front
-        if heap and shadow.may_go(heap[0][1]):
-            return heap[0][1]  # the usual case: the first of candidates(), without the walk
-        for k in self.candidates():
-            if shadow.may_go(k):
-                return k
-        return None
-
-    def dropped(self, key: Key) -> None:
-        del self._prio[key]
-        del self._depth[key]
-        last = self._uses.pop(key)[1]
-        if self.history:
-            h = self._evicted
-            h[key] = last
-            if len(h) > self.history:
-                h.popitem(last=False)
-
-    def candidates(self) -> Iterator[Key]:
-        for entry in heap_in_order(self._heap):
-            if self._valid(entry):
-                yield entry[1]
-        yield from self._deferred  # the open request's: last (none of them may go now)
-
-    def head(self) -> Key:
-        heap = self._heap
-        while heap and not self._valid(heap[0]):
-            heapq.heappop(heap)  # a stale entry: dropping it changes no order
-        return heap[0][1] if heap else self._deferred[0]
-
-    def check_integrity(self, resident: dict[Key, Key]) -> None:
-        assert set(self._uses) == set(self._prio) == set(self._depth) == set(resident), (
-            f"shadow {self.name}: uses and residency disagree")
-        assert len(self._evicted) <= self.history, f"shadow {self.name}: history over its bound"
-        assert not (set(self._evicted) & set(resident)), f"shadow {self.name}: a resident key in the history"
 
 
 class PolicyOrder(ShadowOrder):
