@@ -26,7 +26,8 @@ from typing import Mapping, NamedTuple, Sequence
 MODULES: tuple[str, ...] = (
     "tierkv.checksum", "tierkv.core.blocks", "tierkv.core.faults", "tierkv.core.holds", "tierkv.core.ingest",
     "tierkv.core.leasing", "tierkv.core.matching", "tierkv.core.placement", "tierkv.core.policy",
-    "tierkv.core.policy_leader", "tierkv.core.policy_mix", "tierkv.core.policy_shadows", "tierkv.tiers.base",
+    "tierkv.core.policy_leader", "tierkv.core.policy_lru2_order", "tierkv.core.policy_mix", "tierkv.core.policy_shadows",
+    "tierkv.tiers.base",
 )
 MANIFEST = "_native.json"  # written by setup.py beside the package; read by tierkv/native.py
 

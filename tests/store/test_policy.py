@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tierkv import Priority, StoreConfig
-from tierkv.core.policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy
+from tierkv.core.policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, heap_in_order
 from tierkv.core.policy_mix import MixPolicy
 from tierkv.traces import (Request, block_tokens, read_trace, simulate_belady, simulate_lru, simulate_lru2,
                            simulate_policy)
@@ -348,3 +348,16 @@ def test_arc_not_below_lru_on_recency_chat():
     trace = _replay_module().generated("chat")[:1500]
     for cap in (300, 1500):
         assert sum(simulate_policy(trace, cap, "arc").hits) >= sum(simulate_lru(trace, cap).hits)
+
+
+def test_heap_in_order_walks_a_heap_smallest_first_without_popping_it():
+    import heapq
+
+    rng = random.Random(7)
+    for n in (0, 1, 2, 5, 64, 301):
+        heap = [(rng.randint(0, 20), rng.randint(0, 3)) for _ in range(n)]  # repeats: ties
+        heapq.heapify(heap)
+        before = list(heap)
+        assert list(heap_in_order(heap)) == sorted(heap) and heap == before
+        walk = heap_in_order(heap)
+        assert [next(walk) for _ in range(min(n, 3))] == sorted(heap)[:3]  # stops early

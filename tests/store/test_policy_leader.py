@@ -104,11 +104,16 @@ def test_an_add_with_the_continuation_hint_continues_the_request_a_hit_opened():
     pol.touch([1], False)
     pol.touch([1], True)  # request 2 hits 1 ...
     pol.add(2, HINT_CONTINUATION)  # ... and stores 2 after it: one request, 2 a child of 1
+    lead = pol.shadows[pol.leader]  # reads each key as it comes; the others at the request's end
+    assert lead.request == 2 and lead.resident[2] == 1 and lead.hits == 1
+    pol.check_integrity()  # holds with the other shadows behind
+    pol.touch([2, 1], False)  # the put's end
     for s in pol.shadows:
         assert s.request == 2 and s.resident[2] == 1 and s.hits == 1
-    pol.touch([2, 1], False)  # the put's end
     pol.touch([1], True)  # request 3: a hit and no put
     pol.add(7, 0)  # a put that found no prefix (no continuation hint): request 4, 7 a root
+    assert lead.request == 4 and lead.resident[7] is None and lead.hits == 2
+    pol.touch([7], False)
     assert all(s.request == 4 and s.resident[7] is None and s.hits == 2 for s in pol.shadows)
     pol.check_integrity()
 

@@ -61,6 +61,7 @@ would need recomputing whenever lambda adapts. ARC without the insertion classes
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -83,6 +84,27 @@ POLICIES = ("lru", "arc", "lru2", "mix", "leader")  # lru2, mix: core/policy_mix
 DEFAULT_POLICY = "arc"
 _SEEN = -1  # an ARC list's value for a key seen again since it entered (no insertion class)
 _NOT_LISTED = -2  # pop()'s default: the key is not in that list (an int: no boxing, compiled)
+_E = TypeVar("_E")
+
+
+def heap_in_order(heap: list[_E]) -> Iterator[_E]:
+    """The entries of ``heap`` (a list with heapq's invariant) smallest first, without popping
+    it: a best-first walk of its tree (a frontier of the entries whose parent was yielded),
+    so a caller that stops after a few entries pays for a few, not for sorting the heap.
+    Stale entries of a lazy heap are yielded too: the caller skips them. The heap must not
+    change while the walk runs."""
+    if not heap:
+        return
+    n = len(heap)
+    frontier: list[tuple[_E, int]] = [(heap[0], 0)]
+    while frontier:
+        entry, i = heapq.heappop(frontier)
+        yield entry
+        c = 2 * i + 1
+        if c < n:
+            heapq.heappush(frontier, (heap[c], c))
+            if c + 1 < n:
+                heapq.heappush(frontier, (heap[c + 1], c + 1))
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # tests wrap a policy to check each eviction

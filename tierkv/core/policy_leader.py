@@ -38,7 +38,8 @@ from collections import OrderedDict
 from typing import Iterator
 
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, ARCPolicy, EvictionPolicy, Key
-from .policy_shadows import LRU2Order, LRUOrder, PolicyOrder, Shadow
+from .policy_lru2_order import LRU2Order
+from .policy_shadows import Chain, LRUOrder, PolicyOrder, Shadow
 
 
 class LeaderPolicy(EvictionPolicy):
@@ -63,6 +64,8 @@ class LeaderPolicy(EvictionPolicy):
         self._strays: OrderedDict[Key, None] = OrderedDict()  # ... that the leader does not hold
         self._open = False  # a request is open (see the module docstring)
         self._added = False  # ... and an add has continued it
+        self._chain = Chain()  # the open request's keys, shared by the shadows
+        self._decays: list[bool] = []  # per key of the chain: it came by add (scores decay after it)
         self.ghost_hits = 0
 
     def __len__(self) -> int:
@@ -73,20 +76,40 @@ class LeaderPolicy(EvictionPolicy):
 
     # ---- requests, as the shadows see them ----
     def _begin(self) -> None:
-        for s in self.shadows:
-            s.end()
+        self._end()
         self._switch()
+        self._chain, self._decays = Chain(), []
         for s in self.shadows:
-            s.begin()
+            s.begin(self._chain)
         self._open = True
         self._added = False
 
-    def _see(self, key: Key, tail: bool = False) -> None:
-        scores = self.scores
+    def _end(self) -> None:
+        """End the open request: every shadow reads the rest of the chain (only the leading
+        one read each key as it came), then each shadow's score takes the request's keys.
+        The score of a shadow is +1 per hit and x ``decay`` after each key that came by add,
+        in the order of the keys; the hits of a request are the chain's first ``prefix``
+        keys, so replaying that order here gives the same floats, bit for bit, as scoring
+        each key as it came (as before the shared chain)."""
+        if not self._open:
+            return
+        self._open = False
+        decays, d, scores = self._decays, self.decay, self.scores
         for j, s in enumerate(self.shadows):
-            if s.see(key, tail):
-                scores[j] += 1.0
+            s.end()
+            score, hits = scores[j], s.prefix
+            for i in range(len(decays)):
+                if i < hits:
+                    score += 1.0
+                if decays[i]:
+                    score *= d
+            scores[j] = score
+
+    def _see(self, key: Key, tail: bool, decays: bool) -> None:
+        self._chain.append(key, tail)
+        self._decays.append(decays)
         lead = self.shadows[self.leader]
+        lead.see()  # the others read the chain at the request's end (_end)
         v = lead.evicted
         if v is not None and v in self._in_tier:
             self._strays[v] = None
@@ -132,14 +155,10 @@ class LeaderPolicy(EvictionPolicy):
         if not self._open or (not self._added and not hint & HINT_CONTINUATION):
             self._begin()  # a put that found no prefix: a request of its own
         self._added = True
-        self._see(key, bool(hint & HINT_TAIL))
+        self._see(key, bool(hint & HINT_TAIL), True)
         self._in_tier[key] = None
         if key not in self.shadows[self.leader].resident:
             self._strays[key] = None
-        d = self.decay
-        scores = self.scores
-        for j in range(len(scores)):
-            scores[j] *= d
 
     def remove(self, key: Key, evicted: bool = False) -> str:
         self._in_tier.pop(key, None)
@@ -154,11 +173,9 @@ class LeaderPolicy(EvictionPolicy):
             self._begin()
             self.hits += len(keys)
             for k in reversed(keys):
-                self._see(k)
-        elif self._open:
-            for s in self.shadows:
-                s.end()
-            self._open = False
+                self._see(k, False, False)
+        else:
+            self._end()
 
     def candidates(self) -> Iterator[Key]:
         yield from self._strays

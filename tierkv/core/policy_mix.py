@@ -39,7 +39,7 @@ import math
 from collections import OrderedDict
 from typing import Iterator
 
-from .policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, Key, LRUPolicy
+from .policy import HINT_FRESH, POLICIES, ARCPolicy, EvictionPolicy, Key, LRUPolicy, heap_in_order
 
 _NONE = -1  # an int default for dict.pop/get (no boxing when compiled)
 
@@ -130,17 +130,9 @@ class LRU2Policy(EvictionPolicy):
 
     def candidates(self) -> Iterator[Key]:
         yield from self._once
-        # The heap in order without popping it: a best-first walk of its tree.
-        heap = self._heap
-        frontier: list[tuple[tuple[int, Key], int]] = [(heap[0], 0)] if heap else []
-        n = len(heap)
-        while frontier:
-            entry, i = heapq.heappop(frontier)
+        for entry in heap_in_order(self._heap):
             if self._valid(entry):
                 yield entry[1]
-            for c in (2 * i + 1, 2 * i + 2):
-                if c < n:
-                    heapq.heappush(frontier, (heap[c], c))
 
     def segment(self, key: Key) -> str:
         return "recent" if key in self._once else "frequent"

@@ -7,24 +7,30 @@ follow continue it (``add`` without :data:`HINT_CONTINUATION` and no ``add`` yet
 request of its own: a put that found no prefix); ``touch(hit=False)`` (after a put) ends
 it. In each shadow the chain is a hit as far as the shadow holds its prefix; the hits are
 touched when the prefix breaks, then the rest is inserted, evicting the shadow's own victim
-(never a block of the request, never a block with a resident child), as the references
-do. In a store with one tier and one priority class (``scripts/replay_trace.py``) a shadow's
-hits equal its reference's request by request (a test); with several classes or tiers each
-policy's shadows see every chain touched, so they approximate.
+(never a block of the request seen so far, never a block with a resident child), as the
+references do. In a store with one tier and one priority class (``scripts/replay_trace.py``)
+a shadow's hits equal its reference's request by request (a test); with several classes or
+tiers each policy's shadows see every chain touched, so they approximate.
+
+One :class:`Chain` per request, shared (issue #33's replay speed): the leader appends each
+key once, and each shadow reads the chain at its own pace (``Shadow.seen``). Only the
+leading shadow must read each key as it comes (its evictions make the tier's strays); the
+others catch up when the request ends (``Shadow.end``), which is exact: a shadow's replay
+depends on its own state and the chain alone, and nothing reads a lagging shadow before
+the request's end but :meth:`Shadow.check_integrity`, which holds at every key.
 
 Metadata: each shadow holds up to ``capacity`` keys; the ``lru2-history`` shadow also
 remembers the last use of up to ``history_factor`` x capacity evicted keys (the reference
-remembers every key of the trace, which no store can), the ``arc`` shadow its ghosts.
+remembers every key of the trace, which no store can), the ``arc`` shadow its ghosts. The
+orders: :class:`LRUOrder` and :class:`PolicyOrder` here, ``LRU2Order`` in
+:mod:`tierkv.core.policy_lru2_order`.
 """
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Iterator
 
 from .policy import HINT_CONTINUATION, HINT_FRESH, HINT_TAIL, EvictionPolicy, Key
-
-_NO_USE = -1  # a block's second-to-last use before it has one
 
 
 class ShadowOrder:
@@ -36,19 +42,23 @@ class ShadowOrder:
     name = ""
     baseline = True  # one of issue #33's baselines (the leader must not fall behind these)
 
-    def hit(self, keys: list[Key], request: int) -> None:
+    def hit(self, keys: list[Key], n: int, request: int) -> None:
+        """The first ``n`` keys of the chain ``keys`` (root first) were hits in ``request``."""
         raise NotImplementedError
 
     def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
         raise NotImplementedError
 
-    def victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, shadow: Shadow) -> Key:
+        """The first key of this order that ``shadow.may_go``; None if none may."""
         raise NotImplementedError
 
     def dropped(self, key: Key) -> None:
         raise NotImplementedError
 
-    def after(self, keys: list[Key]) -> None:
+    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
+        """The request whose chain is ``keys`` ended: the re-ordering after a put, of the
+        chain's keys in ``resident``."""
         raise NotImplementedError
 
     def candidates(self) -> Iterator[Key]:
@@ -62,10 +72,29 @@ class ShadowOrder:
         raise NotImplementedError
 
 
+class Chain:
+    """One request's keys, root first, shared by a leader's shadows (module docstring):
+    appended by the leader, read by each shadow at its own pace."""
+
+    def __init__(self) -> None:
+        self.keys: list[Key] = []
+        self.tails: list[bool] = []  # the key is the last of its put (an insertion class bit)
+        # key -> its first position: a shadow that has seen ``seen`` keys protects the keys
+        # placed before that (the original per-shadow set held exactly those; a shadow that
+        # reads the chain late must not protect a key the request brings only later).
+        self.first: dict[Key, int] = {}
+
+    def append(self, key: Key, tail: bool) -> None:
+        if key not in self.first:
+            self.first[key] = len(self.keys)
+        self.keys.append(key)
+        self.tails.append(tail)
+
+
 class Shadow:
     """One baseline's cache of ``capacity`` keys replayed from the table's calls: the
     residency (key -> parent) and child counts here, the victim order in ``order`` (a part
-    it owns: :class:`LRUOrder`, :class:`LRU2Order`, :class:`PolicyOrder`)."""
+    it owns: :class:`LRUOrder`, ``LRU2Order``, :class:`PolicyOrder`)."""
 
     def __init__(self, capacity: int, order: ShadowOrder) -> None:
         self.capacity = max(1, capacity)
@@ -77,67 +106,76 @@ class Shadow:
         self.request = 0  # requests begun
         self.hits = 0  # blocks hit, over the whole replay
         self.evicted: Key = None  # the victim of the last see(), None if none
-        self._chain: list[Key] = []
-        self._protect: set[Key] = set()
-        self._pending: list[Key] = []  # hits not yet touched, root first
+        self.seen = 0  # keys of the open request's chain read so far
+        self.prefix = 0  # ... of which the first ``prefix`` were hits
+        self._chain = Chain()
         self._missed = False  # the request's prefix broke in this shadow
         self._broken = False  # an insertion found no victim: the rest is not placed
         self._open = False
 
-    def begin(self) -> None:
-        """Start a request (ending the open one)."""
+    def begin(self, chain: Chain) -> None:
+        """Start a request (ending the open one) whose keys the caller appends to ``chain``
+        as they come; :meth:`see` reads them in order, :meth:`end` reads the rest."""
         self.end()
         self.request += 1
-        self._chain, self._protect, self._pending = [], set(), []
+        self._chain = chain
+        self.seen = self.prefix = 0
         self._missed = self._broken = False
         self._open = True
 
-    def see(self, key: Key, tail: bool = False) -> bool:
-        """The next key of the open request's chain: a hit (True) while the shadow holds
-        the prefix so far; otherwise inserted, evicting (``evicted``) if full. ``tail``:
-        the key is the last of its put (for an order that classes insertions)."""
+    def see(self) -> bool:
+        """Read the chain's next key (the caller has appended it): a hit (True) while the
+        shadow holds the prefix so far; otherwise inserted, evicting (``evicted``) if full."""
         self.evicted = None
-        depth = len(self._chain)
-        parent = self._chain[-1] if depth else None
-        self._chain.append(key)
-        self._protect.add(key)
+        chain = self._chain
+        depth = self.seen
+        key = chain.keys[depth]
+        self.seen = depth + 1
         resident = self.resident
         if not self._missed:
             if key in resident:
-                self._pending.append(key)
+                self.prefix += 1
                 self.hits += 1
                 return True
             self._missed = True
-            if self._pending:
-                self.order.hit(self._pending, self.request)
+            if self.prefix:
+                self.order.hit(chain.keys, self.prefix, self.request)
         if self._broken or key in resident:
             return False
         if len(resident) >= self.capacity:
-            protect, kids = self._protect, self._kids
-            v = self.order.victim(lambda k: k not in protect and kids[k] == 0)
+            v = self.order.victim(self)
             if v is None:
                 self._broken = True
                 return False
             self._drop(v)
             self.evicted = v
+        parent = chain.keys[depth - 1] if depth else None
         resident[key] = parent
         self._kids[key] = 0
         if parent is not None and parent in resident:
             self._kids[parent] += 1
         # The insertion class as the references give it: the request found a prefix here.
-        hint = (HINT_CONTINUATION if self._pending else HINT_FRESH) | (HINT_TAIL if tail else 0)
+        hint = (HINT_CONTINUATION if self.prefix else HINT_FRESH) | (HINT_TAIL if chain.tails[depth] else 0)
         self.order.insert(key, depth, self.request, hint)
         return False
 
+    def may_go(self, key: Key) -> bool:
+        """Whether ``key`` (resident) may be this shadow's victim now: not a key of the open
+        request seen so far, and no resident child."""
+        return self._chain.first.get(key, self.seen) >= self.seen and self._kids[key] == 0
+
     def end(self) -> None:
-        """End the open request: its hits touched if not yet, then the re-ordering after a
-        put (the request's resident keys)."""
+        """End the open request: the rest of its chain read, its hits touched if not yet,
+        then the re-ordering after a put (the request's resident keys)."""
         if not self._open:
             return
+        keys = self._chain.keys
+        while self.seen < len(keys):
+            self.see()
         self._open = False
-        if not self._missed and self._pending:
-            self.order.hit(self._pending, self.request)
-        self.order.after([k for k in self._chain if k in self.resident])
+        if not self._missed and self.prefix:
+            self.order.hit(keys, self.prefix, self.request)
+        self.order.after(keys, self.resident)
 
     def _drop(self, v: Key) -> None:
         p = self.resident.pop(v)
@@ -162,6 +200,7 @@ class Shadow:
                 kids[p] += 1
         assert kids == self._kids, f"shadow {self.name}: child counts out of step"
         assert set(self.candidates()) == set(res), f"shadow {self.name}: order and residency disagree"
+        assert self.seen <= len(self._chain.keys) and self.prefix <= self.seen, f"shadow {self.name}: read past its chain"
         self.order.check_integrity(res)
 
 
@@ -173,23 +212,23 @@ class LRUOrder(ShadowOrder):
     def __init__(self) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()
 
-    def _touch(self, keys: list[Key]) -> None:
+    def hit(self, keys: list[Key], n: int, request: int) -> None:
         to_end = self._order.move_to_end
-        for k in reversed(keys):
-            to_end(k)
+        for i in range(n - 1, -1, -1):
+            to_end(keys[i])
 
-    def hit(self, keys: list[Key], request: int) -> None:
-        self._touch(keys)
-
-    def after(self, keys: list[Key]) -> None:
-        self._touch(keys)
+    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
+        to_end = self._order.move_to_end
+        for i in range(len(keys) - 1, -1, -1):
+            if keys[i] in resident:
+                to_end(keys[i])
 
     def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
         self._order[key] = None
 
-    def victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, shadow: Shadow) -> Key:
         for k in self._order:
-            if ok(k):
+            if shadow.may_go(k):
                 return k
         return None
 
@@ -206,105 +245,6 @@ class LRUOrder(ShadowOrder):
         pass  # candidates() == residency: checked by the Shadow
 
 
-class LRU2Order(ShadowOrder):
-    """:func:`tierkv.traces.simulate_lru2`: the oldest second-to-last use (by request) goes
-    first, blocks used in one request before any used in two, deeper first on a tie.
-    ``history`` > 0: an evicted key's last use is remembered (up to ``history`` keys, oldest
-    forgotten first), so a returning block ranks by it (``lru2-history``)."""
-
-    def __init__(self, history: int = 0) -> None:
-        self.name = "lru2-history" if history else "lru2"
-        self.history = history
-        self._uses: dict[Key, tuple[int, int]] = {}  # resident key -> (second-to-last, last use)
-        self._prio: dict[Key, tuple[int, int, int]] = {}
-        self._depth: dict[Key, int] = {}
-        self._heap: list[tuple[tuple[int, int, int], Key]] = []  # lazy: stale entries skipped
-        self._evicted: OrderedDict[Key, int] = OrderedDict()  # evicted key -> last use
-        self._deferred: list[Key] = []  # keys of the open request, ranked but not in the heap
-
-    def _set(self, key: Key, prio: tuple[int, int, int]) -> None:
-        # Only keys of the open request get a new rank, and none of them may go while it is
-        # open: their heap entries wait for the request's end (after). Pushed at once, a
-        # chain just hit sat at the heap's front, ranked by its previous use, and every
-        # eviction of the request walked past it (10x slower on develop:sessions at 10%).
-        self._prio[key] = prio
-        self._deferred.append(key)
-
-    def after(self, keys: list[Key]) -> None:
-        prio, heap = self._prio, self._heap
-        for k in self._deferred:
-            p = prio.get(k)
-            if p is not None:
-                heapq.heappush(heap, (p, k))
-        self._deferred = []
-        if len(heap) > 2 * len(prio) + 64:  # mostly stale: rebuild from the truth
-            self._heap = [(p, k) for k, p in prio.items()]
-            heapq.heapify(self._heap)
-
-    def hit(self, keys: list[Key], request: int) -> None:
-        r, uses, depth = request, self._uses, self._depth
-        for k in keys:
-            last = uses[k][1]
-            uses[k] = (last, r)
-            self._set(k, (last, r, -depth[k]))
-
-    def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
-        before = self._evicted.pop(key, _NO_USE) if self.history else _NO_USE
-        self._depth[key] = depth
-        self._uses[key] = (before, request)
-        self._set(key, (before, request, -depth))
-
-    def _valid(self, entry: tuple[tuple[int, int, int], Key]) -> bool:
-        return self._prio.get(entry[1]) == entry[0]
-
-    def victim(self, ok: Callable[[Key], bool]) -> Key:
-        heap = self._heap
-        while heap and not self._valid(heap[0]):
-            heapq.heappop(heap)  # re-ranked keys leave old, low entries at the front
-        if heap and ok(heap[0][1]):
-            return heap[0][1]  # the usual case: the first of candidates(), without the walk
-        for k in self.candidates():
-            if ok(k):
-                return k
-        return None
-
-    def dropped(self, key: Key) -> None:
-        del self._prio[key]
-        del self._depth[key]
-        last = self._uses.pop(key)[1]
-        if self.history:
-            h = self._evicted
-            h[key] = last
-            if len(h) > self.history:
-                h.popitem(last=False)
-
-    def candidates(self) -> Iterator[Key]:
-        # The heap in order without popping it: a best-first walk of its tree.
-        heap = self._heap
-        frontier: list[tuple[tuple[tuple[int, int, int], Key], int]] = [(heap[0], 0)] if heap else []
-        n = len(heap)
-        while frontier:
-            entry, i = heapq.heappop(frontier)
-            if self._valid(entry):
-                yield entry[1]
-            for c in (2 * i + 1, 2 * i + 2):
-                if c < n:
-                    heapq.heappush(frontier, (heap[c], c))
-        yield from self._deferred  # the open request's: last (none of them may go now)
-
-    def head(self) -> Key:
-        heap = self._heap
-        while heap and not self._valid(heap[0]):
-            heapq.heappop(heap)  # a stale entry: dropping it changes no order
-        return heap[0][1] if heap else self._deferred[0]
-
-    def check_integrity(self, resident: dict[Key, Key]) -> None:
-        assert set(self._uses) == set(self._prio) == set(self._depth) == set(resident), (
-            f"shadow {self.name}: uses and residency disagree")
-        assert len(self._evicted) <= self.history, f"shadow {self.name}: history over its bound"
-        assert not (set(self._evicted) & set(resident)), f"shadow {self.name}: a resident key in the history"
-
-
 class PolicyOrder(ShadowOrder):
     """Any :mod:`tierkv.core.policy` order as a shadow's (``arc``): the calls
     :func:`tierkv.traces.simulate_policy` makes, on the shadow's own residency."""
@@ -315,18 +255,21 @@ class PolicyOrder(ShadowOrder):
         self.name = order.name
         self.order = order
 
-    def hit(self, keys: list[Key], request: int) -> None:
-        self.order.touch(keys[::-1], True)
+    def hit(self, keys: list[Key], n: int, request: int) -> None:
+        self.order.touch(keys[:n][::-1], True)
 
-    def after(self, keys: list[Key]) -> None:
-        self.order.touch(keys[::-1], False)
+    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
+        self.order.touch([k for k in reversed(keys) if k in resident], False)
 
     def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
         self.order.add(key, hint)
 
-    def victim(self, ok: Callable[[Key], bool]) -> Key:
+    def victim(self, shadow: Shadow) -> Key:
+        k = self.order.head()  # the first of candidates() without a generator (the order is full)
+        if shadow.may_go(k):
+            return k
         for k in self.order.candidates():
-            if ok(k):
+            if shadow.may_go(k):
                 return k
         return None
 
