@@ -20,10 +20,11 @@ the other, as told: the two-tier model's ``adaptive`` rule tells it which of two
 shadow systems, one per rule, served more blocks lately.
 
 Not in the store: measured on the develop traces and the shared synthetic trace,
-``reused`` saves 2-10x the disk writes and wins hits when the disk is small but loses up
-to 0.09 of the hit rate when it is large, and ``adaptive`` holds within 0.006 of the better
-of the two; its shadows would double the store's metadata work (docs/eviction.md has the
-table and the design left to build). Keys are opaque (the model's ints); nothing here
+``reused`` writes 1.4-11.6x fewer blocks and wins hits when the disk is small but loses up
+to 0.095 of the hit rate when it is large, and ``adaptive`` stays within 0.008 of the
+better of the two (at or above it on 33 of 36 rows with ``arc``); its exact shadows would
+triple the store's metadata work (docs/eviction.md has the table and the design left to
+build). Keys are opaque (the model's ints); nothing here
 hashes them beyond dict membership.
 """
 from __future__ import annotations
@@ -81,8 +82,8 @@ class AdmitReused(DiskAdmission[K]):
             self._pending[key] = True
 
     def leaving(self, key: K, on_disk: bool) -> bool:
-        # Judged on disk too (the answer unused): so that ``adaptive``'s shadow of this rule
-        # sees what it would have let go while the real disk takes everything.
+        # Judged on disk too (the answer unused): so that under AdmitEither, while "all"
+        # writes everything, this rule's ghost still learns what it would have let go.
         reused = self._pending.pop(key, None)
         if reused is None or reused:
             return True
