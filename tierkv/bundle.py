@@ -49,7 +49,7 @@ import torch
 import zstandard
 
 from .bundle_format import (  # every name re-exported: tierkv.bundle is the format's public module
-    _U32, _U64, BUNDLE_VERSION, END, FORMAT, MAGIC, MAX_HEADER_BYTES, MAX_JSON_DEPTH, MAX_PAGE_BYTES, MAX_TOKENS, SIG,
+    _U32, _U64, BUNDLE_VERSION, END, FORMAT, MAGIC, MAX_HEADER_BYTES, MAX_JSON_DEPTH, MAX_PAGE_BYTES, MAX_TOKENS, SIG,  # noqa: F401
     SIGNED_DOMAIN, BundleError, BundleHeader, _check_byteorder, page_digest,
 )
 from .errors import InvalidTokensError, LayoutMismatchError, NotFoundError

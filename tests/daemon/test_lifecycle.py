@@ -20,7 +20,7 @@ import torch
 
 import tierkv
 from tierkv.daemon.config import merge, read_config_file
-from tierkv.errors import ConfigError, DaemonUnavailableError, DiskWriteError, LayoutMismatchError, TierKVError
+from tierkv.errors import ConfigError, DaemonUnavailableError, DiskWriteError, TierKVError
 from tierkv.layout import PageLayout
 
 from helpers.daemons import DaemonThread, with_sections

@@ -14,7 +14,7 @@ from tierkv.errors import DaemonOwnsHomeError, TierKVError
 from tierkv.home import peek_layout
 
 from as_user import NOBODY, need_root, run_as
-from daemon_helpers import LAYOUT, LAYOUT_ARG, SCOPE, pages_for, prompt, spawn_daemon
+from daemon_helpers import LAYOUT, SCOPE, pages_for, prompt, spawn_daemon
 
 # A page of 4 MiB: more than the spawned daemon's whole device budget (1 MiB), so its store
 # cannot be built.

@@ -12,7 +12,7 @@ import pytest
 import tierkv
 from tierkv.daemon import security
 from tierkv.daemon.security import PeerCredentials, SocketPathError
-from tierkv.errors import DaemonOwnsHomeError, DaemonUnavailableError, StoreLockedError
+from tierkv.errors import DaemonOwnsHomeError, StoreLockedError
 
 from helpers.daemons import DaemonThread
 from daemon_helpers import LAYOUT, SCOPE, make_config, pages_for, prompt

@@ -65,7 +65,6 @@ def corrupt_one_page(store, rng: random.Random, acked: list[int], seed: int) -> 
 
     from tierkv.identity import block_keys
     from tierkv.tiers import TierName
-    from tierkv.tiers.disk import split_location
 
     for i in rng.sample(acked, min(len(acked), 8)):
         tokens, scope = chain_tokens(seed, i), scope_of(seed, i)

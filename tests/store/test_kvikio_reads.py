@@ -13,7 +13,7 @@ import torch
 from tierkv.tiers import TierName
 from tierkv.tiers.diskio import KvikioFiles
 
-from .kit import LAYOUT_4K, SCOPE, keys_of, open_store, pages_for, put_chain, toks
+from .kit import LAYOUT_4K, keys_of, open_store, pages_for, put_chain, toks
 
 DISK = TierName.DISK
 

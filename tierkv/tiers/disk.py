@@ -39,7 +39,7 @@ from ..codec import PageCodec
 from ..errors import DiskReadError, DiskWriteError
 from ..layout import PageLayout
 from .base import TierName
-from .disk_files import SEG_RE, SEG_SHIFT, SegmentFiles, location, split_location  # SEG_*: re-exported
+from .disk_files import SEG_RE, SEG_SHIFT, SegmentFiles, location, split_location  # noqa: F401  (SEG_*: re-exported)
 from .disk_reads import DiskReads
 from .free_slots import SegmentRooms
 from .disk_records import rewrite_records, wipe_record, write_run_records
