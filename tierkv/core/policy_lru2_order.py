@@ -20,8 +20,8 @@ develop:sessions at 10%).
 Replaced (issue #33's replay speed): a lazy heap of those tuples, which allocated three
 tuples per re-rank (the heap entry, the priority and the pair of uses) and left a stale
 entry behind each. The collector's time in a compiled store replay of the synthetic trace
-at 10,000 blocks went from 0.18-0.24 s to 0.02 s, and ``leader`` from 1,138-1,345 to
-2,050-2,327 requests/s (docs/eviction.md, "Replay speed").
+at 10,000 blocks went from about 0.2 s to 0.02-0.03 s, and ``leader`` 1.33-1.77x faster
+there (the figures and their command: docs/eviction.md, "Replay speed").
 """
 from __future__ import annotations
 
