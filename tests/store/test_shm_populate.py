@@ -61,7 +61,7 @@ def test_regions_populate_one_chunk_at_a_time(tmp_path, monkeypatch):
 
     from tierkv.tiers import shm
 
-    real = shm._madvise()
+    real = shm.libc_madvise()
     if real is None:
         pytest.skip("no madvise in this libc: regions fault in on use, there is no populator")
     state = {"in_flight": 0, "most": 0, "calls": 0}
@@ -79,7 +79,7 @@ def test_regions_populate_one_chunk_at_a_time(tmp_path, monkeypatch):
             with guard:
                 state["in_flight"] -= 1
 
-    monkeypatch.setattr(shm, "_madvise", lambda: counting)
+    monkeypatch.setattr(shm, "libc_madvise", lambda: counting)
     regions = [SharedRegion.create(tmp_path, f"tierkv-{name}", 24 << 20) for name in ("device", "host")]
     try:
         for r in regions:
@@ -144,7 +144,7 @@ def test_a_store_populates_its_memory_tiers_only_when_asked_or_just_ahead_of_use
 def shm_madvise_available() -> bool:
     from tierkv.tiers import shm
 
-    return shm._madvise() is not None
+    return shm.libc_madvise() is not None
 
 
 def test_raising_the_populate_end_never_waits_for_a_chunk_but_lowering_does(tmp_path, monkeypatch):
@@ -156,7 +156,7 @@ def test_raising_the_populate_end_never_waits_for_a_chunk_but_lowering_does(tmp_
 
     from tierkv.tiers import shm
 
-    if shm._madvise() is None:
+    if shm.libc_madvise() is None:
         pytest.skip("no madvise in this libc: regions fault in on use, there is no populator")
     entered, release = threading.Event(), threading.Event()
     calls: list[tuple[int, int]] = []
@@ -167,7 +167,7 @@ def test_raising_the_populate_end_never_waits_for_a_chunk_but_lowering_does(tmp_
         release.wait(30)
         return 0
 
-    monkeypatch.setattr(shm, "_madvise", lambda: blocking)
+    monkeypatch.setattr(shm, "libc_madvise", lambda: blocking)
     region = SharedRegion.create(tmp_path, "tierkv-device", 16 << 20, populate_bytes=4 << 20)
     try:
         assert entered.wait(10), "the populator did not start"

@@ -11,8 +11,6 @@ outlives the unlink, so clients that still hold it keep valid memory.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import mmap
 import os
@@ -24,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from .madvise import MADV_POPULATE_WRITE, MADV_REMOVE, errno_now, libc_madvise
+
 log = logging.getLogger(__name__)
-_MADV_POPULATE_WRITE = 23  # linux/mman.h
-_MADV_REMOVE = 9
 # Small chunks: MADV_POPULATE_WRITE holds the process's mmap lock (for reading) through a
 # chunk, and an allocation (mmap, which takes it for writing) waits for the chunk, and every
 # page fault behind that waits too. With 32 MiB chunks and the thread at nice 19 on a busy
@@ -37,17 +35,6 @@ _POPULATE_CHUNK = 2 << 20
 # and a host region at once; on a 2-core machine both cores went to faulting pages in for
 # the first second after open, under the first request's reads and copies.
 _POPULATING = threading.Lock()
-
-
-@functools.cache
-def _madvise():  # type: ignore[no-untyped-def]
-    """libc's madvise (the GIL is dropped around each call), or None where unavailable."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
 
 
 def default_shm_dir() -> Path:
@@ -118,7 +105,7 @@ class SharedRegion:
         self._populating = True
 
         def run() -> None:
-            madvise = _madvise()
+            madvise = libc_madvise()
             while madvise is not None and not stop.is_set():
                 with self._populate_chunk:
                     with self._populate_state:
@@ -127,11 +114,11 @@ class SharedRegion:
                             break
                         n = min(_POPULATE_CHUNK, end - off)
                     with _POPULATING:
-                        refused = madvise(addr + off, n, _MADV_POPULATE_WRITE) != 0
+                        refused = madvise(addr + off, n, MADV_POPULATE_WRITE) != 0
                     with self._populate_state:
                         if refused:
                             log.debug("MADV_POPULATE_WRITE refused (errno %d); pages fault in on use",
-                                      ctypes.get_errno())
+                                      errno_now())
                             self._populated_to = self._populate_end = self.nbytes  # never retried
                             break
                         self._populated_to = max(self._populated_to, min(off + n, self._populate_end))
@@ -172,15 +159,15 @@ class SharedRegion:
         bytes nobody uses: a layout's tier slots above its limit. False when refused."""
         if self.bytes is None or nbytes <= 0:
             return False
-        madvise = _madvise()
+        madvise = libc_madvise()
         page = mmap.PAGESIZE
         lo, hi = -(-start // page) * page, (start + nbytes) // page * page  # whole pages only
         if madvise is None or hi <= lo:
             return False
         with self._populate_chunk:
-            ok = madvise(self.bytes.data_ptr() + lo, hi - lo, _MADV_REMOVE) == 0
+            ok = madvise(self.bytes.data_ptr() + lo, hi - lo, MADV_REMOVE) == 0
         if not ok:
-            log.debug("MADV_REMOVE refused (errno %d); the memory stays allocated", ctypes.get_errno())
+            log.debug("MADV_REMOVE refused (errno %d); the memory stays allocated", errno_now())
         return ok
 
     @classmethod
