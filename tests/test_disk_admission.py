@@ -39,7 +39,7 @@ def test_reused_memory_is_bounded():
 
 
 def test_either_answers_as_told_and_keeps_judging_in_both():
-    rule = AdmitEither[int](disk=4, pending=8)
+    rule = AdmitEither[int](disk=4, host=2)
     assert rule.stored(1)  # "all": written, though "reused" would not have
     assert rule.leaving(1, True)  # on disk; "reused" lets it go, so it is remembered
     rule.choice = "reused"

@@ -58,7 +58,7 @@ def test_the_disk_holds_whole_prefixes(admission, write_back):
     for seed in range(6):
         trace = random_tree_trace(random.Random(seed), 80)
         parent = _tree(trace)
-        adm = AdmitEither[int](6, 12) if admission == "either" else make_admission(admission, 6, 3)
+        adm = AdmitEither[int](6, 3) if admission == "either" else make_admission(admission, 6, 3)
         tiers = TwoTiers(parent, 3, 6, "lru", adm, write_back=write_back)
         for i, r in enumerate(trace):
             if isinstance(adm, AdmitEither):

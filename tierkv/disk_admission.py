@@ -35,6 +35,9 @@ from typing import Generic, Hashable, TypeVar
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 ADMISSIONS = ("all", "reused")  # and the model's "adaptive" (tierkv/tier_model.py), which follows them
+# Blocks pending a decision, per block of the memory tier above the disk: a block is judged
+# for as long as memory can hold it.
+PENDING_PER_MEMORY_BLOCK = 4
 
 
 class DiskAdmission(Generic[K]):
@@ -110,8 +113,8 @@ class AdmitEither(DiskAdmission[K]):
 
     name = "either"
 
-    def __init__(self, disk: int, pending: int) -> None:
-        self.reused = AdmitReused[K](pending, disk)
+    def __init__(self, disk: int, host: int) -> None:
+        self.reused = AdmitReused[K](PENDING_PER_MEMORY_BLOCK * host, disk)
         self.choice = "all"
 
     def stored(self, key: K) -> bool:
@@ -132,10 +135,9 @@ class AdmitEither(DiskAdmission[K]):
 
 def make_admission(name: str, disk: int, host: int) -> DiskAdmission[K]:
     """A fresh rule for a disk tier of ``disk`` blocks under a memory tier of ``host``
-    blocks (which bounds the blocks pending a decision: 4 x, so that a block is judged for
-    as long as memory can hold it)."""
+    blocks (which bounds the blocks pending a decision: PENDING_PER_MEMORY_BLOCK x)."""
     if name == "all":
         return DiskAdmission[K]()
     if name == "reused":
-        return AdmitReused[K](4 * host, disk)
+        return AdmitReused[K](PENDING_PER_MEMORY_BLOCK * host, disk)
     raise ValueError(f"unknown disk admission {name!r}; choose one of {ADMISSIONS}")

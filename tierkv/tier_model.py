@@ -192,7 +192,7 @@ def _adaptive(trace: Sequence[Request], parent: dict[int, int | None], host: int
     0.0146 (docs/eviction.md)."""
     shadows = {name: TwoTiers(parent, host, disk, policy, make_admission(name, disk, host), *args)
                for name in ("all", "reused")}
-    follow = AdmitEither[int](disk, 4 * host)
+    follow = AdmitEither[int](disk, host)
     real = TwoTiers(parent, host, disk, policy, follow, *args)
     scores = dict.fromkeys(shadows, 0.0)
     decay_per_block = 0.5 ** (1.0 / (half_life * max(1, disk)))

@@ -9,17 +9,14 @@ import torch
 
 from tierkv.tiers.shm import SharedRegion
 
+from helpers.residency import vma_fields
 
-def _rss_kib(path_name: str) -> int:
-    """Resident KiB of this process's mapping of the file named ``path_name``."""
-    rss, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            if not line[0].isupper() or ":" not in line.split()[0]:
-                inside = path_name in line
-            elif inside and line.startswith("Rss:"):
-                rss += int(line.split()[1])
-    return rss
+
+def _rss_kib(region: SharedRegion) -> int:
+    """Resident KiB of this process's mapping of ``region`` (its file's own mapping: the
+    kernel merges no neighbour into it)."""
+    assert region.bytes is not None
+    return vma_fields(region.bytes.data_ptr()).get("Rss", 0)
 
 
 def test_region_is_populated_in_the_background_without_touching_its_bytes(tmp_path):
@@ -36,7 +33,7 @@ def test_region_is_populated_in_the_background_without_touching_its_bytes(tmp_pa
         for off in (0, 40 << 20, nbytes - 4096):
             assert torch.equal(region.bytes[off : off + 4096], pattern)
         assert region.bytes[8192 : 8192 + 4096].sum().item() == 0
-        rss = _rss_kib(region.path.name)
+        rss = _rss_kib(region)
         if rss == 0:
             pytest.fail("the mapping was not found in /proc/self/smaps")
         assert rss >= nbytes // 1024 * 0.95, f"only {rss} KiB resident after populating {nbytes >> 10} KiB"
@@ -85,7 +82,7 @@ def test_regions_populate_one_chunk_at_a_time(tmp_path, monkeypatch):
         for r in regions:
             assert r._populator is not None
             r._populator.join(timeout=30)
-            assert _rss_kib(r.path.name) >= (24 << 20) // 1024 * 0.95
+            assert _rss_kib(r) >= (24 << 20) // 1024 * 0.95
         assert state["calls"] >= 2 * (24 << 20) // shm._POPULATE_CHUNK
         assert state["most"] == 1
     finally:
@@ -114,7 +111,7 @@ def test_a_store_populates_its_memory_tiers_only_when_asked_or_just_ahead_of_use
             assert r is not None and (r._populator is not None) == populate
             if r._populator is not None:
                 r._populator.join(timeout=30)
-        resident = [_rss_kib(r.path.name) for r in regions]
+        resident = [_rss_kib(r) for r in regions]
         if populate:
             assert resident[0] >= pool // 1024 * 0.95, resident
             assert resident[1] >= (8 << 20) // 1024 * 0.95, resident
@@ -127,7 +124,7 @@ def test_a_store_populates_its_memory_tiers_only_when_asked_or_just_ahead_of_use
             if device._populator is not None:
                 device._populator.join(timeout=30)
             used = 4 * layout.page_bytes
-            kib = _rss_kib(device.path.name)
+            kib = _rss_kib(device)
             # Faulted in ahead of use (a madvise-less libc faults only what was written) ...
             if shm_madvise_available():
                 assert kib >= (used + POPULATE_AHEAD_BYTES) // 1024 * 0.95, kib
