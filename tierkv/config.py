@@ -70,6 +70,15 @@ class StoreConfig:
     # restart 196-228 ms instead of 87-97 ms, docs/performance-history.md); once a tier is
     # used, the same thread faults it in only 64 MiB ahead of its use (tiers/memory.py).
     populate_memory: bool = False
+    # Fault only the device tier's first 64 MiB in behind the open, where the first
+    # promotion lands: for a process whose first use after open comes seconds later and is a
+    # read from disk (the vLLM connector's embedded store, opened when the engine starts).
+    # Without it that first hit after an engine restart read into fresh pages, and the
+    # populator started by the read faulted the same and the next 64 MiB on the engine's
+    # cores during the reads and the forward pass (docs/performance-history.md, 2026-12-07).
+    # Off by default: a restore right after open shared its cores with it (scripts/ab.py
+    # restore 0.82 of the base, null 0.94).
+    populate_device_ahead: bool = False
     eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "arc" (adaptive), "lru", "lru2", "mix" or "leader"
     # tierkv/codec.py: how the host and disk tiers store pages, "none" (exact) or "int8";
     # fixed when the home is created. None: the home's codec ("none" for a new home).

@@ -168,6 +168,88 @@ def test_copy_in_from_scattered_and_consecutive_slots(split, ratio, scattered):
         assert torch.equal(cache[untouched], before[name][untouched])
 
 
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+@pytest.mark.parametrize("scattered", [False, True])
+def test_large_copies_run_in_two_halves_with_the_same_bytes(monkeypatch, split, scattered):
+    # Above SPLIT_COPY_BYTES a load, a save and a scatter copy half of the blocks on the
+    # helper thread: the bytes must be those of the one-thread copy, block for block.
+    import threading
+
+    from tierkv.integrations.vllm import pages as vllm_pages
+
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
+    n_blocks, n = 40, vllm_pages._MAX_RUN_COPIES + 4
+    caches = {f"l.{i}.attn": vllm_cache(layout, n_blocks, 2, split) for i in range(2)}
+    twins = {k: v.clone() for k, v in caches.items()}
+    pool = torch.randn(3 * n, *layout.shape)
+    slots = [3 * i + 1 for i in range(n)][::-1] if scattered else list(range(5, 5 + n))
+    blocks = list(range(20, 20 + n))
+    one = PagedKV(twins, layout, n_blocks, split)
+    one.copy_in(pool, slots, blocks)  # below the threshold: one thread
+
+    threads: list[str] = []
+    part = vllm_pages.PagedKV._copy_np_part
+
+    def spy(self, *a):
+        threads.append(threading.current_thread().name)
+        return part(self, *a)
+
+    monkeypatch.setattr(vllm_pages, "SPLIT_COPY_BYTES", 1)
+    monkeypatch.setattr(vllm_pages.PagedKV, "_copy_np_part", spy)
+    paged = PagedKV(caches, layout, n_blocks, split)
+    try:
+        if len(os.sched_getaffinity(0)) < 2:
+            assert paged._helper is None  # one core: a second thread would only add a switch
+        paged.copy_in(pool, slots, blocks)
+        if paged._helper is not None:
+            assert sorted(threads) == ["MainThread", "tierkv-vllm-copy_0"], threads
+        for name in caches:
+            assert torch.equal(caches[name], twins[name])
+        assert torch.equal(paged.gather(blocks), one.gather(blocks))
+        pages = torch.randn(n, *layout.shape)
+        paged.scatter(pages, blocks[::-1])
+        assert torch.equal(paged.gather(blocks[::-1]), pages)
+    finally:
+        helper = paged._helper
+        paged.close()
+        one.close()
+    if helper is not None:  # close() stopped the helper thread
+        assert paged._helper is None and helper._shutdown and not any(t.is_alive() for t in helper._threads)
+
+
+def test_a_failing_half_is_raised_after_both_halves_ended(monkeypatch):
+    import threading
+    import time
+
+    from tierkv.integrations.vllm import pages as vllm_pages
+
+    layout = PageLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=B)
+    paged = PagedKV({"l.0.attn": vllm_cache(layout, 8, 1, KV_BY_TOKENS)}, layout, 8, KV_BY_TOKENS)
+    monkeypatch.setattr(vllm_pages, "SPLIT_COPY_BYTES", 1)
+    ended: list[str] = []
+    if paged._helper is None:  # one CPU: never split, the caller copies all
+        assert len(os.sched_getaffinity(0)) < 2
+        paged._in_halves(4, lambda lo, hi: ended.append(f"{lo}:{hi}"))
+        assert ended == ["0:4"]
+        return
+
+    def copy(lo: int, hi: int) -> None:
+        if threading.current_thread().name != "MainThread":
+            time.sleep(0.2)  # the helper's half ends last ...
+            ended.append("helper")
+            raise OSError("helper half failed")
+        ended.append("caller")
+
+    try:
+        with pytest.raises(OSError, match="helper half failed"):
+            paged._in_halves(4, copy)
+        assert ended == ["caller", "helper"]  # ... and was waited for before raising
+    finally:
+        helper = paged._helper
+        paged.close()
+    assert paged._helper is None and helper is not None and helper._shutdown
+
+
 def test_unexpected_cache_shapes_are_refused():
     layout = PageLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=B)
     with pytest.raises(UnsupportedCacheError):

@@ -184,3 +184,48 @@ def test_raising_the_populate_end_never_waits_for_a_chunk_but_lowering_does(tmp_
     finally:
         release.set()
         region.close()
+
+
+def test_populate_device_ahead_faults_in_only_the_device_tiers_first_64_mib(tmp_path):
+    """``populate_device_ahead`` (the vLLM connector's embedded store sets it): the device
+    tier's first POPULATE_AHEAD_BYTES are faulted in behind the open, the rest of it and the
+    host tier stay sparse, and a first use within them asks for nothing more."""
+    import tierkv
+    from tierkv import PageLayout, Scope
+    from tierkv.tiers.memory import POPULATE_AHEAD_BYTES
+
+    layout = PageLayout(num_layers=1, num_kv_heads=4, head_dim=128, block_size=16, dtype="float32")  # 64 KiB pages
+    pool = 4 * POPULATE_AHEAD_BYTES
+    store = tierkv.open(tmp_path / "home", layout, device="cpu", device_bytes=pool, host_bytes=8 << 20,
+                        disk_bytes=0, shm_dir=tmp_path, populate_device_ahead=True)
+    try:
+        device, host = store.device.region, store.host.region
+        assert device._populator is not None and host._populator is None
+        device._populator.join(timeout=30)
+        slack = (4 << 20) // 1024  # the kernel may map a little around what it was asked to
+        if shm_madvise_available():
+            assert POPULATE_AHEAD_BYTES // 1024 * 0.95 <= _rss_kib(device) <= POPULATE_AHEAD_BYTES // 1024 + slack
+        assert _rss_kib(host) < 256
+        toks = list(range(4 * 16))
+        pages = torch.rand((4, *layout.shape))
+        store.put(toks, pages, Scope("ab" * 32))  # 256 KiB: well within what is faulted in
+        assert device._populated_to <= POPULATE_AHEAD_BYTES  # nothing further was asked
+        with store.acquire(toks, Scope("ab" * 32)) as lease:
+            assert torch.equal(lease.pages(), pages)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_the_vllm_connectors_embedded_store_faults_its_device_tier_in_ahead(tmp_path):
+    from tierkv import PageLayout
+    from tierkv.integrations.vllm.config import ConnectorConfig
+    from tierkv.integrations.vllm.store import _close_shared, _open_shared
+
+    layout = PageLayout(num_layers=1, num_kv_heads=4, head_dim=128, block_size=16, dtype="float32")
+    cfg = ConnectorConfig(home=str(tmp_path / "home"), device_bytes=8 << 20, host_bytes=8 << 20, disk_bytes=64 << 20)
+    store = _open_shared(cfg, layout)
+    try:
+        assert store.config.populate_device_ahead and store.device.region._populator is not None
+    finally:
+        _close_shared(store)

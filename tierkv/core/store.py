@@ -90,7 +90,7 @@ class Store(StoreAPI):
             cuda = torch.cuda.is_available()
             self.device = MemoryTier(DEVICE, self.layout, config.device_bytes, config.resolved_device(), shm_dir,
                                      codec=codec, limit_bytes=config.device_limit_bytes,
-                                     populate=config.populate_memory)
+                                     populate=config.populate_memory, ahead_at_open=config.populate_device_ahead)
             self.host = MemoryTier(HOST, self.layout, config.host_bytes, "cpu", shm_dir, pin=cuda, codec=codec,
                                    limit_bytes=config.host_limit_bytes, populate=config.populate_memory)
             self.disk = DiskTier(

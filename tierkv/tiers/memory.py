@@ -54,10 +54,12 @@ class MemoryTier:
     def __init__(
         self, name: TierName, layout: PageLayout, capacity_bytes: int, device: str, shm_dir: Path, pin: bool = False,
         codec: PageCodec | None = None, limit_bytes: int | None = None, populate: bool = False,
+        ahead_at_open: bool = False,
     ) -> None:
         """``capacity_bytes`` of slots; ``limit_bytes`` (default: all) is what may be used
         now (:meth:`set_limit`): in shared memory the slots above it stay sparse. ``populate``:
-        fault the usable slots in on a background thread (StoreConfig.populate_memory)."""
+        fault the usable slots in on a background thread (StoreConfig.populate_memory);
+        ``ahead_at_open``: only the first POPULATE_AHEAD_BYTES (:meth:`fault_in_first`)."""
         self.name = name
         self.populate = populate
         self.layout = layout
@@ -90,6 +92,8 @@ class MemoryTier:
         if limit_bytes is not None:
             self.set_limit(limit_bytes)
         self._bytes_view: np.ndarray | None = None  # the CPU pool as bytes, made on first write_many
+        if ahead_at_open:
+            self.fault_in_first()
 
     def _map_region(self, shm_dir: Path, slots: int, pin: bool) -> SharedRegion:
         """The shared-memory region of ``slots`` slots at this tier's stride, populated in the
@@ -137,6 +141,14 @@ class MemoryTier:
             if slot > start:
                 self.region.discard(start * self.stride_bytes, (slot - start) * self.stride_bytes)
             start = slot + 1
+
+    def fault_in_first(self) -> None:
+        """Have the region fault its first POPULATE_AHEAD_BYTES in now, in the background
+        (held: the store lock, or the store is not shared yet), as if slot 0 were in use:
+        the first promotion into a fresh tier then reads into pages already faulted in, with
+        no populator of the next 64 MiB beside it (StoreConfig.populate_device_ahead)."""
+        if self.region is not None and not self.populate and self.slots.limit > 0:
+            self._grew(-1)
 
     def _grew(self, slot: int) -> None:
         """The tier's use reached ``slot`` (held: the store lock): have the region fault

@@ -27,8 +27,10 @@ same kernels share them.
 """
 from __future__ import annotations
 
+import os
 import re
-from typing import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +47,12 @@ BACKEND_KV_SPLIT = {
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 # numpy has no bfloat16 or float8: copy the bytes as same-width ints.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+# A CPU load or save of at least this many bytes is copied in two halves (by block), one of
+# them on PagedKV's helper thread: numpy drops the GIL in these copies, and CPU_ATTN's
+# transposed K makes them compute-bound, not memory-bound. 16 MiB (32 blocks of 128 tokens,
+# 8 layers, bf16) took 2.6 ms against 4.8 ms on one thread (2-vCPU VM, 2026-12-07,
+# docs/performance-history.md); the first hit after a vLLM engine restart spends it in the step.
+SPLIT_COPY_BYTES = 4 << 20
 
 
 def _cache_dtype_ok(cache: torch.Tensor, layout: PageLayout) -> bool:
@@ -154,6 +162,32 @@ class PagedKV:
             # [vLLM blocks, ratio, H, n, D] per layer and K/V: numpy views of vLLM's memory.
             self._np = [tuple(self._blocked(x.view(as_int).numpy()) for x in kv) for kv in self.views]
             self._as_int = as_int
+        # Owned here, shut down by close(); started now, so no step pays for its thread.
+        self._helper: ThreadPoolExecutor | None = None
+        if self._np is not None and len(os.sched_getaffinity(0)) > 1:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="tierkv-vllm-copy")
+            self._helper.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Stop the copy helper thread (after the copy in flight, if any)."""
+        helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown(wait=True)
+
+    def _in_halves(self, n: int, copy: Callable[[int, int], None]) -> None:
+        """``copy(lo, hi)`` over items ``[0, n)``: in two halves, the second on the helper
+        thread, when ``n`` pages are at least SPLIT_COPY_BYTES; returns once both ended."""
+        if self._helper is None or n < 2 or n * self.layout.page_bytes < SPLIT_COPY_BYTES:
+            copy(0, n)
+            return
+        half = n // 2
+        other = self._helper.submit(copy, half, n)
+        try:
+            copy(0, half)
+        finally:
+            err = other.exception()  # waits: nothing writes into either side once this returns
+        if err is not None:
+            raise err
 
     def _blocked(self, x: np.ndarray) -> np.ndarray:
         """A layer's ``[kernel_blocks, H, n, D]`` as ``[vLLM blocks, ratio, H, n, D]`` (a view)."""
@@ -190,10 +224,15 @@ class PagedKV:
             # size, and a huge-page fault that makes the kernel compact memory can stall this
             # copy, which runs inside vLLM's step, for hundreds of milliseconds.
             out = torch.empty((k, *L.shape), dtype=_INT_OF_WIDTH[L.torch_dtype.itemsize]).numpy()
-            for i, b, m in _runs([(i, b) for i, b in enumerate(block_ids)]):
-                for layer, kv in enumerate(self._np):
-                    for kind in (0, 1):
-                        _copy(self._page_view(out[i : i + m], layer, kind), kv[kind][b : b + m])
+            views = self._np
+
+            def gather_part(lo: int, hi: int) -> None:
+                for i, b, m in _runs([(i, block_ids[i]) for i in range(lo, hi)]):
+                    for layer, kv in enumerate(views):
+                        for kind in (0, 1):
+                            _copy(self._page_view(out[i : i + m], layer, kind), kv[kind][b : b + m])
+
+            self._in_halves(k, gather_part)
             return torch.from_numpy(out).view(L.torch_dtype)
         idx = self._kernel_index(block_ids)
         per_layer = []
@@ -235,6 +274,10 @@ class PagedKV:
 
     def _copy_np(self, pool: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         src = pool.view(self._as_int).numpy()
+        self._in_halves(len(slots), lambda lo, hi: self._copy_np_part(src, slots[lo:hi], block_ids[lo:hi]))
+
+    def _copy_np_part(self, src: np.ndarray, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        assert self._np is not None
         runs = _runs(list(zip(slots, block_ids)))
         if len(runs) > _MAX_RUN_COPIES:
             # Scattered slots (pages promoted one by one land wherever the pool had room):

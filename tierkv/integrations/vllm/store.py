@@ -46,8 +46,10 @@ def _open_shared(cfg: ConnectorConfig, layout: PageLayout) -> Any:
     with _shared_lock:
         entry = _shared.get(key)
         if entry is None:
+            # populate_device_ahead: the engine's first hit after a restart reads from disk
+            # into the device tier, seconds after this open (StoreConfig has the figures).
             store = tierkv.open(cfg.home, layout, device="cpu", device_bytes=cfg.device_bytes,  # type: ignore[arg-type]
-                                host_bytes=cfg.host_bytes, disk_bytes=cfg.disk_bytes)
+                                host_bytes=cfg.host_bytes, disk_bytes=cfg.disk_bytes, populate_device_ahead=True)
             entry = _shared[key] = [store, 0]
         entry[1] += 1
         return entry[0]

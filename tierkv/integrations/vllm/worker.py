@@ -140,7 +140,9 @@ class WorkerSide:
         return self.saves.flush(timeout)
 
     def close(self) -> None:
-        self.saves.close()
+        self.saves.close()  # its writes read pages already copied out: the helper may stop
+        if self.paged is not None:
+            self.paged.close()
 
 
 def check_unit_scales(scales: Mapping[str, tuple[float, float]]) -> None:
