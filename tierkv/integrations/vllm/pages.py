@@ -48,10 +48,10 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 # numpy has no bfloat16 or float8: copy the bytes as same-width ints.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # A CPU load or save of at least this many bytes is copied in two halves (by block), one of
-# them on PagedKV's helper thread: numpy drops the GIL in these copies, and CPU_ATTN's
-# transposed K makes them compute-bound, not memory-bound. 16 MiB (32 blocks of 128 tokens,
-# 8 layers, bf16) took 2.6 ms against 4.8 ms on one thread (2-vCPU VM, 2026-12-07,
-# docs/performance-history.md); the first hit after a vLLM engine restart spends it in the step.
+# them on PagedKV's helper thread: numpy drops the GIL in these copies, and one thread does
+# not reach memory's speed on CPU_ATTN's transposed K (8 MiB of K 2.9 ms, of V 1.0 ms).
+# 16 MiB (32 blocks of 128 tokens, 8 layers, bf16) took 2.6 ms against 4.8 ms on one thread
+# (2-vCPU VM, 2026-12-07, docs/performance-history.md); a load runs inside vLLM's step.
 SPLIT_COPY_BYTES = 4 << 20
 
 
