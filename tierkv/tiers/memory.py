@@ -144,9 +144,10 @@ class MemoryTier:
 
     def fault_in_first(self) -> None:
         """Have the region fault its first POPULATE_AHEAD_BYTES in now, in the background
-        (held: the store lock, or the store is not shared yet), as if slot 0 were in use:
-        the first promotion into a fresh tier then reads into pages already faulted in, with
-        no populator of the next 64 MiB beside it (StoreConfig.populate_device_ahead)."""
+        (held: the store lock, or the store is not shared yet): what :meth:`_grew` asks
+        for before any slot is in use. The first promotion into a fresh tier then reads into
+        pages already faulted in, with no populator of the next 64 MiB beside it
+        (StoreConfig.populate_device_ahead)."""
         if self.region is not None and not self.populate and self.slots.limit > 0:
             self._grew(-1)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .madvise import MADV_POPULATE_WRITE, MADV_REMOVE, errno_now, libc_madvise
+from .madvise import MADV_POPULATE_WRITE, MADV_REMOVE, advise, errno_now, libc_madvise
 
 log = logging.getLogger(__name__)
 # Small chunks: MADV_POPULATE_WRITE holds the process's mmap lock (for reading) through a
@@ -159,13 +159,12 @@ class SharedRegion:
         bytes nobody uses: a layout's tier slots above its limit. False when refused."""
         if self.bytes is None or nbytes <= 0:
             return False
-        madvise = libc_madvise()
         page = mmap.PAGESIZE
         lo, hi = -(-start // page) * page, (start + nbytes) // page * page  # whole pages only
-        if madvise is None or hi <= lo:
+        if hi <= lo:
             return False
         with self._populate_chunk:
-            ok = madvise(self.bytes.data_ptr() + lo, hi - lo, MADV_REMOVE) == 0
+            ok = advise(self.bytes.data_ptr() + lo, hi - lo, MADV_REMOVE)
         if not ok:
             log.debug("MADV_REMOVE refused (errno %d); the memory stays allocated", errno_now())
         return ok
