@@ -25,10 +25,12 @@ machine whose speed drifts favours neither side):
    median is the round's figure: one request of ~15 ms varied by 20-50% from one to the
    next on a shared 2-core machine);
 3. hit after an engine restart: a fresh engine on the same store (embedded: its segments
-   dropped from the page cache, so the pages come from disk; daemon: kept running, so they
-   come from its memory tiers);
-4. hit after a daemon restart too: the daemon restarted, its segments dropped from the page
-   cache.
+   dropped from the page cache, so the pages come from disk: read back by the store's warm
+   start while the engine starts, ``loads.tierkv_embedded_engine_restart_warmed_blocks``
+   and ``_warm_ms``, or by the request where the warm start has not read them; daemon: kept
+   running, so they come from its memory tiers);
+4. hit after a daemon restart too: the daemon restarted (SIGTERM: its warm start reads back
+   what its device tier held), its segments dropped from the page cache.
 
 Every timed request's greedy first token and top-5 logprobs, and the no-reuse workload's
 generated tokens, are compared with vLLM alone (prefix caching off). Reported: medians per
@@ -344,6 +346,10 @@ def main() -> int:
                 after = eng.connector_stats()
                 add(loads, f"{name}_engine_restart_load_ms", 1000 * (after["load_seconds"] - before["load_seconds"]))
                 add(loads, f"{name}_engine_restart_loaded_tokens", after["loaded_tokens"] - before["loaded_tokens"])
+                warm_start = before.get("store", {}).get("warm_start")  # embedded: what its open read back
+                if warm_start is not None:
+                    add(loads, f"{name}_engine_restart_warmed_blocks", warm_start["warmed_blocks"])
+                    add(loads, f"{name}_engine_restart_warm_ms", 1000 * warm_start["seconds"])
                 eng.close()
                 if name == "tierkv_daemon":
                     daemon.stop()

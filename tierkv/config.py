@@ -79,6 +79,11 @@ class StoreConfig:
     # Off by default: a restore right after open shared its cores with it (scripts/ab.py
     # restore 0.82 of the base, null 0.94).
     populate_device_ahead: bool = False
+    # After open, read back into the device tier (on a thread, into free slots only) what it
+    # held at the last close, or the newest blocks after a crash (tierkv/core/warm_start.py):
+    # for a process that restarts and takes seconds before its first request (a vLLM engine,
+    # the daemon). Off by default: a restore right after open would share the disk with it.
+    warm_at_open: bool = False
     eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "arc" (adaptive), "lru", "lru2", "mix" or "leader"
     # tierkv/codec.py: how the host and disk tiers store pages, "none" (exact) or "int8";
     # fixed when the home is created. None: the home's codec ("none" for a new home).

@@ -19,6 +19,7 @@ pickle: see docs/format.md.
 from __future__ import annotations
 
 import errno
+import heapq
 import json
 import logging
 import os
@@ -38,6 +39,8 @@ T = TypeVar("T")
 RECORD_VERSION = 1
 NO_DISK = -1
 _HEAD = struct.Struct("<B32s32sBQqdHI")
+_LAST_ACCESS = struct.Struct("<d")
+_LAST_ACCESS_AT = struct.calcsize("<B32s32sBQq")  # where _HEAD's "d" (last_access) starts
 READER_CHECK_S = 30.0  # how often a used index clears reader slots of dead processes
 MAX_READERS = 256
 
@@ -212,6 +215,10 @@ class Index:
     def put_meta(self, name: str, value: str) -> None:
         self._write(lambda txn: txn.put(name.encode(), value.encode(), db=self._meta))
 
+    def delete_meta(self, name: str) -> bool:
+        """Delete a meta entry; False when there was none."""
+        return bool(self._write(lambda txn: txn.delete(name.encode(), db=self._meta)))
+
     # ---- blocks ----------------------------------------------------------------------
     def put_blocks(self, records: Iterable[BlockRecord]) -> None:
         recs = list(records)
@@ -243,6 +250,29 @@ class Index:
                 yield k, BlockRecord.decode(k, v)
             except (ValueError, struct.error):
                 yield k, None
+
+    def newest(self, n: int) -> list[bytes]:
+        """The keys of the ``n`` blocks written last (``last_access``), oldest of them
+        first; records too short to hold a head are skipped. One pass, reading only each
+        record's head and keeping ``n`` keys (a warm start after a crash, where the home
+        may hold millions of blocks)."""
+        if n <= 0:
+            return []
+        size, at, unpack = _HEAD.size, _LAST_ACCESS_AT, _LAST_ACCESS.unpack_from
+
+        def scan(txn: lmdb.Transaction) -> list[tuple[float, bytes]]:
+            heap: list[tuple[float, bytes]] = []
+            for k, v in txn.cursor(db=self._blocks):
+                if len(v) < size:
+                    continue
+                item = (unpack(v, at)[0], bytes(k))
+                if len(heap) < n:
+                    heapq.heappush(heap, item)
+                elif item > heap[0]:
+                    heapq.heapreplace(heap, item)
+            return heap
+
+        return [k for _, k in sorted(self._read(scan))]
 
     def count_blocks(self) -> int:
         return self._read(lambda txn: int(txn.stat(self._blocks)["entries"]))

@@ -99,7 +99,7 @@ def run_two_layout_daemon(workdir: Path, layout: PageLayout) -> DaemonThread:
     from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StagingSettings, StoreSettings
 
     return DaemonThread(DaemonConfig(
-        store=StoreSettings(home=workdir / "home", device="cpu", shm_dir=workdir / "shm", **SIZES),
+        store=StoreSettings(home=workdir / "home", device="cpu", shm_dir=workdir / "shm", warm_at_open=False, **SIZES),
         server=ServerSettings(socket=workdir / "d.sock", workers=2),
         staging=StagingSettings(region_bytes=256 * layout.slot_bytes, per_client_bytes=64 * layout.slot_bytes),
         layouts=LayoutSettings(preload=layout, max_open=2))).start()

@@ -55,11 +55,14 @@ def short_dir(prefix: str) -> Path:
 
 def run_daemon(workdir: Path, layout: PageLayout | None, **sizes: int) -> DaemonThread:
     """``tierkv serve`` in a thread of the test process, on its own home, serving (the whole
-    budget to the one layout, as the embedded store has it)."""
+    budget to the one layout, as the embedded store has it). No warm start, as the embedded
+    stores here: every implementation opens with empty memory tiers (the daemon's warm start
+    is tests/daemon/test_warm_restart.py's)."""
     from tierkv.daemon.config import DaemonConfig, LayoutSettings, ServerSettings, StagingSettings, StoreSettings
 
     return DaemonThread(DaemonConfig(
-        store=StoreSettings(home=workdir / "home", device="cpu", shm_dir=workdir / "shm", **{**SIZES, **sizes}),
+        store=StoreSettings(home=workdir / "home", device="cpu", shm_dir=workdir / "shm", warm_at_open=False,
+                            **{**SIZES, **sizes}),
         server=ServerSettings(socket=workdir / "d.sock", workers=2),
         staging=StagingSettings(region_bytes=256 * layout_slot(layout), per_client_bytes=64 * layout_slot(layout)),
         layouts=LayoutSettings(preload=layout, max_open=1))).start()

@@ -900,7 +900,9 @@ def test_wrong_kv_would_be_noticed(model_dir, stored_home, reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_corrupt_pages_are_a_miss_and_output_is_correct(model_dir, stored_home, reference, tmp_path):
+@pytest.mark.parametrize("warm", [False, True])
+def test_corrupt_pages_are_a_miss_and_output_is_correct(model_dir, stored_home, reference, tmp_path, warm):
+    """Found by the load (no warm start) or already at open, by the warm start's reads."""
     from tierkv.tiers.segments import read_header
 
     home = copy_home(stored_home, tmp_path / "home")
@@ -914,11 +916,16 @@ def test_corrupt_pages_are_a_miss_and_output_is_correct(model_dir, stored_home, 
         for i in range(start, len(data), 97):
             data[i] ^= 0xFF
         seg.write_bytes(bytes(data))
-    results, sched, worker = run_engine(model_dir, store_options(home))
-    # The index still lists the blocks, so the scheduler promised them; every page failed its
-    # checksum on read, nothing was loaded, and vLLM recomputed.
-    assert sched["hit_tokens"] == SHARED
-    assert worker["loaded_tokens"] == 0 and worker["load_failed_blocks"] == SHARED // B
+    results, sched, worker = run_engine(model_dir, {**store_options(home), "warm_at_open": warm})
+    if warm:
+        # The warm start read every page at open and quarantined them: nothing is promised.
+        assert sched["hit_tokens"] == 0 and worker["loaded_tokens"] == 0
+        assert worker["store"]["warm_start"]["warmed_blocks"] == 0 and worker["store"]["quarantined"] == SHARED // B
+    else:
+        # The index still lists the blocks, so the scheduler promised them; every page failed
+        # its checksum on read, nothing was loaded, and vLLM recomputed.
+        assert sched["hit_tokens"] == SHARED
+        assert worker["loaded_tokens"] == 0 and worker["load_failed_blocks"] == SHARED // B
     assert results[0][0] == reference[0][0]
     assert max_diff(results[0][1], reference[0][1]) <= 1e-5
 

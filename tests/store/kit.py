@@ -105,6 +105,15 @@ def assert_prefix_order(store: Store) -> None:
                 )
 
 
+def flip_byte(path: Path, offset: int) -> None:
+    """Flip one bit of the byte at ``offset`` of ``path`` (a page's damage on disk)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
 def segment_files(home: Path) -> list[Path]:
     return sorted((home / "segments").glob("seg-*.safetensors"))
 

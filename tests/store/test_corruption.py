@@ -16,15 +16,7 @@ from tierkv import Scope
 from tierkv.index import BlockRecord
 from tierkv.tiers.segments import read_header
 
-from .kit import LAYOUT, SCOPE, SLOT, assert_lease_exact, keys_of, put_chain, segment_files, tier_counts, toks
-
-
-def _flip(path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
+from .kit import LAYOUT, SCOPE, SLOT, assert_lease_exact, flip_byte, keys_of, put_chain, segment_files, tier_counts, toks
 
 
 def _stored_then_closed(make_store, chain, **opts):
@@ -43,7 +35,7 @@ def test_flipped_byte_in_page_is_a_miss_and_quarantined(make_store, within):
     chain = toks(300, 3)
     where = _stored_then_closed(make_store, chain)
     path, off = where[1]
-    _flip(path, off + within)
+    flip_byte(path, off + within)
     store = make_store()
     assert store.lookup(chain, SCOPE).num_blocks == 3  # the index cannot know yet
     with store.acquire(chain, SCOPE) as lease:
@@ -65,7 +57,7 @@ def test_flip_in_slot_padding_is_harmless(make_store):
     chain = toks(301, 2)
     where = _stored_then_closed(make_store, chain)
     path, off = where[0]
-    _flip(path, off + LAYOUT.page_bytes + 5)  # past the page, inside its 4 KiB slot
+    flip_byte(path, off + LAYOUT.page_bytes + 5)  # past the page, inside its 4 KiB slot
     store = make_store()
     with store.acquire(chain, SCOPE) as lease:
         assert lease.num_blocks == 2
@@ -75,7 +67,7 @@ def test_flip_in_slot_padding_is_harmless(make_store):
 def test_verify_finds_and_repairs_flipped_pages(make_store):
     chain = toks(302, 4)
     where = _stored_then_closed(make_store, chain)
-    _flip(*where[2])
+    flip_byte(*where[2])
     store = make_store()
     r = store.verify()
     assert r.checked == 4 and r.corrupt == (keys_of(chain)[2].hex(),) and not r.repaired
@@ -90,7 +82,7 @@ def test_verify_finds_and_repairs_flipped_pages(make_store):
 def test_verify_on_open_full_drops_corrupt_pages(make_store):
     chain = toks(303, 3)
     where = _stored_then_closed(make_store, chain)
-    _flip(*where[0])
+    flip_byte(*where[0])
     store = make_store(verify_on_open="full")
     assert store.lookup(chain, SCOPE).num_blocks == 0
     assert store.stats()["quarantined"] == 1

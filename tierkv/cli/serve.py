@@ -89,6 +89,9 @@ _DAEMON_OPTIONS = [
     click.option("--client-staging-bytes", default=None, help="Staging one connection may hold (default 64MiB)."),
     click.option("--write-through/--write-back", default=None,
                  help="Write every put to disk before it is acknowledged (default), or later, on eviction."),
+    click.option("--warm-at-open/--no-warm-at-open", default=None,
+                 help="At start, read back into the device tier what it held when the daemon last stopped "
+                      "(default), so the clients' first hits come from memory."),
     click.option("--max-connections", type=int, default=None, help="Clients connected at once (default 256)."),
     click.option("--max-inflight", type=int, default=None, help="Requests in flight per connection (default 32)."),
     click.option("--lease-timeout", "lease_timeout_s", type=float, default=None,

@@ -247,6 +247,11 @@ class BlockTable:
         for order in in_use:
             order.touch(keys, hit)
 
+    def in_order(self, tier: TierName) -> list[bytes]:
+        """The keys of ``tier`` in victim order, first victim first: ephemeral, then normal,
+        then pinned blocks, each class in its policy's order (what a warm start records)."""
+        return [k for order in self._victim_order[tier] for k in order.candidates()]
+
     def policy_stats(self) -> dict[str, object]:
         """The eviction policy's counters, per tier (merged into ``Store.stats()``)."""
         return {

@@ -7,6 +7,7 @@ checks that it is usable (open, same process) before it calls any of these.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 
 from .blocks import TIERS, Block, Priority
 from ..checksum import page_checksum
-from ..errors import NotFoundError
+from ..errors import NotFoundError, TierKVError
 from ..manifest_names import check_name
 from ..identity import as_token_array
 from .matching import match_chain
@@ -26,6 +27,7 @@ from ..tiers import TierName
 if TYPE_CHECKING:
     from ..identity import Scope
 
+log = logging.getLogger(__name__)
 DEVICE, HOST, DISK = TierName.DEVICE, TierName.HOST, TierName.DISK
 
 
@@ -213,3 +215,21 @@ class StoreOperations:
                 counters=CounterStats.from_dict({**self.stats_counters.as_dict(), **self.table.policy_stats()}),
                 index_resizes=self.index.resizes, stale_readers_cleared=self.index.stale_readers_cleared,
             )
+
+    def flush_all(self) -> int:
+        """Write-back at close (held: the lock); returns how many blocks stayed memory-only."""
+        lost = 0
+        for b in list(self.table.blocks.values()):
+            if DISK in b.loc or b.priority == Priority.EPHEMERAL or b.dead:
+                continue
+            try:
+                ok = self.placement.flush_to_disk(b)
+            except TierKVError as e:
+                log.error("close: writing block %s to disk failed: %s", b.key.hex()[:16], e)
+                ok = False
+            lost += not ok
+        self.stats_counters.unflushed_at_close = lost
+        if lost:
+            log.error("close: %d memory-only block(s) could not be written to disk (disk degraded: %s)",
+                      lost, self.disk.degraded_reason)
+        return lost

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 from .blocks import Block, BlockTable
 from ..errors import DiskWriteError, IndexWriteError
@@ -349,9 +349,10 @@ class Placement:
         the lock)."""
         return len(self._dead)
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, reserved: Collection[int] = ()) -> None:
         """Recompute every total from its source of truth (held: the lock): the table, each
-        tier's allocator against the blocks placed in it, the disk against the index."""
+        tier's allocator against the blocks placed in it (and the device slots ``reserved``
+        by reads in flight: an acquire's, a warm start's), the disk against the index."""
         self.table.check_integrity()
         self.device.check_integrity()
         self.host.check_integrity()
@@ -361,6 +362,9 @@ class Placement:
         for t, tier in ((DEVICE, self.device), (HOST, self.host)):
             placed = {b.loc[t] for b in self.table.blocks.values() if t in b.loc}
             placed |= {b.loc[t] for b in self._dead if t in b.loc}
+            if t == DEVICE:
+                assert not placed & set(reserved), "a device slot both placed and reserved for a read"
+                placed |= set(reserved)
             assert placed == tier.slots.used_slots(), f"{t.value}: slot owners disagree with the allocator"
         disk_blocks = {b.key: b.loc[DISK] for b in self.table.blocks.values() if DISK in b.loc}
         assert len(set(disk_blocks.values())) == len(disk_blocks), "two blocks share a disk slot"

@@ -80,6 +80,7 @@ class Promotion:
         self._lock = placement.lock
         # Reads in flight, by block key: set (and dropped) when the read is settled.
         self._promoting: dict[bytes, threading.Event] = {}
+        self._reserved: dict[bytes, int] = {}  # key -> the device slot its planned read fills
         # Verifies promoted pages while the next run is read (xxhash releases the GIL).
         self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-verify")
 
@@ -91,11 +92,18 @@ class Promotion:
         """Planned reads not yet settled (held: the lock)."""
         return len(self._promoting)
 
+    def reserved_slots(self) -> set[int]:
+        """Device slots reserved by planned reads not yet settled (held: the lock): used in
+        the allocator, placed by no block yet (the placement's check counts them)."""
+        return set(self._reserved.values())
+
     def check_integrity(self) -> None:
         """(held: the lock) No read listed as in flight is settled: settling sets the event
         and drops it from the list in one hold of the lock."""
         for key, ev in self._promoting.items():
             assert not ev.is_set(), f"read of {key.hex()[:12]} settled but still listed"
+        assert set(self._reserved) == set(self._promoting), "a reserved device slot without its read, or a read without"
+        assert len(set(self._reserved.values())) == len(self._reserved), "two reads reserved one device slot"
 
     def close(self) -> None:
         """Wait for the verifying thread (after the last acquire has returned)."""
@@ -105,6 +113,7 @@ class Promotion:
         """Reserve ``b``'s promotion into device ``slot`` (held: the lock; ``b`` is leased)."""
         self.table.holds.busy(b)
         self._promoting[b.key] = threading.Event()
+        self._reserved[b.key] = slot
         return PlannedRead(pos, b, slot, HOST if HOST in b.loc else DISK)
 
     def promote(self, plan: list[PlannedRead]) -> int | None:
@@ -303,6 +312,7 @@ class Promotion:
                     error = error or e
                 finally:
                     self.placement.unbusy(r.block)
+                    self._reserved.pop(r.block.key, None)
                     ev = self._promoting.pop(r.block.key, None)
                     if ev is not None:
                         ev.set()

@@ -27,7 +27,7 @@ from ..api import StoreAPI
 from .blocks import Block, Priority
 from ..codec import open_home_codec
 from ..config import StoreConfig
-from ..errors import ForkedStoreError, LayoutMismatchError, NotFoundError, TierKVError
+from ..errors import ForkedStoreError, LayoutMismatchError, NotFoundError
 from .eviction import EvictedBlock
 from ..home.lock import HomeLock, LentLock
 from ..identity import Scope, as_token_array
@@ -41,6 +41,7 @@ from ..process import current_pid
 from .leasing import Leasing
 from .promotion import Promotion
 from .read_through import ReadThrough
+from .warm_start import WarmStart, record as record_warm_set
 from ..results import ChainTokens, InvalidateResult, LookupResult, PutResult, Residency, StoreStats, VerifyResult
 from ..lease import Lease
 from ..tiers import DiskTier, MemoryTier, TierName
@@ -111,6 +112,9 @@ class Store(StoreAPI):
             if config.disk_limit_bytes is not None:  # the memory tiers took theirs above
                 self.set_tier_limits(disk_bytes=config.disk_limit_bytes)
             self._executor = ThreadPoolExecutor(max(1, config.prefetch_workers), thread_name_prefix="tierkv-prefetch")
+            self.warm_start = WarmStart(self.placement, self.promotion)
+            if config.warm_at_open:  # last: nothing after it can fail the open
+                self.warm_start.start()
         except BaseException:
             # Close what was opened: the LMDB environment (opening it twice in one process
             # breaks its locking) and the shared-memory files (nothing else unlinks them).
@@ -310,10 +314,11 @@ class Store(StoreAPI):
         AssertionError on a mismatch."""
         self._check_usable()
         with self._lock:
-            self.placement.check_integrity()
+            self.placement.check_integrity(self.promotion.reserved_slots())
             self.ingest.check_integrity()
             self.promotion.check_integrity()
             self.read_through.check_integrity()
+            self.warm_start.check_integrity()
 
     # ---- closing -------------------------------------------------------------------------
     def close(self) -> None:
@@ -324,6 +329,7 @@ class Store(StoreAPI):
         if self._closed or os.getpid() != self._pid:
             return
         try:
+            self.warm_start.stop()  # before the reads' verifier stops
             self._executor.shutdown(wait=True)
             self.promotion.close()
             self.read_through.close()
@@ -331,7 +337,9 @@ class Store(StoreAPI):
             with self._lock:
                 self._closed = True
                 if not self.config.write_through:
-                    self._flush_all()
+                    self.operations.flush_all()
+                if self.config.warm_at_open:  # only a store that warms records (a CLI's must not)
+                    record_warm_set(self.placement)
         finally:
             with self._lock:
                 self._closed = True
@@ -339,24 +347,6 @@ class Store(StoreAPI):
                     self.placement.close()
                 finally:
                     self._home_lock.release()
-
-    def _flush_all(self) -> int:
-        """Write-back at close (held: the lock); returns how many blocks stayed memory-only."""
-        lost = 0
-        for b in list(self.placement.table.blocks.values()):
-            if DISK in b.loc or b.priority == Priority.EPHEMERAL or b.dead:
-                continue
-            try:
-                ok = self.placement.flush_to_disk(b)
-            except TierKVError as e:
-                log.error("close: writing block %s to disk failed: %s", b.key.hex()[:16], e)
-                ok = False
-            lost += not ok
-        self.placement.stats_counters.unflushed_at_close = lost
-        if lost:
-            log.error("close: %d memory-only block(s) could not be written to disk (disk degraded: %s)",
-                      lost, self.disk.degraded_reason)
-        return lost
 
     def __enter__(self) -> "Store":
         return self

@@ -51,6 +51,7 @@ AT_RESTART: dict[str, str] = {
     "layouts.preload": "a layout is opened at start; clients declare theirs at HELLO",
     "server.workers": "the worker threads are made when the daemon starts",
     "store.write_through": _OPENED, "store.eviction_policy": _OPENED, "store.page_codec": _OPENED,
+    "store.warm_at_open": _OPENED,
     "metrics.port": "the metrics endpoint is bound when the daemon starts", "metrics.host": "as metrics.port",
     # Not live, by decision: admitted uids were handed descriptors of memory at HELLO that
     # the daemon cannot take back from their processes (a mapping outlives the socket).

@@ -135,7 +135,9 @@ class Daemon:
             disk_bytes=cfg.store.disk_bytes, device_limit_bytes=limits.device_bytes, host_limit_bytes=limits.host_bytes,
             disk_limit_bytes=limits.disk_bytes, segment_pages=segment_pages, write_through=cfg.store.write_through,
             shm_dir=cfg.store.shm_dir, eviction_policy=cfg.store.eviction_policy, page_codec=cfg.store.page_codec,
-            populate_memory=True,  # a daemon starts ahead of its clients: it has the idle time
+            # A daemon starts ahead of its clients: it has the idle time to fault its tiers in
+            # and (store.warm_at_open) to read back what its device tier held when it stopped.
+            populate_memory=True, warm_at_open=cfg.store.warm_at_open,
         ), socket_path=str(cfg.server.socket), home_lock=home_lock)
         if not cfg.remote.enabled:
             return local, local

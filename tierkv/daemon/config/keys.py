@@ -24,7 +24,7 @@ FLAT_NAMES: dict[str, str] = {
     "home": "store.home", "device": "store.device", "device_bytes": "store.device_bytes",
     "host_bytes": "store.host_bytes", "disk_bytes": "store.disk_bytes", "shm_dir": "store.shm_dir",
     "write_through": "store.write_through", "eviction_policy": "store.eviction_policy",
-    "page_codec": "store.page_codec",
+    "page_codec": "store.page_codec", "warm_at_open": "store.warm_at_open",
     "socket": "server.socket", "pid_file": "server.pid_file", "workers": "server.workers",
     "max_connections": "server.max_connections", "max_inflight": "server.max_inflight",
     "allowed_uids": "access.allowed_uids", "namespace_per_uid": "access.namespace_per_uid",

@@ -73,6 +73,9 @@ class StoreSettings:
     # tierkv/codec.py: how new homes store pages in the host and disk tiers ("none" or "int8");
     # None: each home's own ("none" for a new one). Read when a layout's store is opened.
     page_codec: str | None = None
+    # At start, read back into each layout's device tier what it held when the daemon last
+    # stopped (tierkv/core/warm_start.py): the clients' first hits come from memory.
+    warm_at_open: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))

@@ -33,7 +33,7 @@ VLLM_VERSION = "0.32.0"  # the vLLM release this integration is built and tested
 DEFAULT_NAMESPACE = "default"
 _KNOWN_KEYS = frozenset({
     "home", "socket", "device_bytes", "host_bytes", "disk_bytes", "timeout_s", "model_version", "save",
-    "save_queue_bytes",
+    "save_queue_bytes", "warm_at_open",
 })
 
 
@@ -52,6 +52,9 @@ class ConnectorConfig:
     in a local directory, or checkpoints versioned by the operator). ``save=False`` makes the
     connector read-only. ``save_queue_bytes`` bounds the pages copied out of vLLM and not yet
     written; a save that does not fit is dropped (counted), never waited for.
+    ``warm_at_open`` (an embedded home; a daemon always does it): after an engine restart,
+    read back into memory what the device tier held when the engine stopped, while vLLM
+    starts (tierkv/core/warm_start.py).
     """
 
     home: str | None = None
@@ -63,6 +66,7 @@ class ConnectorConfig:
     model_version: str | None = None
     save: bool = True
     save_queue_bytes: int = 256 << 20
+    warm_at_open: bool = True
 
     def __post_init__(self) -> None:
         if (self.home is None) == (self.socket is None):
@@ -88,9 +92,10 @@ class ConnectorConfig:
                 kw[key] = int(extra[key])
         if "timeout_s" in extra:
             kw["timeout_s"] = float(extra["timeout_s"])
-        if "save" in extra:
-            value = extra["save"]
-            kw["save"] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+        for key in ("save", "warm_at_open"):
+            if key in extra:
+                value = extra[key]
+                kw[key] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
         return cls(**kw)
 
 

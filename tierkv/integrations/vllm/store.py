@@ -46,10 +46,12 @@ def _open_shared(cfg: ConnectorConfig, layout: PageLayout) -> Any:
     with _shared_lock:
         entry = _shared.get(key)
         if entry is None:
-            # populate_device_ahead: the engine's first hit after a restart reads from disk
-            # into the device tier, seconds after this open (StoreConfig has the figures).
+            # The engine's first request comes seconds after this open (weights, KV cache,
+            # warm-up): warm_at_open reads back what the device tier held when the engine last
+            # stopped, and populate_device_ahead faults in where reads land (StoreConfig).
             store = tierkv.open(cfg.home, layout, device="cpu", device_bytes=cfg.device_bytes,  # type: ignore[arg-type]
-                                host_bytes=cfg.host_bytes, disk_bytes=cfg.disk_bytes, populate_device_ahead=True)
+                                host_bytes=cfg.host_bytes, disk_bytes=cfg.disk_bytes, populate_device_ahead=True,
+                                warm_at_open=cfg.warm_at_open)
             entry = _shared[key] = [store, 0]
         entry[1] += 1
         return entry[0]
@@ -227,7 +229,11 @@ class StoreHandle:
         if store is None:
             return {}
         try:
-            return dict(store.stats())
+            out = dict(store.stats())
+            warm = getattr(store, "warm_start", None)  # an embedded store's; a daemon logs its own
+            if warm is not None:
+                out["warm_start"] = warm.stats()
+            return out
         except Exception as e:
             self._fail("stats", e)
             return {}
