@@ -226,6 +226,32 @@ def test_read_only_index_during_quarantine_never_hangs(tmp_path):
             store.close()
 
 
+def test_read_only_index_at_close_loses_only_the_warm_start_record(tmp_path, caplog):
+    """A store that warms records its device tier at close; on an index file system forced
+    read-only that write fails: close still releases everything (a warning, no raise), and
+    the next open, with no record, warms the newest blocks instead."""
+    home = tmp_path / "home"
+    chain = toks(1210, 3)
+    with loop_ext4(tmp_path / "idx.img", home / "index", journal=True, errors="remount-ro") as fs:
+        store = _open(home, tmp_path, warm_at_open=True)
+        try:
+            put_chain(store, chain)
+            fs.force_read_only()
+        finally:
+            _in_thread(store.close, 30)
+        assert any("warm-start record was not written" in r.message for r in caplog.records)
+        fs.remount()
+        store = _open(home, tmp_path, warm_at_open=True)
+        try:
+            assert store.warm_start.wait(30)
+            st = store.warm_start.stats()
+            assert st["source"] == "newest" and st["warmed_blocks"] == 3
+            assert _exact(store, chain) == 3
+            _settled(store)
+        finally:
+            store.close()
+
+
 # ---- full file systems -------------------------------------------------------------------------
 
 def _fill_until(fn, limit: int = 400) -> int:
