@@ -38,6 +38,9 @@ def test_a_restarted_daemon_serves_its_last_device_tier_from_memory(workdir, war
             if warm:
                 assert wait_for(lambda: c.stats()["tiers"]["device"]["blocks"] == 6, timeout=30), c.stats()["tiers"]
             before = c.stats()
+            [warm_start] = before["daemon"]["warm_start"].values()  # the one layout's
+            assert warm_start["state"] == ("done" if warm else "off")
+            assert warm_start["warmed_blocks"] == (6 if warm else 0)
             for toks, pages in prompts:
                 with c.acquire(toks, SCOPE) as lease:
                     assert lease.tokens_matched == 48

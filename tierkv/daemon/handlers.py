@@ -330,6 +330,8 @@ class Handlers:
                             "host_bytes": self.layouts.budget.host_bytes,
                             "disk_bytes": self.layouts.budget.disk_bytes},
                 "over_limit_slots": {e.layout_id: e.over_limit for e in entries if e.over_limit},
+                # What each layout's store read back at its open (docs/operations.md, "Restarts").
+                "warm_start": {e.layout_id: e.local.warm_start.stats() for e in entries},
                 "quota_refusals": dict(self.quota.refusals), "acquires": dict(self.lease_ops.acquires),
                 "fast_path_requests": self.fast_path_requests, "gc": self.gc_stats(), "reload": self.reload_stats(),
                 "config": shown(self.config)}  # each setting and where it came from (`tierkv config show`)
