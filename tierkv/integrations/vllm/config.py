@@ -52,9 +52,9 @@ class ConnectorConfig:
     in a local directory, or checkpoints versioned by the operator). ``save=False`` makes the
     connector read-only. ``save_queue_bytes`` bounds the pages copied out of vLLM and not yet
     written; a save that does not fit is dropped (counted), never waited for.
-    ``warm_at_open`` (an embedded home; a daemon always does it): after an engine restart,
-    read back into memory what the device tier held when the engine stopped, while vLLM
-    starts (tierkv/core/warm_start.py).
+    ``warm_at_open`` (an embedded home; a daemon does it unless started without it): after
+    an engine restart, read back into memory what the device tier held when the engine
+    stopped, while vLLM starts (tierkv/core/warm_start.py).
     """
 
     home: str | None = None

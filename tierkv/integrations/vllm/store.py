@@ -230,7 +230,7 @@ class StoreHandle:
             return {}
         try:
             out = dict(store.stats())
-            warm = getattr(store, "warm_start", None)  # an embedded store's; a daemon logs its own
+            warm = getattr(store, "warm_start", None)  # an embedded store's (a daemon's: stats()["daemon"])
             if warm is not None:
                 out["warm_start"] = warm.stats()
             return out
