@@ -78,15 +78,16 @@ class Promotion:
         self.layout, self.table, self.stats_counters = placement.layout, placement.table, placement.stats_counters
         self.device, self.host, self.disk = placement.device, placement.host, placement.disk
         self._lock = placement.lock
-        # Reads in flight, by block key: set (and dropped) when the read is settled.
-        self._promoting: dict[bytes, threading.Event] = {}
-        self._reserved: dict[bytes, int] = {}  # key -> the device slot its planned read fills
+        # Reads in flight, by block key: (the event set when the read is settled, the device
+        # slot it fills), dropped when settled.
+        self._promoting: dict[bytes, tuple[threading.Event, int]] = {}
         # Verifies promoted pages while the next run is read (xxhash releases the GIL).
         self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-verify")
 
     def read_of(self, key: bytes) -> threading.Event | None:
         """The event of a read of ``key`` in flight, set when it is settled (held: the lock)."""
-        return self._promoting.get(key)
+        entry = self._promoting.get(key)
+        return None if entry is None else entry[0]
 
     def reads_in_flight(self) -> int:
         """Planned reads not yet settled (held: the lock)."""
@@ -95,15 +96,14 @@ class Promotion:
     def reserved_slots(self) -> set[int]:
         """Device slots reserved by planned reads not yet settled (held: the lock): used in
         the allocator, placed by no block yet (the placement's check counts them)."""
-        return set(self._reserved.values())
+        return {slot for _, slot in self._promoting.values()}
 
     def check_integrity(self) -> None:
         """(held: the lock) No read listed as in flight is settled: settling sets the event
         and drops it from the list in one hold of the lock."""
-        for key, ev in self._promoting.items():
+        for key, (ev, _) in self._promoting.items():
             assert not ev.is_set(), f"read of {key.hex()[:12]} settled but still listed"
-        assert set(self._reserved) == set(self._promoting), "a reserved device slot without its read, or a read without"
-        assert len(set(self._reserved.values())) == len(self._reserved), "two reads reserved one device slot"
+        assert len(self.reserved_slots()) == len(self._promoting), "two reads reserved one device slot"
 
     def close(self) -> None:
         """Wait for the verifying thread (after the last acquire has returned)."""
@@ -112,8 +112,7 @@ class Promotion:
     def plan_read(self, pos: int, b: Block, slot: int) -> PlannedRead:
         """Reserve ``b``'s promotion into device ``slot`` (held: the lock; ``b`` is leased)."""
         self.table.holds.busy(b)
-        self._promoting[b.key] = threading.Event()
-        self._reserved[b.key] = slot
+        self._promoting[b.key] = (threading.Event(), slot)
         return PlannedRead(pos, b, slot, HOST if HOST in b.loc else DISK)
 
     def promote(self, plan: list[PlannedRead]) -> int | None:
@@ -312,10 +311,9 @@ class Promotion:
                     error = error or e
                 finally:
                     self.placement.unbusy(r.block)
-                    self._reserved.pop(r.block.key, None)
-                    ev = self._promoting.pop(r.block.key, None)
-                    if ev is not None:
-                        ev.set()
+                    entry = self._promoting.pop(r.block.key, None)
+                    if entry is not None:
+                        entry[0].set()
                 if not ok:
                     first_failed = r.pos if first_failed is None else min(first_failed, r.pos)
         if error is not None:
