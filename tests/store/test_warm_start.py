@@ -61,6 +61,32 @@ def test_a_reopened_store_reads_back_what_its_device_tier_held(make_store):
     assert st["evictions"] == {"device": 0, "host": 0, "disk": 0}
 
 
+def test_each_warmed_chain_is_one_run_of_slots_root_first(make_store):
+    # The record lists a chain leaf first (leaf-first eviction); slots taken in that order
+    # would put a prompt in reverse, one run per block, and a vLLM load would copy it block
+    # by block. The reads keep the record's order; the slots follow the chains.
+    chains = [toks(905 + i, 4) for i in range(2)]
+    store = make_store(warm_at_open=True, device_bytes=8 * PAGE)
+    for c in chains:
+        put_chain(store, c)
+    before = _device_order(store)
+    assert set(before) == set(keys_of(chains[0])) | set(keys_of(chains[1]))
+    assert before.index(keys_of(chains[0])[-1]) < before.index(keys_of(chains[0])[0])  # leaf first
+    store.close()
+
+    store = make_store(warm_at_open=True, device_bytes=8 * PAGE)
+    st = _warmed(store)
+    assert st["warmed_blocks"] == 8
+    assert _device_order(store) == before  # the eviction order comes back as it was
+    for c in chains:
+        with store.acquire(c, SCOPE) as lease:
+            assert lease.num_blocks == 4
+            first = lease.slots[0]
+            assert list(lease.slots) == list(range(first, first + 4)), lease.slots
+            assert_lease_exact(lease)
+    assert store.stats()["acquire_hits"]["device"] == 8
+
+
 def test_warming_uses_only_free_slots_and_keeps_the_most_recent(make_store):
     chains = [toks(910 + i, 2) for i in range(2)]
     store = make_store(warm_at_open=True)

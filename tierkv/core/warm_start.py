@@ -34,6 +34,7 @@ from ..tiers import TierName
 from .promotion import PlannedRead, Promotion
 
 if TYPE_CHECKING:
+    from .blocks import Block
     from .placement import Placement
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,29 @@ def record(placement: Placement) -> int:
         log.warning("close: the warm-start record was not written (%s); the next open warms the newest blocks", e)
         return 0
     return len(keys)
+
+
+def chain_order(blocks: list[Block]) -> list[Block]:
+    """``blocks`` with each chain's blocks together, every parent before its children
+    (depth first from the blocks whose parent is not among them, in their given order)."""
+    among = {b.key: b for b in blocks}
+    out: list[Block] = []
+    seen: set[bytes] = set()
+    for top in blocks:
+        if top.parent in among or top.key in seen:
+            continue
+        stack = [top]
+        while stack:
+            b = stack.pop()
+            if b.key in seen:
+                continue
+            seen.add(b.key)
+            out.append(b)
+            stack.extend(reversed([among[c] for c in b.children if c in among]))
+    # Block.children is the table's bookkeeping; should a block not be linked under its
+    # parent there, it still gets its slot, after the others.
+    out.extend(b for b in blocks if b.key not in seen)
+    return out
 
 
 class WarmStart:
@@ -141,24 +165,39 @@ class WarmStart:
 
     def _plan(self, keys: list[bytes]) -> tuple[list[PlannedRead], bool]:
         """Under the lock: a read for each key stored below the device tier, into a free
-        slot (nothing evicted); ``full`` when the free slots ran out."""
+        slot (nothing evicted); ``full`` when the free slots ran out.
+
+        The reads keep the keys' order (the order the blocks enter the tier's eviction
+        order), but the slots go to the blocks in chain order, so that a prompt's pages are
+        one run of slots as an acquire would have placed them: the record lists a chain
+        leaf first, and slots taken in that order put a 32-block prompt in 32 runs of one,
+        which a vLLM load copies run by run or by an indexed copy (9.0-10.5 ms against 5.5
+        for one run, 16 MiB, 2026-12-07)."""
         placement, promotion = self.placement, self.promotion
         table, slots = placement.table, placement.device.slots
-        plan: list[PlannedRead] = []
         with placement.lock:
             if self._stop.is_set():
-                return plan, False
+                return [], False
+            todo: list[tuple[int, Block]] = []
             for pos, key in enumerate(keys):
                 b = table.get(key)
                 if b is None or b.dead or DEVICE_KEY in b.loc or promotion.read_of(key) is not None:
                     continue
                 if HOST_KEY not in b.loc and DISK_KEY not in b.loc:
                     continue
+                todo.append((pos, b))
+            taken: list[int] = []
+            full = False
+            for _ in todo:
                 slot = slots.alloc()
                 if slot is None:
-                    return plan, True
-                plan.append(promotion.plan_read(pos, b, slot))
-        return plan, False
+                    full = True
+                    break
+                taken.append(slot)
+            todo = todo[: len(taken)]
+            slot_of = dict(zip((b.key for b in chain_order([b for _, b in todo])), sorted(taken)))
+            plan = [promotion.plan_read(pos, b, slot_of[b.key]) for pos, b in todo]
+        return plan, full
 
     def stop(self) -> None:
         """End the warm start (between batches) and wait for it: before the store closes."""
