@@ -182,6 +182,46 @@ def test_resident_acquires_run_on_the_loop_and_the_rest_in_a_worker(daemon):
         assert c.stats()["daemon"]["leases"] == 0
 
 
+def test_lookups_run_on_the_loop_and_wait_in_a_worker_for_a_held_lock(daemon):
+    """A lookup is answered as it is read (fast_path.py), with no worker hop; with the store
+    lock held elsewhere it must not block the loop: it waits in a worker, and both answer
+    the same."""
+    import threading
+
+    def fast_served() -> int:
+        return daemon.call(lambda: daemon.daemon._daemon_stats()["fast_path_requests"])
+
+    with tierkv.connect(daemon.config.server.socket) as c:
+        toks = prompt(64, seed=42)
+        c.put(toks, pages_for(4, 42), SCOPE)
+        before = fast_served()
+        found = [c.lookup(toks, SCOPE) for _ in range(10)]
+        assert fast_served() - before >= 9  # the first may have found the read loop awake
+        assert {(r.tokens_matched, r.keys) for r in found} == {(64, tuple(c.block_keys(toks, SCOPE)))}
+        assert c.lookup(prompt(64, seed=43), SCOPE).tokens_matched == 0
+
+        store = daemon.daemon.layouts.only().local
+        held, go = threading.Event(), threading.Event()
+
+        def hold_lock() -> None:
+            with store.placement.lock:
+                held.set()
+                go.wait(10)
+
+        t = threading.Thread(target=hold_lock)
+        t.start()
+        held.wait(10)
+        mid = fast_served()
+        threading.Timer(0.2, go.set).start()
+        t0 = time.monotonic()
+        r = c.lookup(toks, SCOPE)
+        assert time.monotonic() - t0 >= 0.15  # it waited for the lock
+        assert (r.tokens_matched, r.keys) == (found[0].tokens_matched, found[0].keys)
+        assert fast_served() == mid  # not on the loop
+        t.join(10)
+    daemon.call(daemon.daemon.check_integrity)
+
+
 def test_a_lease_repr_is_short_whatever_its_size(daemon):
     """Issue #37, item 10: a daemon lease's repr printed what it holds (the pool tensor, then
     every 32-byte key); printing a lease in a log line or a debugger must stay one short line."""

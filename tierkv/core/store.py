@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -189,14 +189,24 @@ class Store(StoreAPI):
 
         A lookup is a probe, not a use: it does not refresh the blocks' LRU position
         (``acquire`` and ``put`` do). Refreshing 8k blocks cost a third of a 128k-token lookup."""
+        return cast(LookupResult, self.try_lookup(tokens, scope, block_extra, wait=True))  # waited: never None
+
+    def try_lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, scope: Scope,
+                   block_extra: Sequence[Sequence[str | bytes]] | None = None, wait: bool = False) -> LookupResult | None:
+        """:meth:`lookup` if the store lock is free now (or ``wait``); None, nothing done,
+        otherwise. The daemon answers lookups so, on its event loop (as acquire_resident)."""
         self._check_usable()
         arr = as_token_array(tokens)
         t0 = time.perf_counter()
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             chain = match_chain(self.placement, arr, scope, block_extra)
             tiers = tuple(b.top for b in chain)
             self.placement.stats_counters.record_lookup(len(arr) // self.layout.block_size, tiers,
                                                         time.perf_counter() - t0)
+        finally:
+            self._lock.release()
         return LookupResult(len(chain) * self.layout.block_size, tuple(b.key for b in chain), tiers)
 
     # ---- acquire / release -------------------------------------------------------------
