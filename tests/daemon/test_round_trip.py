@@ -3,8 +3,11 @@ leased, or a miss that holds nothing), ``release`` is one write the daemon does 
 and a connection still reads its own writes."""
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -148,11 +151,31 @@ def test_many_clients_interleaved_keep_the_tables_consistent(daemon):
     daemon.call(daemon.daemon.check_integrity)
 
 
+@contextlib.contextmanager
+def store_lock_held(daemon, seconds: float) -> Iterator[None]:
+    """The daemon's store lock held by another thread from entry until ``seconds`` later."""
+    store = daemon.daemon.layouts.only().local
+    held, go = threading.Event(), threading.Event()
+
+    def hold_lock() -> None:
+        with store.placement.lock:
+            held.set()
+            go.wait(10)
+
+    t = threading.Thread(target=hold_lock)
+    t.start()
+    held.wait(10)
+    threading.Timer(seconds, go.set).start()
+    try:
+        yield
+    finally:
+        go.set()
+        t.join(10)
+
+
 def test_resident_acquires_run_on_the_loop_and_the_rest_in_a_worker(daemon):
     """A resident prefix is leased on the event loop (no worker hop); when the store lock is
     busy the acquire waits in a worker instead, and both give the same, correct lease."""
-    import threading
-
     with tierkv.connect(daemon.config.server.socket) as c:
         toks = prompt(64, seed=41)
         c.put(toks, pages_for(4, 41), SCOPE)
@@ -162,21 +185,9 @@ def test_resident_acquires_run_on_the_loop_and_the_rest_in_a_worker(daemon):
         mid = c.stats()["daemon"]["acquires"]
         assert mid["inline"] == before["inline"] + 1 and mid["worker"] == before["worker"]
 
-        store = daemon.daemon.layouts.only().local
-        held, go = threading.Event(), threading.Event()
-
-        def hold_lock() -> None:
-            with store.placement.lock:
-                held.set()
-                go.wait(10)
-
-        t = threading.Thread(target=hold_lock)
-        t.start()
-        held.wait(10)
-        threading.Timer(0.2, go.set).start()  # the worker's acquire waits for this
-        with c.acquire(toks, SCOPE) as lease:
-            assert lease.tokens_matched == 64 and torch.equal(lease.pages(), pages_for(4, 41))
-        t.join(10)
+        with store_lock_held(daemon, 0.2):  # the worker's acquire waits for it
+            with c.acquire(toks, SCOPE) as lease:
+                assert lease.tokens_matched == 64 and torch.equal(lease.pages(), pages_for(4, 41))
         after = c.stats()["daemon"]["acquires"]
         assert after["worker"] == mid["worker"] + 1 and after["inline"] == mid["inline"]
         assert c.stats()["daemon"]["leases"] == 0
@@ -186,8 +197,6 @@ def test_lookups_run_on_the_loop_and_wait_in_a_worker_for_a_held_lock(daemon):
     """A lookup is answered as it is read (fast_path.py), with no worker hop; with the store
     lock held elsewhere it must not block the loop: it waits in a worker, and both answer
     the same."""
-    import threading
-
     def fast_served() -> int:
         return daemon.call(lambda: daemon.daemon._daemon_stats()["fast_path_requests"])
 
@@ -200,25 +209,13 @@ def test_lookups_run_on_the_loop_and_wait_in_a_worker_for_a_held_lock(daemon):
         assert {(r.tokens_matched, r.keys) for r in found} == {(64, tuple(c.block_keys(toks, SCOPE)))}
         assert c.lookup(prompt(64, seed=43), SCOPE).tokens_matched == 0
 
-        store = daemon.daemon.layouts.only().local
-        held, go = threading.Event(), threading.Event()
-
-        def hold_lock() -> None:
-            with store.placement.lock:
-                held.set()
-                go.wait(10)
-
-        t = threading.Thread(target=hold_lock)
-        t.start()
-        held.wait(10)
         mid = fast_served()
-        threading.Timer(0.2, go.set).start()
-        t0 = time.monotonic()
-        r = c.lookup(toks, SCOPE)
-        assert time.monotonic() - t0 >= 0.15  # it waited for the lock
+        with store_lock_held(daemon, 0.2):
+            t0 = time.monotonic()
+            r = c.lookup(toks, SCOPE)
+            assert time.monotonic() - t0 >= 0.15  # it waited for the lock
         assert (r.tokens_matched, r.keys) == (found[0].tokens_matched, found[0].keys)
         assert fast_served() == mid  # not on the loop
-        t.join(10)
     daemon.call(daemon.daemon.check_integrity)
 
 

@@ -8,9 +8,9 @@ turn of the event loop: on this project's 2-core machine a bare echo server buil
 (``scripts/bench_rtt_floor.py``, a daemon-sized request and reply) took 115 us a round
 trip against 70 us for one that answers in ``data_received`` (2026-12-03), and dropping
 the per-frame timeout gained only 13 us of the difference. A daemon's typical traffic is
-an acquire of resident blocks and a one-way release, both answered without waiting
-(``Handlers.now``, ``LeaseHandlers.release_oneway``), so they are served here when it is safe
-to jump the loop:
+a lookup, an acquire of resident blocks and a one-way release, all answered without
+waiting (``Handlers.now``, ``LeaseHandlers.release_oneway``), so they are served here when it
+is safe to jump the loop:
 
 - the read loop is parked, waiting for the first byte of a frame (``Connection.parked``),
   so no frame is half read and every earlier request has been dispatched in order;
