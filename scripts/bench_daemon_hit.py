@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,9 +107,11 @@ def main() -> None:
                 ping.append(time.perf_counter() - t1)
         finally:
             client.close()
+            paged.close()
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        shutil.rmtree(work, ignore_errors=True)
     out = {
         "connect_ms": round(1000 * connect_s, 3),
         "first_lookup_ms": round(1000 * lookup[0], 3), "first_acquire_ms": round(1000 * acquire[0], 3),

@@ -171,8 +171,8 @@ class WarmStart:
         order), but the slots go to the blocks in chain order, so that a prompt's pages are
         one run of slots as an acquire would have placed them: the record lists a chain
         leaf first, and slots taken in that order put a 32-block prompt in 32 runs of one,
-        which a vLLM load copies run by run or by an indexed copy (9.0-10.5 ms against 5.5
-        for one run, 16 MiB, 2026-12-07)."""
+        which a vLLM load copies by an indexed copy (a daemon's first load after a restart,
+        16 MiB: 9.0-10.5 ms against 7.1-7.6 as one run, 2026-12-07)."""
         placement, promotion = self.placement, self.promotion
         table, slots = placement.table, placement.device.slots
         with placement.lock:

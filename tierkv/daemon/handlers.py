@@ -106,8 +106,8 @@ class Handlers:
         self.operations = OperationHandlers(layouts, self.tenancy, run=self.run, pin_guard=self.pin_guard,
                                             daemon_stats=self.daemon_stats, bound=bound, leases=self.leases)
         lease, ops = self.lease_ops, self.operations
-        # opcode -> its message class and handler (routes.py: typed together); ACQUIRE has a
-        # synchronous form too, tried first as the request is read.
+        # opcode -> its message class and handler (routes.py: typed together); LOOKUP and
+        # ACQUIRE have a synchronous form too, tried first as the request is read.
         self.table: dict[int, Route] = {
             Op.HELLO: Route(m.Hello, self.hello), Op.LOOKUP: Route(m.PrefixRequest, self.lookup, now=self.lookup_now),
             Op.ACQUIRE: Route(m.PrefixRequest, lease.acquire, now=lease.acquire_now),
@@ -215,7 +215,7 @@ class Handlers:
 
     def lookup_now(self, conn: "Connection", msg: m.PrefixRequest) -> Answer | None:
         """The lookup on the event loop as the request is read (fast_path.py): metadata only,
-        no hop to a worker (a lookup alone took 0.58-0.79 ms a round trip through one, 0.33-0.51
+        no hop to a worker (a lookup alone took 0.58-0.82 ms a round trip through one, 0.33-0.51
         so, 2026-12-07). Under the acquire's rules (LeaseHandlers._acquire_inline): the local
         store (a cluster node's lookup may ask its peers), a bounded prompt, the store lock
         free now. None otherwise: :meth:`lookup` runs in a worker."""
