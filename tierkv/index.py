@@ -40,7 +40,7 @@ RECORD_VERSION = 1
 NO_DISK = -1
 _HEAD = struct.Struct("<B32s32sBQqdHI")
 _LAST_ACCESS = struct.Struct("<d")
-_LAST_ACCESS_AT = struct.calcsize("<B32s32sBQq")  # where _HEAD's "d" (last_access) starts
+_LAST_ACCESS_AT = struct.calcsize(_HEAD.format[: _HEAD.format.index("d")])  # where _HEAD's "d" (last_access) starts
 READER_CHECK_S = 30.0  # how often a used index clears reader slots of dead processes
 MAX_READERS = 256
 

@@ -36,7 +36,7 @@ from ..results import LookupResult
 from . import messages as m
 from .config import shown
 from .layouts import LayoutEntry, Layouts
-from .lease_handlers import INLINE_MAX_BLOCKS, LeaseHandlers
+from .lease_handlers import LeaseHandlers, inline_ok
 from .leases import LeaseTable, StagingSlots
 from .messages import Answer
 from .operation_handlers import OperationHandlers
@@ -218,9 +218,9 @@ class Handlers:
         no hop to a worker (a lookup alone took 0.58-0.82 ms a round trip through one, 0.33-0.51
         so, 2026-12-07). Under the acquire's rules (LeaseHandlers._acquire_inline): the local
         store (a cluster node's lookup may ask its peers), a bounded prompt, the store lock
-        free now. None otherwise: :meth:`lookup` runs in a worker."""
+        free now (``inline_ok``). None otherwise: :meth:`lookup` runs in a worker."""
         entry = self.entry(conn)
-        if entry.store is not entry.local or len(msg.tokens) > INLINE_MAX_BLOCKS * entry.layout.block_size:
+        if not inline_ok(entry, msg):
             return None
         r = entry.local.try_lookup(msg.tokens, self.scope(conn, msg.scope), msg.block_extra)
         return None if r is None else _lookup_reply(r)
