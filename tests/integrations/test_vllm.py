@@ -22,7 +22,8 @@ pytest.importorskip("vllm")
 from tierkv.identity import Scope  # noqa: E402
 from tierkv.integrations.vllm import pages as vllm_pages  # noqa: E402
 from tierkv.integrations.vllm.config import FP8_CACHE_DTYPES, ConnectorConfig, scope_of  # noqa: E402
-from tierkv.integrations.vllm.pages import KV_BY_CHANNELS, KV_BY_TOKENS, PagedKV, UnsupportedCacheError  # noqa: E402
+from tierkv.integrations.vllm.pages import (KV_AMX, KV_BY_CHANNELS, KV_BY_TOKENS, PagedKV,  # noqa: E402
+                                            UnsupportedCacheError, cpu_attn_kv_split)
 from tierkv.integrations.vllm.scheduler import LoadSpec, SchedulerSide, TierKVConnectorMetadata  # noqa: E402
 from tierkv.integrations.vllm.store import StoreHandle  # noqa: E402
 from tierkv.integrations.vllm.worker import WorkerSide  # noqa: E402
@@ -88,6 +89,11 @@ def reference_kv(cache: torch.Tensor, split: str, ratio: int, block: int, token:
     if split == KV_BY_TOKENS:  # CPU_ATTN: each (block, head) tile is K as [D, n], then V as [n, D]
         tile = cache.reshape(cache.shape[0], cache.shape[1], 2, n * D)[kb]
         return tile[:, 0].reshape(-1, D, n)[:, :, off], tile[:, 1].reshape(-1, n, D)[:, off]
+    if split == KV_AMX:  # CPU_ATTN's amx kernels: K as [n/16, D/2, 16, 2], V as [D/16, n/2, 16, 2]
+        tile = cache.reshape(cache.shape[0], cache.shape[1], 2, n * D)[kb]
+        k = tile[:, 0].reshape(-1, n // 16, D // 2, 16, 2)[:, off // 16, :, off % 16, :]
+        v = tile[:, 1].reshape(-1, D // 16, n // 2, 16, 2)[:, :, off // 2, :, off % 2]
+        return k.reshape(-1, D), v.reshape(-1, D)
     return cache[kb, :, off, :D], cache[kb, :, off, D:]
 
 
@@ -114,7 +120,7 @@ def test_scope_uses_cache_salt_and_lora():
 
 
 # ---- the page mapping --------------------------------------------------------------------
-@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS, KV_AMX])
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_gather_matches_how_the_backend_reads_kv(split, ratio):
     layout = PageLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=B)
@@ -131,7 +137,7 @@ def test_gather_matches_how_the_backend_reads_kv(split, ratio):
                 assert torch.equal(pages[p, layer, 0, t], k) and torch.equal(pages[p, layer, 1, t], v)
 
 
-@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS, KV_AMX])
 def test_scatter_writes_only_the_given_blocks(split):
     layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
     caches = {f"l.{i}.attn": vllm_cache(layout, 5, 2, split) for i in range(2)}
@@ -145,7 +151,7 @@ def test_scatter_writes_only_the_given_blocks(split):
         assert torch.equal(cache[untouched], before[name][untouched])
 
 
-@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS, KV_AMX])
 @pytest.mark.parametrize("ratio", [1, 2])
 @pytest.mark.parametrize("scattered", [False, True])
 def test_copy_in_from_scattered_and_consecutive_slots(split, ratio, scattered):
@@ -168,7 +174,7 @@ def test_copy_in_from_scattered_and_consecutive_slots(split, ratio, scattered):
         assert torch.equal(cache[untouched], before[name][untouched])
 
 
-@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS, KV_AMX])
 @pytest.mark.parametrize("scattered", [False, True])
 def test_large_copies_run_in_two_halves_with_the_same_bytes(monkeypatch, split, scattered):
     # Above SPLIT_COPY_BYTES a load, a save and a scatter copy half of the blocks on the
@@ -277,7 +283,7 @@ def fp8_host() -> bool:
 
 
 @pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
-@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS])
+@pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS, KV_AMX])
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_fp8_caches_move_as_raw_bytes(fp8, split, ratio):
     # vLLM allocates fp8 caches as uint8; pages name the fp8 type and hold the same bytes, every
@@ -790,12 +796,12 @@ def run_engine(model_dir: Path, extra: dict | None = None, prompts=(PROMPT,), se
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TierKVConnector", kv_connector_module_path="tierkv.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
-    engine_kw = {"enable_prefix_caching": False, **engine_kw}
+    engine_kw = {"enable_prefix_caching": False, "dtype": "float32", **engine_kw}
     env = mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"})
     env.start()
     _no_dunder_lookups_on_llvmlite_lib()
     llm = LLM(model=str(model_dir), enforce_eager=True, distributed_executor_backend="uni", block_size=B,
-              dtype="float32", max_model_len=1024, seed=0, **engine_kw, **kw)
+              max_model_len=1024, seed=0, **engine_kw, **kw)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=5)
         results: list = []
@@ -1054,11 +1060,35 @@ def test_materialized_prefix_is_a_hit_for_vllm(model_dir, repo, tmp_path):
     assert max_diff(results[0][1], want[0][1]) <= 1e-5
 
 
+@pytest.mark.slow
+def test_a_bf16_engine_maps_the_tiles_of_its_cpu_kernels(model_dir, tmp_path):
+    # bf16 runs on vLLM's amx kernels where the CPU has AMX tiles, on vec elsewhere: the
+    # worker maps the tiles of the kernels vLLM picked (KV_AMX or KV_BY_TOKENS; which of
+    # the two is right is the next test's business), and a second engine loads what the
+    # first one saved and generates what an engine without the connector does.
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    with open(model_dir / "config.json") as f:
+        cfg = json.load(f)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    split = cpu_attn_kv_split(_get_attn_isa(torch.bfloat16, B, head_dim), torch.bfloat16)
+    prompt = list(range(5, 5 + 3 * B + 7))
+    want = run_engine(model_dir, prompts=(prompt,), dtype="bfloat16")[0]
+    home = tmp_path / "home"
+    _, _, first = run_engine(model_dir, store_options(home), prompts=(prompt,), dtype="bfloat16")
+    results, sched, second = run_engine(model_dir, store_options(home), prompts=(prompt,), dtype="bfloat16")
+    assert first["kv_split"] == second["kv_split"] == split
+    assert sched["hit_tokens"] == 3 * B and second["loaded_tokens"] == 3 * B and second["load_failed_blocks"] == 0
+    assert results[0][0] == want[0][0]
+    assert max_diff(results[0][1], want[0][1]) <= 0.05  # bf16: the suffix is computed in another batch shape
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_attn_pages_match_what_its_kernel_writes(dtype):
-    # Ground truth for the CPU_ATTN mapping: vLLM's own cache-write op. Its K half of a
-    # (block, head) tile is K transposed; pages must hold K and V per token as the model
-    # computed them, or pages from `tierkv materialize` (transformers) load as the wrong K.
+    # Ground truth for the CPU_ATTN mapping: vLLM's own cache-write op, with the ISA vLLM
+    # picks on this CPU (bf16 on a CPU with AMX tiles: the amx kernels' packed tiles, else K
+    # transposed). Pages must hold K and V per token as the model computed them, or pages
+    # from `tierkv materialize` (transformers) load as the wrong K.
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -1069,13 +1099,20 @@ def test_cpu_attn_pages_match_what_its_kernel_writes(dtype):
     key, value = torch.randn(2 * n, H, D).to(dtype), torch.randn(2 * n, H, D).to(dtype)
     key_cache, value_cache = cache.view(6, H, 2 * n, D).chunk(2, dim=2)
     slots = torch.arange(2 * n) + 4 * n  # vLLM block 2 = kernel blocks 4 and 5
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, _get_attn_isa(dtype, n, D))
-    paged = PagedKV({"l.0.attn": cache}, layout, 3, KV_BY_TOKENS)
+    isa = _get_attn_isa(dtype, n, D)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    paged = PagedKV({"l.0.attn": cache}, layout, 3, cpu_attn_kv_split(isa, dtype))
     page = paged.gather([2])[0, 0]  # [2, tokens, H, D]
-    assert torch.equal(page[0], key) and torch.equal(page[1], value)
+    assert torch.equal(page[0], key) and torch.equal(page[1], value), isa
     pages = torch.randn(1, *layout.shape).to(dtype)
     paged.scatter(pages, [0])
     assert torch.equal(paged.gather([0]), pages) and torch.equal(paged.gather([2])[0, 0, 0], key)
+    # ... and a scattered page is laid out as the kernel itself writes the same K and V.
+    twin = torch.zeros(2, H, n, 2 * D, dtype=dtype)
+    twin_k, twin_v = twin.view(2, H, 2 * n, D).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(pages[0, 0, 0].contiguous(), pages[0, 0, 1].contiguous(), twin_k, twin_v,
+                                   torch.arange(2 * n), isa)
+    assert torch.equal(cache[:2], twin), isa
 
 
 @pytest.mark.slow

@@ -152,14 +152,20 @@ def _kernel_part(vllm_config: Any, cache_dtype: str) -> str:
 
     if not current_platform.is_cpu():
         return f"platform={current_platform.device_type}"
+    return f"cpu-isa={cpu_attn_isa(vllm_config)}"
+
+
+def cpu_attn_isa(vllm_config: Any) -> str:
+    """The ISA vLLM's CPU attention backend picks for this engine's cache (what its metadata
+    builder computes and tags each layer with)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    mc = vllm_config.model_config
+    mc, cache_dtype = vllm_config.model_config, vllm_config.cache_config.cache_dtype
     try:
-        isa = _get_attn_isa(mc.dtype, int(vllm_config.cache_config.block_size), int(mc.get_head_size()), cache_dtype)
+        return str(_get_attn_isa(mc.dtype, int(vllm_config.cache_config.block_size), int(mc.get_head_size()),
+                                 cache_dtype))
     except NotImplementedError as e:  # e.g. fp8 without AVX-512: vLLM refuses to start too
         raise UnsupportedModelError(f"vLLM's CPU backend has no {cache_dtype} KV cache here: {e}") from e
-    return f"cpu-isa={isa}"
 
 
 def layout_from_vllm(vllm_config: Any) -> PageLayout:

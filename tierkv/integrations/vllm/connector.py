@@ -201,7 +201,9 @@ class TierKVConnector(KVConnectorBase_V1):
         side = self.scheduler or self.worker
         counters = side.counters.snapshot() if side is not None else {}
         enabled = self.model_version is not None and (self.worker is None or self.worker.enabled)
+        paged = self.worker.paged if self.worker is not None else None
         return {"role": self.role.name, "enabled": enabled,
+                "kv_split": paged.kv_split if paged is not None else None,  # how K and V sit in vLLM's tiles
                 "model_version": self.model_version, "layout": self.layout.to_dict() if self.layout else None,
                 "store_errors": self.handle.errors,
                 **counters, "store": self.handle.stats()}

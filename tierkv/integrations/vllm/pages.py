@@ -6,7 +6,9 @@ K and V share the last two axes is the attention backend's business:
 
 * ``CPU_ATTN`` splits each (block, head) tile of ``2 * tokens * head_dim`` elements in
   halves: K first, stored transposed (``[head_dim, tokens]``, what its ``vec``/``vec16``
-  kernels read), then V as ``[tokens, head_dim]`` (:data:`KV_BY_TOKENS`);
+  kernels read), then V as ``[tokens, head_dim]`` (:data:`KV_BY_TOKENS`); with its ``amx``
+  kernels (bfloat16 on a CPU with AMX tiles, kernel blocks of a multiple of 32 tokens) the
+  halves are packed for the tile loads instead (:data:`KV_AMX`, :func:`_amx_views`);
 * ``FLASH_ATTN`` and ``TRITON_ATTN`` split the last axis: ``[..., :head_dim]`` is K and
   ``[..., head_dim:]`` is V (:data:`KV_BY_CHANNELS`).
 
@@ -39,6 +41,7 @@ from ...layout import PageLayout
 
 KV_BY_TOKENS = "tokens"
 KV_BY_CHANNELS = "channels"
+KV_AMX = "amx"  # CPU_ATTN's tiles as its amx kernels pack them (cpu_attn_kv_split)
 BACKEND_KV_SPLIT = {
     "CPU_ATTN": KV_BY_TOKENS,
     "FLASH_ATTN": KV_BY_CHANNELS,
@@ -81,7 +84,8 @@ def layer_order(names: Sequence[str]) -> list[str]:
 def canonical_view(cache: torch.Tensor, layout: PageLayout, num_blocks: int,
                    kv_split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Views ``[kernel_blocks, H, kernel_block_tokens, D]`` of K and of V in one layer's cache
-    (no copy; writes through them land in vLLM's cache)."""
+    (no copy; writes through them land in vLLM's cache); for :data:`KV_AMX` 6-d views whose
+    tokens and channels are two axes each (:func:`_amx_views`, :func:`_split_axes`)."""
     H, D, B = layout.num_kv_heads, layout.head_dim, layout.block_size
     if cache.dim() != 4 or cache.shape[1] != H or cache.shape[3] != 2 * D:
         raise UnsupportedCacheError(f"KV cache of shape {tuple(cache.shape)} is not [blocks, {H}, tokens, {2 * D}]")
@@ -96,6 +100,8 @@ def canonical_view(cache: torch.Tensor, layout: PageLayout, num_blocks: int,
     if layout.torch_dtype.itemsize == 1:
         cache = cache.view(torch.uint8)  # fp8: views and copies move bytes (torch indexes uint8 everywhere)
     try:
+        if kv_split == KV_AMX:
+            return _amx_views(cache, H, n, D)
         if kv_split == KV_BY_TOKENS:  # K transposed ([D, n]), then V ([n, D])
             k = cache.view(cache.shape[0], H, 2, D, n)[:, :, 0].transpose(2, 3)
             return k, cache.view(cache.shape[0], H, 2, n, D)[:, :, 1]
@@ -107,6 +113,28 @@ def canonical_view(cache: torch.Tensor, layout: PageLayout, num_blocks: int,
     raise UnsupportedCacheError(f"unknown K/V split {kv_split!r}")
 
 
+def _amx_views(cache: torch.Tensor, H: int, n: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of CPU_ATTN's ``amx`` tiles as 6-d views ``[kernel_blocks, H, t1, t2, d1, d2]``
+    (token ``t1 * t2_size + t2``, channel ``d1 * d2_size + d2``): no single stride walks
+    the tokens or the channels of one head here, so each is split in two axes.
+
+    Read off vLLM 0.32's own ``cpu_attn_reshape_and_cache`` (the ground-truth test in
+    tests/integrations/test_vllm.py), for bf16 K and V of a (block, head):
+
+    * K half: ``[n/16, D/2, 16, 2]``: 16-token groups, and inside one a row per channel pair
+      holding (token, even channel), (token, odd channel) for its 16 tokens (the pair layout
+      of the AMX bf16 dot product over the head dimension);
+    * V half: ``[D/16, n/2, 16, 2]``: 16-channel groups, and inside one a row per token pair
+      holding (even token, channel), (odd token, channel) for its 16 channels.
+    """
+    if n % 16 or D % 16:
+        raise UnsupportedCacheError(f"amx tiles need kernel blocks and head_dim in multiples of 16, got {n} and {D}")
+    kb = cache.shape[0]
+    k = cache.view(kb, H, 2, n // 16, D // 2, 16, 2)[:, :, 0]  # [kb, H, t1, d1, t2, d2]
+    v = cache.view(kb, H, 2, D // 16, n // 2, 16, 2)[:, :, 1]  # [kb, H, d1, t1, d2, t2]
+    return k.permute(0, 1, 2, 4, 3, 5), v.permute(0, 1, 3, 5, 2, 4)
+
+
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` with both walked in ``dst``'s memory order. numpy walks the axes as
     given; for CPU_ATTN's transposed K that wrote 2-byte elements a whole tile apart and ran
@@ -114,6 +142,14 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     to both sides, so the element pairs are the same)."""
     order = sorted(range(dst.ndim), key=lambda a: -abs(dst.strides[a]))
     np.copyto(dst.transpose(order), src.transpose(order))
+
+
+def _split_axes(view: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The token axes and the channel axes of a canonical view (after ``[blocks, H]``): one
+    of each in a 4-d view, two of each in a 6-d one (:func:`_amx_views`)."""
+    rest = tuple(view.shape[2:])
+    half = len(rest) // 2
+    return rest[:half], rest[half:]
 
 
 # Above this many runs a load copies with one indexed copy per layer and K/V (PagedKV._copy_np).
@@ -153,7 +189,9 @@ class PagedKV:
         self.layout = layout
         self.num_blocks = num_blocks
         self.layer_names = names
+        self.kv_split = kv_split
         self.views = [canonical_view(kv_caches[n], layout, num_blocks, kv_split) for n in names]  # (K, V)
+        self._axes = tuple(_split_axes(x) for x in self.views[0])  # per K/V: (token axes, channel axes)
         self.ratio = self.views[0][0].shape[0] // num_blocks
         self.device = self.views[0][0].device
         self._np = None
@@ -199,13 +237,15 @@ class PagedKV:
             raise IndexError(f"block ids out of range [0, {self.num_blocks})")
 
     def _page_view(self, pages: np.ndarray, layer: int, kind: int) -> np.ndarray:
-        """``pages[:, layer, kind]`` ([k, B, H, D]) seen as [k, ratio, H, n, D]."""
+        """``pages[:, layer, kind]`` ([k, B, H, D]) seen as [k, ratio, H, n, D], the tokens
+        and channels split into the axes of the cache's views (``_axes``)."""
         L = self.layout
         x = pages[:, layer, kind]
-        k, n = x.shape[0], L.block_size // self.ratio
-        y = x.reshape(k, self.ratio, n, L.num_kv_heads, L.head_dim)  # splits a dim: always a view
+        tokens, channels = self._axes[kind]
+        y = x.reshape(x.shape[0], self.ratio, *tokens, L.num_kv_heads, *channels)  # splits dims: always a view
         assert np.may_share_memory(y, x) or not x.size, "a page view must not be a copy"
-        return y.transpose(0, 1, 3, 2, 4)
+        h = 2 + len(tokens)  # the head axis
+        return y.transpose(0, 1, h, *range(2, h), *range(h + 1, y.ndim))
 
     def _kernel_index(self, block_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.as_tensor(list(block_ids), dtype=torch.long)
@@ -236,8 +276,10 @@ class PagedKV:
             return torch.from_numpy(out).view(L.torch_dtype)
         idx = self._kernel_index(block_ids)
         per_layer = []
-        for k_view, v_view in self.views:
-            x = torch.stack([k_view.index_select(0, idx), v_view.index_select(0, idx)], dim=2)  # [k*r, H, 2, n, D]
+        H, n, D = L.num_kv_heads, L.block_size // r, L.head_dim
+        for k_view, v_view in self.views:  # reshape: a 6-d view's selection ([k*r, H, t1, t2, d1, d2]) as [k*r, H, n, D]
+            x = torch.stack([k_view.index_select(0, idx).reshape(-1, H, n, D),
+                             v_view.index_select(0, idx).reshape(-1, H, n, D)], dim=2)  # [k*r, H, 2, n, D]
             x = x.reshape(k, r, L.num_kv_heads, 2, -1, L.head_dim).permute(0, 3, 1, 4, 2, 5)
             per_layer.append(x.reshape(k, 2, L.block_size, L.num_kv_heads, L.head_dim))
         return torch.stack(per_layer, dim=1).contiguous().view(L.torch_dtype)
@@ -256,8 +298,8 @@ class PagedKV:
         for layer, (k_view, v_view) in enumerate(self.views):
             x = pages[:, layer].reshape(k, 2, r, -1, L.num_kv_heads, L.head_dim)
             x = x.permute(0, 2, 4, 1, 3, 5).reshape(k * r, L.num_kv_heads, 2, -1, L.head_dim)
-            k_view[idx] = x[:, :, 0]  # index_put_ on a view writes into vLLM's cache
-            v_view[idx] = x[:, :, 1]
+            k_view[idx] = x[:, :, 0].reshape(-1, *k_view.shape[1:])  # index_put_ on a view writes into vLLM's cache
+            v_view[idx] = x[:, :, 1].reshape(-1, *v_view.shape[1:])
 
     def copy_in(self, pool: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy ``pool[slots[i]]`` (pages ``[*, L, 2, B, H, D]``, e.g. a tierkv device pool
@@ -295,8 +337,9 @@ class PagedKV:
                     _copy(kv[kind][b : b + m], self._page_view(src[s : s + m], layer, kind))
 
 
-def backend_kv_split(vllm_config: object, layer_names: Sequence[str]) -> str:
-    """The K/V split of the attention backend serving ``layer_names`` (one for all)."""
+def backend_kv_split(vllm_config: object, layer_names: Sequence[str], cache_dtype: torch.dtype) -> str:
+    """The K/V split of the attention backend serving ``layer_names`` (one for all), whose
+    caches hold ``cache_dtype``."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
@@ -307,7 +350,26 @@ def backend_kv_split(vllm_config: object, layer_names: Sequence[str]) -> str:
     name = names.pop()
     if name not in BACKEND_KV_SPLIT:
         raise UnsupportedCacheError(f"attention backend {name} is not supported (known: {sorted(BACKEND_KV_SPLIT)})")
+    if name == "CPU_ATTN":
+        isas = {getattr(layer, "isa", None) for layer in layers.values()}  # set by CPU_ATTN's metadata builder
+        if None in isas:
+            from .config import UnsupportedModelError, cpu_attn_isa
+
+            try:
+                isas = {cpu_attn_isa(vllm_config)}
+            except UnsupportedModelError as e:
+                raise UnsupportedCacheError(str(e)) from e
+        if len(isas) != 1:
+            raise UnsupportedCacheError(f"layers use several CPU attention ISAs {sorted(map(str, isas))}")
+        return cpu_attn_kv_split(isas.pop(), cache_dtype)
     return BACKEND_KV_SPLIT[name]
+
+
+def cpu_attn_kv_split(isa: str, cache_dtype: torch.dtype) -> str:
+    """CPU_ATTN's split for the ISA its kernels run with: :data:`KV_AMX` for bf16 under the
+    ``amx`` kernels, else :data:`KV_BY_TOKENS` (fp8 caches too: their codes are moved as
+    bytes, and the ISA is part of their model version, config.kv_format)."""
+    return KV_AMX if isa == "amx" and cache_dtype == torch.bfloat16 else KV_BY_TOKENS
 
 
 def layer_kv_scales(vllm_config: object, layer_names: Sequence[str]) -> dict[str, tuple[float, float]]:

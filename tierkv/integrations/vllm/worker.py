@@ -58,7 +58,7 @@ class WorkerSide:
         if not self.enabled:
             return
         try:
-            split = backend_kv_split(vllm_config, list(kv_caches))
+            split = backend_kv_split(vllm_config, list(kv_caches), next(iter(kv_caches.values())).dtype)
             if self.unit_scales:
                 check_unit_scales(layer_kv_scales(vllm_config, list(kv_caches)))
             self.paged = PagedKV(kv_caches, self.layout, num_blocks, split)
