@@ -9,7 +9,8 @@ into vLLM's KV blocks. ``scripts/bench_vllm.py`` measures that hit inside vLLM, 
 copy shares the CPU with vLLM's OpenMP threads; this measures the same three steps alone,
 for bench_vllm's shape (8 layers, 2 KV heads of 64, block 128, bf16, a 4,097-token prompt:
 32 pages, 16 MiB) and CPU_ATTN's cache layout (:class:`~tierkv.integrations.vllm.pages.PagedKV`,
-vLLM not needed). A real ``tierkv serve`` runs in a child process; a fresh client connects
+vLLM not needed; the tiles of its amx kernels where the CPU has AMX tiles, as vLLM picks
+them for bf16, else those of its vec kernels: ``--kv-split``). A real ``tierkv serve`` runs in a child process; a fresh client connects
 as a restarted engine would, then ``--iterations`` rounds of lookup, acquire, copy and
 release. The first round is reported apart (the first copy out of a newly mapped region
 pays its page faults), then the medians of the rest; then a lookup alone (in the rounds it
@@ -35,7 +36,7 @@ import torch
 
 import tierkv
 from tierkv import PageLayout, Scope
-from tierkv.integrations.vllm.pages import KV_BY_TOKENS, PagedKV
+from tierkv.integrations.vllm.pages import KV_AMX, KV_BY_TOKENS, PagedKV
 
 LAYOUT = PageLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=128, dtype="bfloat16")
 LAYOUT_ARG = "num_layers=8,num_kv_heads=2,head_dim=64,block_size=128,dtype=bfloat16"
@@ -50,14 +51,20 @@ def ms(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iterations", type=int, default=40)
+    ap.add_argument("--eviction-policy", default=None, help="the daemon's (default: the store's default)")
+    ap.add_argument("--kv-split", choices=(KV_BY_TOKENS, KV_AMX), default=None,
+                    help="CPU_ATTN's tiles: as its vec kernels lay them out or its amx kernels (default: what "
+                         "vLLM picks for bf16 here: amx where the CPU has AMX tiles)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    split = a.kv_split or (KV_AMX if torch.cpu._is_amx_tile_supported() else KV_BY_TOKENS)
+    policy = ["--eviction-policy", a.eviction_policy] if a.eviction_policy else []
     work = Path(tempfile.mkdtemp(prefix="tierkv-daemon-hit-"))
     sock = work / "tierkv.sock"
     proc = subprocess.Popen(
         [sys.executable, "-c", "from tierkv.cli import main; main()", "serve", "--home", str(work / "home"),
          "--socket", str(sock), "--layout", LAYOUT_ARG, "--device", "cpu", "--device-bytes", str(256 << 20),
-         "--host-bytes", str(512 << 20), "--disk-bytes", str(4 << 30), "--no-warm-at-open"],
+         "--host-bytes", str(512 << 20), "--disk-bytes", str(4 << 30), "--no-warm-at-open", *policy],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -71,7 +78,7 @@ def main() -> None:
             writer.put(tokens, pages, SCOPE)
         caches = {f"model.layers.{i}.self_attn.attn": torch.zeros((VLLM_BLOCKS, 2, 128, 128), dtype=torch.bfloat16)
                   for i in range(LAYOUT.num_layers)}
-        paged = PagedKV(caches, LAYOUT, VLLM_BLOCKS, KV_BY_TOKENS)
+        paged = PagedKV(caches, LAYOUT, VLLM_BLOCKS, split)
         blocks = list(range(100, 132))
         t0 = time.perf_counter()
         client = tierkv.connect(sock, layout=LAYOUT)  # as a restarted engine connects
@@ -118,7 +125,7 @@ def main() -> None:
         "first_copy_ms": round(1000 * copy[0], 3),
         "lookup_ms": ms(lookup[1:]), "acquire_ms": ms(acquire[1:]), "copy_ms": ms(copy[1:]),
         "lookup_alone_ms": ms(alone), "ping_ms": ms(ping),
-        "copy_bytes": 32 * LAYOUT.page_bytes,
+        "copy_bytes": 32 * LAYOUT.page_bytes, "kv_split": split,
     }
     out["first_total_ms"] = round(out["first_lookup_ms"] + out["first_acquire_ms"] + out["first_copy_ms"], 3)
     out["total_ms"] = round(out["lookup_ms"] + out["acquire_ms"] + out["copy_ms"], 3)
