@@ -137,6 +137,46 @@ def test_gather_matches_how_the_backend_reads_kv(split, ratio):
                 assert torch.equal(pages[p, layer, 0, t], k) and torch.equal(pages[p, layer, 1, t], v)
 
 
+@pytest.mark.parametrize("scattered", [False, True])
+@pytest.mark.parametrize("halves", [False, True])
+def test_amx_tiles_in_bf16_through_every_copy_path(monkeypatch, scattered, halves):
+    # bf16 amx tiles move their element pairs as 4-byte ints (pages._copy): K's channel pairs
+    # on both sides, V's token pairs built from two page rows. Every path (gather, scatter,
+    # copy_in by runs or from scattered slots, one thread or two halves) must give the bytes
+    # the backend reads, and touch no other block.
+    from tierkv.integrations.vllm import pages as vllm_pages
+
+    if halves:
+        monkeypatch.setattr(vllm_pages, "SPLIT_COPY_BYTES", 1)
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=2 * B, dtype="bfloat16")
+    n_blocks, n = 30, vllm_pages._MAX_RUN_COPIES + 3
+    caches = {f"l.{i}.attn": vllm_cache(layout, n_blocks, 2, KV_AMX).to(torch.bfloat16) for i in range(2)}
+    before = {k: v.clone() for k, v in caches.items()}
+    paged = PagedKV(caches, layout, n_blocks, KV_AMX)
+    try:
+        got = paged.gather([7, 2])
+        for p, block in enumerate([7, 2]):
+            for layer in range(2):
+                for t in (0, 1, 17, 2 * B - 1):
+                    k, v = reference_kv(caches[f"l.{layer}.attn"], KV_AMX, 2, block, t)
+                    assert torch.equal(got[p, layer, 0, t], k) and torch.equal(got[p, layer, 1, t], v)
+        pool = torch.randn(3 * n, *layout.shape).to(torch.bfloat16)
+        slots = [3 * i + 1 for i in range(n)][::-1] if scattered else list(range(4, 4 + n))
+        blocks = list(range(12, 12 + n))
+        paged.copy_in(pool, slots, blocks)
+        assert torch.equal(paged.gather(blocks), pool[slots])
+        for layer in range(2):
+            k, v = reference_kv(caches[f"l.{layer}.attn"], KV_AMX, 2, blocks[3], 33)
+            assert torch.equal(pool[slots[3], layer, 0, 33], k) and torch.equal(pool[slots[3], layer, 1, 33], v)
+        paged.scatter(pool[:2], [0, 5])
+        assert torch.equal(paged.gather([0, 5]), pool[:2])
+        untouched = [kb for b in range(n_blocks) if b not in (*blocks, 0, 5) for kb in (2 * b, 2 * b + 1)]
+        for name, cache in caches.items():
+            assert torch.equal(cache[untouched], before[name][untouched])
+    finally:
+        paged.close()
+
+
 @pytest.mark.parametrize("split", [KV_BY_TOKENS, KV_BY_CHANNELS, KV_AMX])
 def test_scatter_writes_only_the_given_blocks(split):
     layout = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=B)
