@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", action="append", choices=("develop", "check"), default=[],
                     help="generated trace set (tierkv.workloads; repeat)")
+    ap.add_argument("--reseed", type=int, default=0,
+                    help="add this to every seed of the sets: the same shapes drawn afresh (tierkv.workloads.trace_set)")
     ap.add_argument("--trace", action="append", type=Path, default=[], help="a Mooncake-format .jsonl (repeat)")
     ap.add_argument("--only", action="append", help="only these trace names")
     ap.add_argument("--share", action="append", type=float, help="capacity as a share of distinct blocks (repeat)")
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     traces: dict[str, list[Request]] = {}
     for s in args.set:
-        traces.update({f"{s}:{k}": v for k, v in trace_set(s).items()})
+        name = f"{s}+{args.reseed}" if args.reseed else s
+        traces.update({f"{name}:{k}": v for k, v in trace_set(s, args.reseed).items()})
     for p in args.trace:
         traces[p.stem] = read_trace(p)
     if args.only:

@@ -308,9 +308,11 @@ CHECK: dict[str, tuple[Workload, int]] = {
 }
 
 
-def trace_set(name: str) -> dict[str, list[Request]]:
-    """The requests of ``"develop"`` or ``"check"``, by trace name."""
+def trace_set(name: str, reseed: int = 0) -> dict[str, list[Request]]:
+    """The requests of ``"develop"`` or ``"check"``, by trace name. ``reseed`` adds to every
+    seed: the same shapes and parameters drawn afresh, traces no policy has been run on (a
+    judge of a policy chosen on the sets as they are)."""
     sets = {"develop": DEVELOP, "check": CHECK}
     if name not in sets:
         raise ValueError(f"unknown trace set {name!r}; choose develop or check")
-    return {k: requests(w.records(seed)) for k, (w, seed) in sets[name].items()}
+    return {k: requests(w.records(seed + reseed)) for k, (w, seed) in sets[name].items()}

@@ -85,3 +85,14 @@ def test_develop_and_check_differ_in_parameters_and_seeds():
     for name in DEVELOP:
         (dw, ds), (cw, cs) = DEVELOP[name], CHECK[name]
         assert dw != cw and ds != cs
+
+
+def test_a_reseeded_set_draws_the_same_shapes_afresh():
+    # trace_set(name, reseed): every seed moved by ``reseed``, parameters kept (the fresh
+    # traces docs/eviction.md judges the default policy on); reseed 0 is the set itself.
+    from tierkv.workloads import trace_set
+
+    base, fresh = trace_set("check"), trace_set("check", reseed=1000)
+    assert trace_set("check", reseed=0) == base and set(fresh) == set(base)
+    for name, (workload, seed) in CHECK.items():
+        assert fresh[name] == requests(workload.records(seed + 1000)) != base[name]
