@@ -10,11 +10,12 @@ copy shares the CPU with vLLM's OpenMP threads; this measures the same three ste
 for bench_vllm's shape (8 layers, 2 KV heads of 64, block 128, bf16, a 4,097-token prompt:
 32 pages, 16 MiB) and CPU_ATTN's cache layout (:class:`~tierkv.integrations.vllm.pages.PagedKV`,
 vLLM not needed; the tiles of its amx kernels where the CPU has AMX tiles, as vLLM picks
-them for bf16, else those of its vec kernels: ``--kv-split``). A real ``tierkv serve`` runs in a child process; a fresh client connects
-as a restarted engine would, then ``--iterations`` rounds of lookup, acquire, copy and
-release. The first round is reported apart (the first copy out of a newly mapped region
-pays its page faults), then the medians of the rest; then a lookup alone (in the rounds it
-follows a release, which the daemon handles first) and a PING round trip. The copies of
+them for bf16, else those of its vec kernels: ``--kv-split``). A real ``tierkv serve`` runs
+in a child process; a fresh client connects as a restarted engine would, then
+``--iterations`` rounds of lookup, acquire, copy and release. The first round is reported
+apart (the first copy out of a newly mapped region pays its page faults), then the medians
+of the rest; then a lookup alone (in the rounds it follows a release, which the daemon
+handles first) and a PING round trip. The copies of
 the first and last rounds are checked against the pages stored.
 
 With ``--json`` the last line of output is one JSON object.
