@@ -1123,6 +1123,38 @@ def test_a_bf16_engine_maps_the_tiles_of_its_cpu_kernels(model_dir, tmp_path):
     assert max_diff(results[0][1], want[0][1]) <= 0.05  # bf16: the suffix is computed in another batch shape
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("private_caches")
+def test_a_bf16_prefix_materialized_by_transformers_is_read_right_by_a_bf16_engine(model_dir, repo, tmp_path):
+    # The interchange the mapping exists for, in bf16: on a CPU with AMX tiles vLLM runs its
+    # amx kernels (KV_AMX), elsewhere vec (KV_BY_TOKENS). Read with the wrong tiles, the
+    # prefix's KV is scrambled and the top-5 tokens differ (seen on an AMX CPU with the
+    # split forced to KV_BY_TOKENS); read right, the logprobs are within bf16's noise of
+    # vLLM's own prefill (0.004 there).
+    from click.testing import CliRunner
+
+    import tierkv
+    from tierkv.cli import main
+    from tierkv.cli.main_job import load_model
+    from tierkv.materialize import load_prefix
+
+    home = tmp_path / "home"
+    made = CliRunner().invoke(main, ["materialize", str(repo), "--model", str(model_dir), "--home", str(home),
+                                     "--name", "repo", "--block-size", str(B), "--dtype", "bfloat16",
+                                     "--device", "cpu", "--no-progress"])
+    assert made.exit_code == 0, made.output + repr(made.exception)
+    lm = load_model(model_dir, "bfloat16", B, "cpu")
+    with tierkv.open(home, lm.layout, device="cpu") as store:
+        prefix = load_prefix(store, lm, "repo").tokens
+    tokens = prefix + lm.encode_prompt("where is the block stored")
+    want = run_engine(model_dir, prompts=(tokens,), dtype="bfloat16", max_tokens=8)[0]
+    results, sched, worker = run_engine(model_dir, store_options(home), prompts=(tokens,), dtype="bfloat16",
+                                        max_tokens=8)
+    assert sched["hit_tokens"] == len(prefix) // B * B >= 3 * B and worker["load_failed_blocks"] == 0
+    assert results[0][0] == want[0][0]
+    assert max_diff(results[0][1], want[0][1]) <= 0.02
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_attn_pages_match_what_its_kernel_writes(dtype):
     # Ground truth for the CPU_ATTN mapping: vLLM's own cache-write op, with the ISA vLLM
