@@ -1063,12 +1063,10 @@ def test_chunked_prefill_saves_every_block(model_dir, reference, tmp_path):
     assert max_diff(results[0][1], reference[0][1]) <= 1e-5
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("private_caches")
-def test_materialized_prefix_is_a_hit_for_vllm(model_dir, repo, tmp_path):
-    # Issue 6, layer 3: `tierkv materialize` (transformers prefill) writes the prefix, and a
-    # vLLM engine with the connector on the same home finds it under the same model version
-    # and page layout: vLLM's block size, and the KV dtype it runs in (run_engine: float32).
+def materialized_prompt(model_dir: Path, repo: Path, home: Path, dtype: str) -> tuple[list[int], int]:
+    """`tierkv materialize` (transformers prefill, ``dtype``) of ``repo`` into ``home``, then
+    the request `tierkv generate --prefix repo --prompt QUESTION` would send: its tokens, and
+    the prefix's full blocks in tokens (all found by a lookup)."""
     from click.testing import CliRunner
 
     import tierkv
@@ -1076,19 +1074,26 @@ def test_materialized_prefix_is_a_hit_for_vllm(model_dir, repo, tmp_path):
     from tierkv.cli.main_job import load_model
     from tierkv.materialize import load_prefix
 
-    home = tmp_path / "home"
     made = CliRunner().invoke(main, ["materialize", str(repo), "--model", str(model_dir), "--home", str(home),
-                                     "--name", "repo", "--block-size", str(B), "--dtype", "float32",
+                                     "--name", "repo", "--block-size", str(B), "--dtype", dtype,
                                      "--device", "cpu", "--no-progress"])
     assert made.exit_code == 0, made.output + repr(made.exception)
-    # The request `tierkv generate --prefix repo --prompt QUESTION` would send.
-    lm = load_model(model_dir, "float32", B, "cpu")
+    lm = load_model(model_dir, dtype, B, "cpu")
     with tierkv.open(home, lm.layout, device="cpu") as store:
         prefix = load_prefix(store, lm, "repo").tokens
         assert store.lookup(prefix, lm.scope()).tokens_matched == len(prefix) // B * B
-    tokens = prefix + lm.encode_prompt("where is the block stored")
-    full = len(prefix) // B * B
-    assert full >= 3 * B and len(tokens) > len(prefix)
+    return prefix + lm.encode_prompt("where is the block stored"), len(prefix) // B * B
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("private_caches")
+def test_materialized_prefix_is_a_hit_for_vllm(model_dir, repo, tmp_path):
+    # Issue 6, layer 3: `tierkv materialize` (transformers prefill) writes the prefix, and a
+    # vLLM engine with the connector on the same home finds it under the same model version
+    # and page layout: vLLM's block size, and the KV dtype it runs in (run_engine: float32).
+    home = tmp_path / "home"
+    tokens, full = materialized_prompt(model_dir, repo, home, "float32")
+    assert full >= 3 * B and len(tokens) > full
 
     want = run_engine(model_dir, prompts=(tokens,))[0]
     results, sched, worker = run_engine(model_dir, store_options(home), prompts=(tokens,))
@@ -1131,26 +1136,12 @@ def test_a_bf16_prefix_materialized_by_transformers_is_read_right_by_a_bf16_engi
     # prefix's KV is scrambled and the top-5 tokens differ (seen on an AMX CPU with the
     # split forced to KV_BY_TOKENS); read right, the logprobs are within bf16's noise of
     # vLLM's own prefill (0.004 there).
-    from click.testing import CliRunner
-
-    import tierkv
-    from tierkv.cli import main
-    from tierkv.cli.main_job import load_model
-    from tierkv.materialize import load_prefix
-
     home = tmp_path / "home"
-    made = CliRunner().invoke(main, ["materialize", str(repo), "--model", str(model_dir), "--home", str(home),
-                                     "--name", "repo", "--block-size", str(B), "--dtype", "bfloat16",
-                                     "--device", "cpu", "--no-progress"])
-    assert made.exit_code == 0, made.output + repr(made.exception)
-    lm = load_model(model_dir, "bfloat16", B, "cpu")
-    with tierkv.open(home, lm.layout, device="cpu") as store:
-        prefix = load_prefix(store, lm, "repo").tokens
-    tokens = prefix + lm.encode_prompt("where is the block stored")
+    tokens, full = materialized_prompt(model_dir, repo, home, "bfloat16")
     want = run_engine(model_dir, prompts=(tokens,), dtype="bfloat16", max_tokens=8)[0]
     results, sched, worker = run_engine(model_dir, store_options(home), prompts=(tokens,), dtype="bfloat16",
                                         max_tokens=8)
-    assert sched["hit_tokens"] == len(prefix) // B * B >= 3 * B and worker["load_failed_blocks"] == 0
+    assert sched["hit_tokens"] == full >= 3 * B and worker["load_failed_blocks"] == 0
     assert results[0][0] == want[0][0]
     assert max_diff(results[0][1], want[0][1]) <= 0.02
 
