@@ -84,7 +84,7 @@ class StoreConfig:
     # for a process that restarts and takes seconds before its first request (a vLLM engine,
     # the daemon). Off by default: a restore right after open would share the disk with it.
     warm_at_open: bool = False
-    eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "leader" (default), "arc", "lru", "lru2" or "mix"
+    eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "arc" (default), "leader", "lru", "lru2" or "mix"
     # tierkv/codec.py: how the host and disk tiers store pages, "none" (exact) or "int8";
     # fixed when the home is created. None: the home's codec ("none" for a new home).
     page_codec: str | None = None

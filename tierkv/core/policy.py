@@ -16,18 +16,19 @@ keeps the same invariants. The table calls, with the store lock held:
 
 Two policies here, two more in :mod:`tierkv.core.policy_mix` (``lru2``: LRU-2 with a bounded
 history of evicted blocks; ``mix``: a regret-weighted choice between ``arc`` and ``lru2``,
-issue #33) and one in :mod:`tierkv.core.policy_leader` (``leader``, the default: exact shadow
-caches of LRU, both LRU-2s and ``arc``, victims in the order of the one that leads, issue #33).
-``leader`` is the default because it is the one that wins away from the trace ``arc`` was
-tuned on: at or above the best of LRU and both LRU-2s on 34 of 44 develop and check rows
-against ``arc``'s 20, its worst row 0.0013 below that best against ``arc``'s 0.0111
-(docs/eviction.md). Its price: about 3 KB of metadata per slot of each tier (``arc``: 0.36
-KB) and 0.55-0.66x ``arc``'s replay speed through the store (docs/eviction.md, "The default").
+issue #33) and one in :mod:`tierkv.core.policy_leader` (``leader``: exact shadow caches of
+LRU, both LRU-2s and ``arc``, victims in the order of the one that leads, issue #33).
+``leader`` has the better hit rates away from the trace ``arc`` was tuned on (at or above the
+best of LRU and both LRU-2s on 34 of 44 develop and check rows and 32 of 40 fresh ones,
+against ``arc``'s 20 and 19), but every key a request touches goes through its four shadows:
+a daemon's acquire/release of a 256-block prompt ran at a third of ``arc``'s rate, and it
+keeps about 3 KB per slot against 0.36 KB. So ``arc`` stays the default and ``leader`` is
+the choice where hits matter more than that (docs/eviction.md, "Why not `leader` by default").
 
 ``lru``: the original rule. One recency list; a touched chain moves leaf first, root last,
 so a prefix is always more recent than its extensions and the head is normally a leaf.
 
-``arc``: ARC (Megiddo & Modha, FAST '03) on the prefix tree. ``recent`` holds
+``arc`` (default): ARC (Megiddo & Modha, FAST '03) on the prefix tree. ``recent`` holds
 blocks seen in one request since they entered, ``frequent`` those seen in two or more;
 ghost lists remember recently evicted keys of each (metadata only, bounded by
 ``ghost_factor`` x capacity). A ghost hit in the recent ghost grows the recent target ``p``
@@ -86,7 +87,7 @@ HINT_TAIL = 2  # bit: the block is the last one of its put (the deepest of the r
 # is a type check at every call.
 Key = Any
 POLICIES = ("lru", "arc", "lru2", "mix", "leader")  # lru2, mix: core/policy_mix.py; leader: core/policy_leader.py
-DEFAULT_POLICY = "leader"  # see the module docstring; "arc" before issue #33
+DEFAULT_POLICY = "arc"  # see the module docstring (why not "leader")
 _SEEN = -1  # an ARC list's value for a key seen again since it entered (no insertion class)
 _NOT_LISTED = -2  # pop()'s default: the key is not in that list (an int: no boxing, compiled)
 _E = TypeVar("_E")

@@ -1,6 +1,6 @@
-"""``leader``: follow the order that is winning now (issue #33); the store's default policy
-(why: :mod:`tierkv.core.policy`). Same contract as :mod:`tierkv.core.policy`: a policy only
-orders keys, the block table decides what may go.
+"""``leader``: follow the order that is winning now (issue #33; why it is not the default:
+:mod:`tierkv.core.policy`). Same contract as :mod:`tierkv.core.policy`: a policy only orders
+keys, the block table decides what may go.
 
 The target of issue #33 is "at every capacity of every trace, at least the better of LRU and
 both LRU-2s". So this policy replays those three baselines beside the tier, exactly, as

@@ -30,7 +30,7 @@ where LRU-2 with history wins; ``lru2`` alone loses up to 0.057 at 10%. Adding `
 third expert lost more than it won (sum over the rows -0.006 against the best baseline, at
 learning rates 0.01-0.2: a leader charged for evictions every expert would have made hands
 over to a worse one); ``arc`` + ``lru2`` at 0.2 gave the best worst row (-0.0068) but a
-smaller sum than ``arc`` (+0.026 against +0.042), so ``arc`` stayed the default (``leader`` is now).
+smaller sum than ``arc`` (+0.026 against +0.042), so ``arc`` stays the default.
 """
 from __future__ import annotations
 

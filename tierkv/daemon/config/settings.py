@@ -69,7 +69,7 @@ class StoreSettings:
     disk_bytes: int = 16 * GiB
     shm_dir: Path | None = None  # the shared-memory tier files; None: /dev/shm
     write_through: bool = True
-    eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "leader" (default), "arc", "lru", "lru2" or "mix"
+    eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "arc" (default), "leader", "lru", "lru2" or "mix"
     # tierkv/codec.py: how new homes store pages in the host and disk tiers ("none" or "int8");
     # None: each home's own ("none" for a new one). Read when a layout's store is opened.
     page_codec: str | None = None
