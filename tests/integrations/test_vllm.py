@@ -140,7 +140,7 @@ def test_gather_matches_how_the_backend_reads_kv(split, ratio):
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("halves", [False, True])
 def test_amx_tiles_in_bf16_through_every_copy_path(monkeypatch, scattered, halves):
-    # bf16 amx tiles move their element pairs as 4-byte ints (pages._copy): K's channel pairs
+    # bf16 amx tiles move their element pairs as 4-byte ints (copies.copy_strided): K's channel pairs
     # on both sides, V's token pairs built from two page rows. Every path (gather, scatter,
     # copy_in by runs or from scattered slots, one thread or two halves) must give the bytes
     # the backend reads, and touch no other block.

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ...layout import PageLayout
+from .copies import copy_strided
 
 KV_BY_TOKENS = "tokens"
 KV_BY_CHANNELS = "channels"
@@ -133,49 +134,6 @@ def _amx_views(cache: torch.Tensor, H: int, n: int, D: int) -> tuple[torch.Tenso
     k = cache.view(kb, H, 2, n // 16, D // 2, 16, 2)[:, :, 0]  # [kb, H, t1, d1, t2, d2]
     v = cache.view(kb, H, 2, D // 16, n // 2, 16, 2)[:, :, 1]  # [kb, H, d1, t1, d2, t2]
     return k.permute(0, 1, 2, 4, 3, 5), v.permute(0, 1, 3, 5, 2, 4)
-
-
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[...] = src`` with both walked in ``dst``'s memory order. numpy walks the axes as
-    given; for CPU_ATTN's transposed K that wrote 2-byte elements a whole tile apart and ran
-    at a tenth of the speed of the same copy with the axes reordered (one permutation applied
-    to both sides, so the element pairs are the same).
-
-    The amx tiles (:func:`_amx_views`) keep 2-byte elements in pairs, and numpy's strided
-    copies pay per run of the innermost axis: runs of two cost 9.2-9.8 ms for the 8 MiB of K
-    in a 16 MiB load against 1.1-1.4 ms once each pair moves as one 4-byte int (K: a channel
-    pair contiguous on both sides, ``_as_pairs``), and V's token pairs, contiguous in the tile
-    only, are written as one int built from the two tokens (``_copy_interleaved``: 3.3 ms
-    against 8.1 for its 8 MiB; V read out of the tile runs over 16 channels, 1.8 ms, as is).
-    2-vCPU VM with AMX, one thread, 2026-12-07."""
-    if dst.itemsize == 2 and dst.ndim and _pair_last(dst) and _pair_last(src):
-        dst, src = _as_pairs(dst), _as_pairs(src)
-    elif dst.itemsize == 2:
-        for a in range(dst.ndim):
-            if dst.shape[a] == 2 and dst.strides[a] == 2 and src.strides[a] != 2:
-                _copy_interleaved(dst, src, a)
-                return
-    order = sorted(range(dst.ndim), key=lambda a: -abs(dst.strides[a]))
-    np.copyto(dst.transpose(order), src.transpose(order))
-
-
-def _pair_last(x: np.ndarray) -> bool:
-    return x.shape[-1] == 2 and x.strides[-1] == x.itemsize
-
-
-def _as_pairs(x: np.ndarray) -> np.ndarray:
-    """``x`` (2-byte ints, last axis a contiguous pair) as 4-byte ints without that axis."""
-    return x.view(np.int32)[..., 0]
-
-
-def _copy_interleaved(dst: np.ndarray, src: np.ndarray, axis: int) -> None:
-    """``dst[...] = src`` for 2-byte ints where ``dst``'s ``axis`` is a contiguous pair and
-    ``src``'s is not: each pair is written as one 4-byte int, ``src``'s first member in the
-    low half (little-endian: the first in memory), through one temporary."""
-    d = _as_pairs(np.moveaxis(dst, axis, -1))
-    s = np.moveaxis(src, axis, -1)
-    both = np.left_shift(s[..., 1].view(np.uint16), 16, dtype=np.uint32)
-    np.bitwise_or(both, s[..., 0].view(np.uint16), out=d.view(np.uint32))
 
 
 def _split_axes(view: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -304,7 +262,7 @@ class PagedKV:
                 for i, b, m in _runs([(i, block_ids[i]) for i in range(lo, hi)]):
                     for layer, kv in enumerate(views):
                         for kind in (0, 1):
-                            _copy(self._page_view(out[i : i + m], layer, kind), kv[kind][b : b + m])
+                            copy_strided(self._page_view(out[i : i + m], layer, kind), kv[kind][b : b + m])
 
             self._in_halves(k, gather_part)
             return torch.from_numpy(out).view(L.torch_dtype)
@@ -355,7 +313,7 @@ class PagedKV:
     def _copy_np_part(self, src: np.ndarray, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         assert self._np is not None
         runs = _runs(list(zip(slots, block_ids)))
-        if len(runs) > _MAX_RUN_COPIES and self.kv_split != KV_AMX:  # amx: _copy's pair moves, run by run
+        if len(runs) > _MAX_RUN_COPIES and self.kv_split != KV_AMX:  # amx: copy_strided's pair moves, run by run
             # Scattered slots (pages promoted one by one land wherever the pool had room):
             # one indexed copy per layer and K/V instead of one copy per run. 4,096 tokens in
             # 128 scattered blocks of 32: 9.6 ms against 32 ms run by run (contiguous: 9.4 ms);
@@ -368,7 +326,7 @@ class PagedKV:
         for s, b, m in runs:
             for layer, kv in enumerate(self._np):
                 for kind in (0, 1):
-                    _copy(kv[kind][b : b + m], self._page_view(src[s : s + m], layer, kind))
+                    copy_strided(kv[kind][b : b + m], self._page_view(src[s : s + m], layer, kind))
 
 
 def backend_kv_split(vllm_config: object, layer_names: Sequence[str], cache_dtype: torch.dtype) -> str:
