@@ -8,7 +8,8 @@ from __future__ import annotations
 import random
 
 from tierkv.core.policy import HINT_CONTINUATION
-from tierkv.core.policy_leader import LeaderPolicy
+from tierkv.core.policy_leader import LeaderPolicy, scored
+from tierkv.core.policy_shadows import Chain
 from tierkv.traces import Request, _replay, simulate_belady, simulate_lru, simulate_lru2, simulate_policy
 
 from .kit import hot_between_one_offs, random_tree_trace
@@ -38,6 +39,44 @@ def test_each_shadow_equals_its_reference_request_by_request():
             assert lru.hits == sum(simulate_lru(trace, cap).hits), (seed, cap)
             assert lru2.hits == sum(simulate_lru2(trace, cap).hits), (seed, cap)
             assert hist.hits == sum(simulate_lru2(trace, cap, keep_history=True).hits), (seed, cap)
+
+
+def test_a_requests_score_in_closed_form_is_the_per_key_steps():
+    """scored() is the rule it replaced, a step per key of the chain: +1 per hit (the first
+    h keys), x d after each key that came by add (the last a of t + a)."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        t, a = rng.randrange(0, 300), rng.randrange(0, 300)
+        h = rng.randrange(0, t + a + 1)
+        d = rng.choice([0.5, 0.9, 0.999, 1.0 - 1e-6])
+        score = step = rng.uniform(0.0, 1000.0)
+        for i in range(t + a):
+            if i < h:
+                step += 1.0
+            if i >= t:
+                step *= d
+        assert abs(scored(score, d, t, a, h) - step) <= 1e-9 * max(1.0, step), (t, a, h, d)
+
+
+def test_chain_positions_are_first_positions_however_the_appends_and_the_asks_interleave():
+    """Chain.position indexes the keys appended since it was last asked: a key's first
+    position, whether it came by append or extend, asked before or after later appends."""
+    rng = random.Random(3)
+    for _ in range(200):
+        chain, keys = Chain(), []
+        for _ in range(rng.randrange(1, 40)):
+            if rng.random() < 0.5:
+                k = rng.randrange(12)
+                chain.append(k, False)
+                keys.append(k)
+            else:
+                more = [rng.randrange(12) for _ in range(rng.randrange(4))]
+                chain.extend(more)
+                keys.extend(more)
+            if rng.random() < 0.4:
+                k = rng.randrange(14)
+                assert chain.position(k, -1) == (keys.index(k) if k in keys else -1)
+        assert chain.keys == keys and len(chain.tails) == len(keys)
 
 
 def test_leader_leaves_lru_on_a_hot_prefix_between_one_offs_and_the_tier_follows():

@@ -125,7 +125,7 @@ def _replay(seed: int, history: int, wrong_seen: set[str]) -> None:
                 r.insert(key, depth, request)
             resident[key] = None
             check()
-        order.after([], resident)
+        order.after([], resident, 0)
         for r in refs:
             r.deferred = []
         check()
@@ -145,11 +145,11 @@ def test_a_bucket_emptied_below_the_top_and_filled_again_is_walked_once():
     order, resident = LRU2Order(), {"a": None, "b": None}
     order.insert("a", 0, 1, 0)
     order.insert("b", 1, 1, 0)
-    order.after([], resident)  # second-to-last use -1: b (deeper), a
+    order.after([], resident, 0)  # second-to-last use -1: b (deeper), a
     for request, key in ((2, "a"), (3, "a"), (4, "b")):
         # a: bucket 1, then bucket 2, which leaves bucket 1 empty below the top (bucket -1
         # holds b); then b fills bucket 1 again under the same id.
         order.hit([key], 1, request)
-        order.after([], resident)
+        order.after([], resident, 0)
         order.check_integrity(resident)
     assert list(order.candidates()) == ["b", "a"] and order.head() == "b"

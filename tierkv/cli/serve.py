@@ -82,8 +82,8 @@ _DAEMON_OPTIONS = [
     click.option("--disk-bytes", default=None, help="Disk tier budget, shared by the layouts."),
     click.option("--eviction-policy", type=click.Choice(POLICIES), default=None,
                  help="Victim order of every tier: arc (adaptive, default; 0.36 KB of memory per slot), leader (follows "
-                      "the best of exact LRU, LRU-2 and arc shadows: better hits away from arc's trace, ~3 KB per slot "
-                      "and about 3x arc's time per block touched), lru, lru2 or mix (docs/eviction.md)."),
+                      "the best of exact LRU, LRU-2 and arc shadows: better hits away from arc's trace, ~2.9 KB per "
+                      "slot and about twice arc's time per acquire of a long prompt), lru, lru2 or mix (docs/eviction.md)."),
     click.option("--page-codec", type=click.Choice(CODECS), default=None,
                  help="How new homes store pages in the host and disk tiers: none (exact, default) or int8 (about half "
                       "of bfloat16's bytes, lossy: docs/performance-history.md). A home keeps the codec it was created with."),

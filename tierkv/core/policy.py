@@ -21,8 +21,9 @@ LRU, both LRU-2s and ``arc``, victims in the order of the one that leads, issue 
 ``leader`` has the better hit rates away from the trace ``arc`` was tuned on (at or above the
 best of LRU and both LRU-2s on 34 of 44 develop and check rows and 32 of 40 fresh ones,
 against ``arc``'s 20 and 19), but every key a request touches goes through its four shadows:
-a daemon's acquire/release of a 256-block prompt ran at a third of ``arc``'s rate, and it
-keeps about 3 KB per slot against 0.36 KB. So ``arc`` stays the default and ``leader`` is
+a daemon's acquire/release of a 256-block prompt runs at about half of ``arc``'s rate (a
+third before its hit path was made cheaper), and it keeps about 2.9 KB per slot against
+0.36 KB. So ``arc`` stays the default and ``leader`` is
 the choice where hits matter more than that (docs/eviction.md, "Why not `leader` by default").
 
 ``lru``: the original rule. One recency list; a touched chain moves leaf first, root last,

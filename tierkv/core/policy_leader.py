@@ -43,6 +43,20 @@ from .policy_lru2_order import LRU2Order
 from .policy_shadows import Chain, LRUOrder, PolicyOrder, Shadow
 
 
+def scored(score: float, d: float, t: int, a: int, h: int) -> float:
+    """``score`` after one request whose chain is ``t`` keys that came by a hit and then
+    ``a`` by add, of which the shadow hit the first ``h``: +1 per hit, x ``d`` after each
+    key that came by add, in the chain's order. In closed form: ``min(h, t) d^a`` for the
+    hits among the first ``t`` keys and the geometric sum ``d^(a-m+1) + ... + d^a`` for the
+    ``m = h - t`` after them (``0 < d < 1``)."""
+    da = d ** a
+    gain = min(h, t) * da
+    if h > t:
+        m = h - t
+        gain += d ** (a - m + 1) * (1.0 - d ** m) / (1.0 - d)
+    return score * da + gain
+
+
 class LeaderPolicy(EvictionPolicy):
     """Victims in the order of the shadow with the most recent hits (module docstring)."""
 
@@ -66,7 +80,7 @@ class LeaderPolicy(EvictionPolicy):
         self._open = False  # a request is open (see the module docstring)
         self._added = False  # ... and an add has continued it
         self._chain = Chain()  # the open request's keys, shared by the shadows
-        self._decays: list[bool] = []  # per key of the chain: it came by add (scores decay after it)
+        self._touched = 0  # the chain's first keys that came by a hit (the rest came by add)
         self.ghost_hits = 0
 
     def __len__(self) -> int:
@@ -79,7 +93,7 @@ class LeaderPolicy(EvictionPolicy):
     def _begin(self) -> None:
         self._end()
         self._switch()
-        self._chain, self._decays = Chain(), []
+        self._chain, self._touched = Chain(), 0
         for s in self.shadows:
             s.begin(self._chain)
         self._open = True
@@ -88,27 +102,20 @@ class LeaderPolicy(EvictionPolicy):
     def _end(self) -> None:
         """End the open request: every shadow reads the rest of the chain (only the leading
         one read each key as it came), then each shadow's score takes the request's keys.
-        The score of a shadow is +1 per hit and x ``decay`` after each key that came by add,
-        in the order of the keys; the hits of a request are the chain's first ``prefix``
-        keys, so replaying that order here gives the same floats, bit for bit, as scoring
-        each key as it came (as before the shared chain)."""
+        The score of a shadow is +1 per hit and x ``decay`` after each key that came by add
+        (:func:`scored`: one formula per shadow and request, not a step per key; its floats
+        differ from the steps' in the last bits)."""
         if not self._open:
             return
         self._open = False
-        decays, d, scores = self._decays, self.decay, self.scores
+        scores, t = self.scores, self._touched
+        a = len(self._chain.keys) - t
         for j, s in enumerate(self.shadows):
             s.end()
-            score, hits = scores[j], s.prefix
-            for i in range(len(decays)):
-                if i < hits:
-                    score += 1.0
-                if decays[i]:
-                    score *= d
-            scores[j] = score
+            scores[j] = scored(scores[j], self.decay, t, a, s.prefix)
 
-    def _see(self, key: Key, tail: bool, decays: bool) -> None:
+    def _see(self, key: Key, tail: bool) -> None:
         self._chain.append(key, tail)
-        self._decays.append(decays)
         lead = self.shadows[self.leader]
         lead.see()  # the others read the chain at the request's end (_end)
         v = lead.evicted
@@ -116,6 +123,29 @@ class LeaderPolicy(EvictionPolicy):
             self._strays[v] = None
         if key in self._strays and key in lead.resident:
             del self._strays[key]
+
+    def _see_hit(self, keys: list[Key]) -> None:
+        """A hit's chain (root first): the leading shadow reads its prefix in one step and
+        the rest key by key (a key the tier holds and the leader does not: a stray)."""
+        chain, lead = self._chain, self.shadows[self.leader]
+        start = len(chain.keys)
+        chain.extend(keys)
+        self._touched += len(keys)
+        lead.see_hits()
+        strays, held = self._strays, lead.resident
+        if strays:
+            for i in range(start, lead.seen):
+                k = chain.keys[i]
+                if k in strays and k in held:
+                    del strays[k]
+        while lead.seen < len(chain.keys):
+            k = chain.keys[lead.seen]
+            lead.see()
+            v = lead.evicted
+            if v is not None and v in self._in_tier:
+                strays[v] = None
+            if k in strays and k in held:
+                del strays[k]
 
     def _switch(self) -> None:
         """At a request boundary: pick the leader (``_choose``) and, if it changes, make
@@ -156,7 +186,7 @@ class LeaderPolicy(EvictionPolicy):
         if not self._open or (not self._added and not hint & HINT_CONTINUATION):
             self._begin()  # a put that found no prefix: a request of its own
         self._added = True
-        self._see(key, bool(hint & HINT_TAIL), True)
+        self._see(key, bool(hint & HINT_TAIL))
         self._in_tier[key] = None
         if key not in self.shadows[self.leader].resident:
             self._strays[key] = None
@@ -173,8 +203,7 @@ class LeaderPolicy(EvictionPolicy):
         if hit:
             self._begin()
             self.hits += len(keys)
-            for k in reversed(keys):
-                self._see(k, False, False)
+            self._see_hit(keys[::-1])
         else:
             self._end()
 

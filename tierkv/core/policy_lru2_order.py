@@ -21,7 +21,10 @@ Replaced (issue #33's replay speed): a lazy heap of those tuples, which allocate
 tuples per re-rank (the heap entry, the priority and the pair of uses) and left a stale
 entry behind each. The collector's time in a compiled store replay of the synthetic trace
 at 10,000 blocks went from about 0.2 s to 0.02-0.03 s, and ``leader`` 1.33-1.77x faster
-there (the figures and their command: docs/eviction.md, "Replay speed").
+there (the figures and their command: docs/eviction.md, "Replay speed"). Then three dicts
+per key (last use, second-to-last use, depth) became one record (:class:`_Uses`), and a
+chain's keys, which mostly share one bucket, look it up once: a hit's chain of 256 keys in
+one shadow went from 107 to 41 us (docs/eviction.md, "Why not `leader` by default").
 """
 from __future__ import annotations
 
@@ -35,6 +38,19 @@ from .policy_shadows import Shadow, ShadowOrder
 _NO_USE = -1  # a block's second-to-last use before it has one
 
 
+class _Uses:
+    """One resident key's ranking: its second-to-last use (its bucket), its last use and
+    its depth. One object per key, not three dicts: a hit reads and writes one record
+    instead of three lookups (a compiled class: plain int fields)."""
+
+    def __init__(self, key: Key, rank: int, last: int, depth: int) -> None:
+        self.key = key
+        self.rank = rank
+        self.last = last
+        self.depth = depth
+        self.gone = False  # dropped: a deferred record left behind is skipped
+
+
 class LRU2Order(ShadowOrder):
     """:func:`tierkv.traces.simulate_lru2` as a shadow's order (module docstring).
     ``history`` > 0: an evicted key's last use is remembered (up to ``history`` keys, oldest
@@ -43,65 +59,63 @@ class LRU2Order(ShadowOrder):
     def __init__(self, history: int = 0) -> None:
         self.name = "lru2-history" if history else "lru2"
         self.history = history
-        self._last: dict[Key, int] = {}  # resident key -> its last use
-        self._rank: dict[Key, int] = {}  # resident key -> its second-to-last use: its bucket
-        self._depth: dict[Key, int] = {}
+        self._uses: dict[Key, _Uses] = {}  # resident key -> its ranking
         self._buckets: dict[int, OrderedDict[Key, None]] = {}  # second-to-last use -> keys, victim first
         # The bucket ids as a heap: each key of _buckets exactly once. An emptied bucket stays
         # until it reaches the top (or the rebuild in after()): deleted in the middle, its id
         # would stay in the heap, and a bucket made again under it would be walked twice.
         self._ids: list[int] = []
         self._evicted: OrderedDict[Key, int] = OrderedDict()  # evicted key -> last use
-        self._deferred: list[Key] = []  # keys of the open request, ranked but in no bucket
-
-    def _unplace(self, key: Key) -> None:
-        bucket = self._buckets.get(self._rank[key])
-        if bucket is not None:
-            bucket.pop(key, None)  # not there: deferred already (a second hit in one request)
+        self._deferred: list[_Uses] = []  # the open request's keys, ranked but in no bucket
 
     def hit(self, keys: list[Key], n: int, request: int) -> None:
-        last, rank, deferred = self._last, self._rank, self._deferred
+        uses, buckets, deferred = self._uses, self._buckets, self._deferred
+        bid, bucket = _NO_USE - 1, None  # the last bucket looked up: a chain's keys share one
         for i in range(n):
             k = keys[i]
-            self._unplace(k)
-            rank[k] = last[k]
-            last[k] = request
-            deferred.append(k)
+            u = uses[k]
+            if u.rank != bid:
+                bid = u.rank
+                bucket = buckets.get(bid)
+            if bucket is not None:
+                bucket.pop(k, None)  # not there: deferred already (a second hit in one request)
+            u.rank = u.last
+            u.last = request
+            deferred.append(u)
 
     def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
-        self._rank[key] = self._evicted.pop(key, _NO_USE) if self.history else _NO_USE
-        self._last[key] = request
-        self._depth[key] = depth
-        self._deferred.append(key)
+        u = _Uses(key, self._evicted.pop(key, _NO_USE) if self.history else _NO_USE, request, depth)
+        self._uses[key] = u
+        self._deferred.append(u)
 
-    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
+    def after(self, keys: list[Key], resident: dict[Key, Key], hits: int) -> None:
         deferred = self._deferred
         if not deferred:
             return
         self._deferred = []
-        depth = self._depth
         # A request's keys come root first (its hits, then its insertions, deeper each), so
         # reversed they are in (-depth, key) order; sorted only when depths repeat (a key
         # seen twice, or keys that are not chains, in tests).
         ordered = True
         prev = _NO_USE - 1
-        for k in deferred:
-            d = depth.get(k, prev)
-            if d <= prev:
+        for u in deferred:
+            if u.depth <= prev:
                 ordered = False
                 break
-            prev = d
-        rank, buckets = self._rank, self._buckets
-        for k in (deferred[::-1] if ordered else sorted(deferred, key=lambda x: (-depth.get(x, 0), x))):
-            r = rank.get(k)
-            if r is None:
+            prev = u.depth
+        buckets = self._buckets
+        bid, bucket = _NO_USE - 1, None
+        for u in (deferred[::-1] if ordered else sorted(deferred, key=lambda x: (-x.depth, x.key))):
+            if u.gone:
                 continue  # dropped while its request was open (a request's keys may not go)
-            bucket = buckets.get(r)
-            if bucket is None:
-                bucket = buckets[r] = OrderedDict()
-                heapq.heappush(self._ids, r)
-            bucket[k] = None
-        if len(buckets) > 2 * len(rank) + 64:  # mostly emptied buckets: drop them all
+            if u.rank != bid or bucket is None:
+                bid = u.rank
+                bucket = buckets.get(bid)
+                if bucket is None:
+                    bucket = buckets[bid] = OrderedDict()
+                    heapq.heappush(self._ids, bid)
+            bucket[u.key] = None
+        if len(buckets) > 2 * len(self._uses) + 64:  # mostly emptied buckets: drop them all
             for r in [r for r, b in buckets.items() if not b]:
                 del buckets[r]
             self._ids = list(buckets)
@@ -130,13 +144,14 @@ class LRU2Order(ShadowOrder):
         return None
 
     def dropped(self, key: Key) -> None:
-        self._unplace(key)
-        del self._rank[key]
-        del self._depth[key]
-        last = self._last.pop(key)
+        u = self._uses.pop(key)
+        u.gone = True
+        bucket = self._buckets.get(u.rank)
+        if bucket is not None:
+            bucket.pop(key, None)  # not there: deferred
         if self.history:
             h = self._evicted
-            h[key] = last
+            h[key] = u.last
             if len(h) > self.history:
                 h.popitem(last=False)
 
@@ -144,16 +159,21 @@ class LRU2Order(ShadowOrder):
         buckets = self._buckets
         for r in heap_in_order(self._ids):
             yield from buckets[r]
-        yield from self._deferred  # the open request's: last (none of them may go now)
+        for u in self._deferred:  # the open request's: last (none of them may go now)
+            if not u.gone:
+                yield u.key
 
     def head(self) -> Key:
         bucket = self._front()
-        return next(iter(bucket)) if bucket is not None else self._deferred[0]
+        if bucket is not None:
+            return next(iter(bucket))
+        return next(u.key for u in self._deferred if not u.gone)
 
     def check_integrity(self, resident: dict[Key, Key]) -> None:
         name = self.name
-        assert set(self._last) == set(self._rank) == set(self._depth) == set(resident), (
-            f"shadow {name}: uses and residency disagree")
+        uses = self._uses
+        assert set(uses) == set(resident), f"shadow {name}: uses and residency disagree"
+        assert all(u.key == k and not u.gone for k, u in uses.items()), f"shadow {name}: a record of another key"
         assert sorted(self._ids) == sorted(self._buckets) and len(set(self._ids)) == len(self._ids), (
             f"shadow {name}: bucket heap and buckets disagree")
         ids = self._ids
@@ -162,13 +182,15 @@ class LRU2Order(ShadowOrder):
         for r, bucket in self._buckets.items():
             prev: Optional[tuple[int, int, Key]] = None
             for k in bucket:
-                assert self._rank[k] == r, f"shadow {name}: a key in another use's bucket"
-                assert self._last[k] >= r, f"shadow {name}: last use before the second-to-last"
-                here = (self._last[k], -self._depth[k], k)
+                u = uses[k]
+                assert u.rank == r, f"shadow {name}: a key in another use's bucket"
+                assert u.last >= r, f"shadow {name}: last use before the second-to-last"
+                here = (u.last, -u.depth, k)
                 assert prev is None or prev < here, f"shadow {name}: a bucket out of order"
                 prev = here
             placed += len(bucket)
-        assert placed + len(set(self._deferred) & set(resident)) == len(resident), (
+        deferred = {u.key for u in self._deferred if not u.gone}
+        assert placed + len(deferred & set(resident)) == len(resident), (
             f"shadow {name}: a key neither in a bucket nor deferred")
         assert len(self._evicted) <= self.history, f"shadow {name}: history over its bound"
         assert not (set(self._evicted) & set(resident)), f"shadow {name}: a resident key in the history"

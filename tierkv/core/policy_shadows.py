@@ -19,6 +19,13 @@ others catch up when the request ends (``Shadow.end``), which is exact: a shadow
 depends on its own state and the chain alone, and nothing reads a lagging shadow before
 the request's end but :meth:`Shadow.check_integrity`, which holds at every key.
 
+A hit, most of a daemon's requests, costs each shadow little beyond its order's moves: the
+keys it holds are read in one loop (``Shadow.see_hits``), the chain's first positions are
+indexed only when a shadow evicts (``Chain.position``), and an order whose re-ordering
+after a put would repeat the hit's moves skips it (``after(..., hits)``). With the
+closed-form scores in ``leader`` and the one record per key of ``LRU2Order``, a 256-key
+hit went from 254 to 111 us (compiled; docs/eviction.md, "Why not `leader` by default").
+
 Metadata: each shadow holds up to ``capacity`` keys; the ``lru2-history`` shadow also
 remembers the last use of up to ``history_factor`` x capacity evicted keys (the reference
 remembers every key of the trace, which no store can), the ``arc`` shadow its ghosts. The
@@ -56,9 +63,9 @@ class ShadowOrder:
     def dropped(self, key: Key) -> None:
         raise NotImplementedError
 
-    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
-        """The request whose chain is ``keys`` ended: the re-ordering after a put, of the
-        chain's keys in ``resident``."""
+    def after(self, keys: list[Key], resident: dict[Key, Key], hits: int) -> None:
+        """The request whose chain is ``keys`` ended, its first ``hits`` keys hits: the
+        re-ordering after a put, of the chain's keys in ``resident``."""
         raise NotImplementedError
 
     def candidates(self) -> Iterator[Key]:
@@ -81,14 +88,30 @@ class Chain:
         self.tails: list[bool] = []  # the key is the last of its put (an insertion class bit)
         # key -> its first position: a shadow that has seen ``seen`` keys protects the keys
         # placed before that (the original per-shadow set held exactly those; a shadow that
-        # reads the chain late must not protect a key the request brings only later).
-        self.first: dict[Key, int] = {}
+        # reads the chain late must not protect a key the request brings only later). Built
+        # when first asked (``position``): only a shadow that evicts asks, and a hit's chain,
+        # most of a daemon's requests, evicts nothing.
+        self._first: dict[Key, int] = {}
+        self._indexed = 0  # keys[:_indexed] are in _first
 
     def append(self, key: Key, tail: bool) -> None:
-        if key not in self.first:
-            self.first[key] = len(self.keys)
         self.keys.append(key)
         self.tails.append(tail)
+
+    def extend(self, keys: list[Key]) -> None:
+        """Append ``keys`` in order, none the last of a put (a hit's chain)."""
+        self.keys.extend(keys)
+        self.tails.extend([False] * len(keys))
+
+    def position(self, key: Key, default: int) -> int:
+        """The first position of ``key`` in the chain; ``default`` if it is not there."""
+        keys, first = self.keys, self._first
+        for i in range(self._indexed, len(keys)):
+            k = keys[i]
+            if k not in first:
+                first[k] = i
+        self._indexed = len(keys)
+        return first.get(key, default)
 
 
 class Shadow:
@@ -122,6 +145,22 @@ class Shadow:
         self.seen = self.prefix = 0
         self._missed = self._broken = False
         self._open = True
+
+    def see_hits(self) -> int:
+        """Read the chain's next keys while they are hits (the prefix so far held), as
+        :meth:`see` would one by one, without a call per key: the whole of a hit's chain in
+        a shadow that holds it, which is most of a daemon's requests. Returns how many."""
+        if self._missed:
+            return 0
+        keys, resident = self._chain.keys, self.resident
+        start = i = self.seen
+        n = len(keys)
+        while i < n and keys[i] in resident:
+            i += 1
+        self.seen = i
+        self.prefix += i - start
+        self.hits += i - start
+        return i - start
 
     def see(self) -> bool:
         """Read the chain's next key (the caller has appended it): a hit (True) while the
@@ -162,7 +201,7 @@ class Shadow:
     def may_go(self, key: Key) -> bool:
         """Whether ``key`` (resident) may be this shadow's victim now: not a key of the open
         request seen so far, and no resident child."""
-        return self._chain.first.get(key, self.seen) >= self.seen and self._kids[key] == 0
+        return self._chain.position(key, self.seen) >= self.seen and self._kids[key] == 0
 
     def end(self) -> None:
         """End the open request: the rest of its chain read, its hits touched if not yet,
@@ -170,12 +209,13 @@ class Shadow:
         if not self._open:
             return
         keys = self._chain.keys
+        self.see_hits()
         while self.seen < len(keys):
             self.see()
         self._open = False
         if not self._missed and self.prefix:
             self.order.hit(keys, self.prefix, self.request)
-        self.order.after(keys, self.resident)
+        self.order.after(keys, self.resident, self.prefix)
 
     def _drop(self, v: Key) -> None:
         p = self.resident.pop(v)
@@ -217,7 +257,9 @@ class LRUOrder(ShadowOrder):
         for i in range(n - 1, -1, -1):
             to_end(keys[i])
 
-    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
+    def after(self, keys: list[Key], resident: dict[Key, Key], hits: int) -> None:
+        if hits == len(keys):  # all hits: hit() made these very moves (a daemon's lookup)
+            return
         to_end = self._order.move_to_end
         for i in range(len(keys) - 1, -1, -1):
             if keys[i] in resident:
@@ -254,11 +296,18 @@ class PolicyOrder(ShadowOrder):
     def __init__(self, order: EvictionPolicy) -> None:
         self.name = order.name
         self.order = order
+        # A touch(keys, False) right after touch(keys, True) of the same keys changes
+        # nothing: true of arc (both move each key to its list's end; the hit already made
+        # it frequent) and lru; a policy of its own may say otherwise.
+        self.idempotent = order.name in ("arc", "lru")
 
     def hit(self, keys: list[Key], n: int, request: int) -> None:
-        self.order.touch(keys[:n][::-1], True)
+        if n:  # keys[-1::-1] would be the whole chain
+            self.order.touch(keys[n - 1::-1], True)  # the hits, leaf first
 
-    def after(self, keys: list[Key], resident: dict[Key, Key]) -> None:
+    def after(self, keys: list[Key], resident: dict[Key, Key], hits: int) -> None:
+        if hits == len(keys) and self.idempotent:  # all hits: hit()'s touch did it already
+            return
         self.order.touch([k for k in reversed(keys) if k in resident], False)
 
     def insert(self, key: Key, depth: int, request: int, hint: int) -> None:
