@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .layout import PageLayout
-from .core.policy import DEFAULT_POLICY, POLICIES
+from .core.policy import DEFAULT_POLICY
+from .core.policy_spec import tier_policies
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -84,7 +85,9 @@ class StoreConfig:
     # for a process that restarts and takes seconds before its first request (a vLLM engine,
     # the daemon). Off by default: a restore right after open would share the disk with it.
     warm_at_open: bool = False
-    eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "arc" (default), "leader", "lru", "lru2" or "mix"
+    # tierkv/core/policy.py: "arc" (default), "leader", "lru", "lru2" or "mix" for every tier,
+    # or per tier (tierkv/core/policy_spec.py): "leader,disk=arc"
+    eviction_policy: str = DEFAULT_POLICY
     # tierkv/codec.py: how the host and disk tiers store pages, "none" (exact) or "int8";
     # fixed when the home is created. None: the home's codec ("none" for a new home).
     page_codec: str | None = None
@@ -118,8 +121,7 @@ class StoreConfig:
             raise ValueError("verify_on_open must be 'size' or 'full'")
         if self.index_map_bytes < 1 * MiB:
             raise ValueError("index_map_bytes must be at least 1 MiB")
-        if self.eviction_policy not in POLICIES:
-            raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
+        tier_policies(self.eviction_policy)  # ValueError naming what is wrong
         if self.page_codec is not None:
             from .codec import PageCodec
 

@@ -64,6 +64,20 @@ def test_a_bad_environment_value_is_one_line_naming_the_variable(tmp_path):
     assert result.exit_code == 1 and "TIERKV_WRITE_THROUGH" in result.stderr
 
 
+def test_an_eviction_policy_per_tier_by_flag_or_environment_and_a_bad_one_refused(tmp_path):
+    """--eviction-policy and TIERKV_EVICTION_POLICY take one policy or one per tier
+    (tierkv/core/policy_spec.py); a bad value is refused before anything starts, saying why."""
+    base = ["--home", tmp_path / "h", "--socket", tmp_path / "s.sock"]
+    got = show(*base, "--eviction-policy", "leader,disk=arc")["settings"]["store"]["eviction_policy"]
+    assert got == {"value": "leader,disk=arc", "source": "flag"}
+    got = show(*base, env={"TIERKV_EVICTION_POLICY": "host=leader"})["settings"]["store"]["eviction_policy"]
+    assert got == {"value": "host=leader", "source": "env TIERKV_EVICTION_POLICY"}
+    result = CliRunner().invoke(main, ["config", "show", *map(str, base), "--eviction-policy", "disk=lfu"])
+    assert result.exit_code == 2 and "unknown policy 'lfu'" in result.output
+    result = CliRunner().invoke(main, ["config", "show", *map(str, base)], env={"TIERKV_EVICTION_POLICY": "ssd=arc"})
+    assert result.exit_code == 1 and "Traceback" not in result.output and "unknown tier 'ssd'" in result.stderr
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -16,9 +16,19 @@ import click
 from ..codec import CODECS
 from ..daemon import CONFIG_ENV, DaemonConfig, flat_flags, read_config_file, resolve
 from ..errors import TierKVError
-from ..core.policy import POLICIES
+from ..core.policy_spec import tier_policies
 
 log = logging.getLogger("tierkv.serve")
+
+
+def _policy_spec(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--eviction-policy checked when it is read, so that a typo is a usage error."""
+    if value is not None:
+        try:
+            tier_policies(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
 
 
 def build_config(flags: dict[str, Any], config_file: Path | None) -> DaemonConfig:
@@ -80,10 +90,11 @@ _DAEMON_OPTIONS = [
     click.option("--device-bytes", default=None, help="Device tier budget, shared by the layouts (e.g. 8GiB)."),
     click.option("--host-bytes", default=None, help="Host (shared-memory) tier budget, shared by the layouts."),
     click.option("--disk-bytes", default=None, help="Disk tier budget, shared by the layouts."),
-    click.option("--eviction-policy", type=click.Choice(POLICIES), default=None,
+    click.option("--eviction-policy", default=None, callback=_policy_spec, metavar="POLICY|TIER=POLICY,...",
                  help="Victim order of every tier: arc (adaptive, default; 0.36 KB of memory per slot), leader (follows "
                       "the best of exact LRU, LRU-2 and arc shadows: better hits away from arc's trace, ~2.9 KB per "
-                      "slot and about twice arc's time per acquire of a long prompt), lru, lru2 or mix (docs/eviction.md)."),
+                      "slot and about twice arc's time per acquire of a long prompt), lru, lru2 or mix; or one per "
+                      "tier, e.g. \"leader,disk=arc\" (docs/eviction.md)."),
     click.option("--page-codec", type=click.Choice(CODECS), default=None,
                  help="How new homes store pages in the host and disk tiers: none (exact, default) or int8 (about half "
                       "of bfloat16's bytes, lossy: docs/performance-history.md). A home keeps the codec it was created with."),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Final
 from .holds import Holds
 from .policy import DEFAULT_POLICY, HINT_FRESH, EvictionPolicy
 from .policy_mix import make_policy
+from .policy_spec import describe, tier_policies
 from .priority import NORMAL, PINNED, Priority
 from ..tiers.base import TIER_KEY, TierName
 
@@ -103,8 +104,10 @@ class BlockTable:
     ``self.holds`` (:class:`tierkv.core.holds.Holds`, a part this table owns)."""
 
     def __init__(self, policy: str = DEFAULT_POLICY, capacities: dict[TierName, int] | None = None) -> None:
-        """``policy`` names the eviction order of every tier (see :mod:`tierkv.core.policy`);
-        ``capacities`` (slots per tier) bound the policies' ghost lists."""
+        """``policy`` names the eviction order of every tier, or of each
+        (:mod:`tierkv.core.policy_spec`: ``"arc"``, ``"leader,disk=arc"``; the orders:
+        :mod:`tierkv.core.policy`); ``capacities`` (slots per tier) bound the policies'
+        ghost lists."""
         self.blocks: dict[bytes, Block] = {}
         # The paired lease and busy methods (the counts themselves are on each block).
         self.holds = Holds()
@@ -116,9 +119,10 @@ class BlockTable:
         # One policy per tier and priority class: victims come from ephemeral first, then
         # normal, then pinned, each class in its policy's order.
         caps = capacities or {}
-        self.policy = policy
+        policies = tier_policies(policy)
+        self.policy = describe(policies)
         self._order: dict[TierName, dict[Priority, EvictionPolicy]] = {
-            t: {p: make_policy(policy, caps.get(t, 0)) for p in Priority} for t in TIERS
+            t: {p: make_policy(policies[t], caps.get(t, 0)) for p in Priority} for t in TIERS
         }
         # The same policies in victim order, per tier (victim() runs once per eviction).
         self._victim_order = {t: tuple(self._order[t][p] for p in PRIORITIES) for t in TIERS}

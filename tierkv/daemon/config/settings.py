@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from ...codec import CODECS
 from ...config import GiB, MiB
 from ...layout import PageLayout
-from ...core.policy import DEFAULT_POLICY, POLICIES
+from ...core.policy import DEFAULT_POLICY
+from ...core.policy_spec import tier_policies
 from ..quotas import Quotas
 
 if TYPE_CHECKING:
@@ -69,7 +70,9 @@ class StoreSettings:
     disk_bytes: int = 16 * GiB
     shm_dir: Path | None = None  # the shared-memory tier files; None: /dev/shm
     write_through: bool = True
-    eviction_policy: str = DEFAULT_POLICY  # tierkv/core/policy.py: "arc" (default), "leader", "lru", "lru2" or "mix"
+    # tierkv/core/policy.py: "arc" (default), "leader", "lru", "lru2" or "mix" for every tier,
+    # or per tier (tierkv/core/policy_spec.py): "leader,disk=arc"
+    eviction_policy: str = DEFAULT_POLICY
     # tierkv/codec.py: how new homes store pages in the host and disk tiers ("none" or "int8");
     # None: each home's own ("none" for a new one). Read when a layout's store is opened.
     page_codec: str | None = None
@@ -80,8 +83,10 @@ class StoreSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home))
         _check_sizes("store", self, "device_bytes", "host_bytes", "disk_bytes")
-        if self.eviction_policy not in POLICIES:
-            raise ValueError(f"store.eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
+        try:
+            tier_policies(self.eviction_policy)
+        except ValueError as e:
+            raise ValueError(f"store.{e}") from None
         if self.page_codec is not None and self.page_codec not in CODECS:
             raise ValueError(f"store.page_codec must be one of {CODECS}, got {self.page_codec!r}")
 
