@@ -361,3 +361,37 @@ def test_heap_in_order_walks_a_heap_smallest_first_without_popping_it():
         assert list(heap_in_order(heap)) == sorted(heap) and heap == before
         walk = heap_in_order(heap)
         assert [next(walk) for _ in range(min(n, 3))] == sorted(heap)[:3]  # stops early
+
+
+def _claims_idempotent_rehits() -> list[str]:
+    from tierkv.core.policy_mix import make_policy
+
+    return [p for p in POLICIES if make_policy(p, 1).rehit_idempotent]
+
+
+@pytest.mark.parametrize("policy", _claims_idempotent_rehits())
+def test_a_policy_that_says_a_rehit_is_idempotent_keeps_its_order_and_segments(policy):
+    """rehit_idempotent (what lets a leader's shadow skip the re-ordering after a request
+    that was all hits): a touch(keys, False) right after touch(keys, True) changes neither
+    the victim order nor any key's segment. Checked for the policies that claim it."""
+    from tierkv.core.policy_mix import make_policy
+
+    rng = random.Random(11)
+    keys = [bytes([i]) * 4 for i in range(40)]
+    pol = make_policy(policy, 8)
+    held: list[bytes] = []
+    for step in range(400):
+        k = rng.choice(keys)
+        if k not in held:
+            if len(held) >= 8:
+                v = next(iter(pol.candidates()))
+                pol.remove(v, True)
+                held.remove(v)
+            pol.add(k, rng.randrange(4))
+            held.append(k)
+        chain = rng.sample(held, rng.randint(1, len(held)))
+        pol.touch(chain, True)
+        before = (list(pol.candidates()), [pol.segment(x) for x in held])
+        pol.touch(chain, False)
+        assert (list(pol.candidates()), [pol.segment(x) for x in held]) == before, step
+        pol.check_integrity()

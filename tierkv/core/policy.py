@@ -123,6 +123,10 @@ class EvictionPolicy:
 
     name = ""
     ghost_hits: int
+    # touch(keys, False) right after touch(keys, True) of the same keys changes nothing: a
+    # shadow of this order may skip the re-ordering after a request that was all hits
+    # (tierkv/core/policy_shadows.py, PolicyOrder).
+    rehit_idempotent = False
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -160,6 +164,7 @@ class EvictionPolicy:
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
+    rehit_idempotent = True  # both touches move each key to its list's end, in the same order
 
     def __init__(self) -> None:
         self._d: OrderedDict[Key, None] = OrderedDict()
@@ -204,6 +209,7 @@ class ARCPolicy(EvictionPolicy):
     """ARC on a prefix tree with measured insertion classes (see the module docstring)."""
 
     name = "arc"
+    rehit_idempotent = True  # after a hit every key is frequent: touch(False) moves it to frequent's end again
 
     def __init__(self, capacity: int, ghost_factor: float = 1.5, cold_ratio: float = 0.5,
                  warm_ratio: float = 1.2) -> None:

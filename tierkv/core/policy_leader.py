@@ -116,8 +116,14 @@ class LeaderPolicy(EvictionPolicy):
 
     def _see(self, key: Key, tail: bool) -> None:
         self._chain.append(key, tail)
+        self._lead_reads(key)
+
+    def _lead_reads(self, key: Key) -> None:
+        """The leading shadow reads the chain's next key, ``key`` (the others read the chain
+        at the request's end, _end): its victim, if the tier holds it, becomes a stray, and
+        ``key`` stops being one once the leader holds it."""
         lead = self.shadows[self.leader]
-        lead.see()  # the others read the chain at the request's end (_end)
+        lead.see()
         v = lead.evicted
         if v is not None and v in self._in_tier:
             self._strays[v] = None
@@ -139,13 +145,7 @@ class LeaderPolicy(EvictionPolicy):
                 if k in strays and k in held:
                     del strays[k]
         while lead.seen < len(chain.keys):
-            k = chain.keys[lead.seen]
-            lead.see()
-            v = lead.evicted
-            if v is not None and v in self._in_tier:
-                strays[v] = None
-            if k in strays and k in held:
-                del strays[k]
+            self._lead_reads(chain.keys[lead.seen])
 
     def _switch(self) -> None:
         """At a request boundary: pick the leader (``_choose``) and, if it changes, make

@@ -146,12 +146,12 @@ class Shadow:
         self._missed = self._broken = False
         self._open = True
 
-    def see_hits(self) -> int:
+    def see_hits(self) -> None:
         """Read the chain's next keys while they are hits (the prefix so far held), as
         :meth:`see` would one by one, without a call per key: the whole of a hit's chain in
-        a shadow that holds it, which is most of a daemon's requests. Returns how many."""
+        a shadow that holds it, which is most of a daemon's requests."""
         if self._missed:
-            return 0
+            return
         keys, resident = self._chain.keys, self.resident
         start = i = self.seen
         n = len(keys)
@@ -160,7 +160,6 @@ class Shadow:
         self.seen = i
         self.prefix += i - start
         self.hits += i - start
-        return i - start
 
     def see(self) -> bool:
         """Read the chain's next key (the caller has appended it): a hit (True) while the
@@ -296,17 +295,13 @@ class PolicyOrder(ShadowOrder):
     def __init__(self, order: EvictionPolicy) -> None:
         self.name = order.name
         self.order = order
-        # A touch(keys, False) right after touch(keys, True) of the same keys changes
-        # nothing: true of arc (both move each key to its list's end; the hit already made
-        # it frequent) and lru; a policy of its own may say otherwise.
-        self.idempotent = order.name in ("arc", "lru")
 
     def hit(self, keys: list[Key], n: int, request: int) -> None:
         if n:  # keys[-1::-1] would be the whole chain
             self.order.touch(keys[n - 1::-1], True)  # the hits, leaf first
 
     def after(self, keys: list[Key], resident: dict[Key, Key], hits: int) -> None:
-        if hits == len(keys) and self.idempotent:  # all hits: hit()'s touch did it already
+        if hits == len(keys) and self.order.rehit_idempotent:  # all hits: hit()'s touch did it already
             return
         self.order.touch([k for k in reversed(keys) if k in resident], False)
 

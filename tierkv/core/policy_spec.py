@@ -13,15 +13,13 @@ from __future__ import annotations
 from ..tiers.base import TierName
 from .policy import DEFAULT_POLICY, POLICIES
 
-TIERS = tuple(TierName)  # fastest first
-
 
 def tier_policies(spec: str) -> dict[TierName, str]:
     """The policy of every tier named by ``spec`` (module docstring); ValueError, saying
     what is wrong and what is allowed, for anything else."""
     if not isinstance(spec, str):
         raise ValueError(f"eviction_policy must be a string such as \"arc\" or \"leader,disk=arc\", got {spec!r}")
-    tiers = {t.value: t for t in TIERS}
+    tiers = {t.value: t for t in TierName}
     default, named = "", {}
     parts = [p.strip() for p in spec.split(",")]
     if not spec.strip() or any(not p for p in parts):
@@ -44,7 +42,7 @@ def tier_policies(spec: str) -> dict[TierName, str]:
             raise ValueError(f"eviction_policy {spec!r} names the {tier} tier twice")
         else:
             named[tiers[tier]] = name
-    return {t: named.get(t, default or DEFAULT_POLICY) for t in TIERS}
+    return {t: named.get(t, default or DEFAULT_POLICY) for t in TierName}
 
 
 def describe(policies: dict[TierName, str]) -> str:
@@ -52,4 +50,4 @@ def describe(policies: dict[TierName, str]) -> str:
     names = set(policies.values())
     if len(names) == 1:
         return names.pop()
-    return ",".join(f"{t.value}={policies[t]}" for t in TIERS)
+    return ",".join(f"{t.value}={policies[t]}" for t in TierName)
