@@ -24,7 +24,7 @@ at 10,000 blocks went from about 0.2 s to 0.02-0.03 s, and ``leader`` 1.33-1.77x
 there (the figures and their command: docs/eviction.md, "Replay speed"). Then three dicts
 per key (last use, second-to-last use, depth) became one record (:class:`_Uses`), and a
 chain's keys, which mostly share one bucket, look it up once: a hit's chain of 256 keys in
-one shadow went from 107 to 41 us (docs/eviction.md, "Why not `leader` by default").
+one shadow went from 107 to 41 us (docs/eviction.md, "The hit path made cheaper").
 """
 from __future__ import annotations
 

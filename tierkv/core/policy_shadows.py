@@ -24,7 +24,8 @@ keys it holds are read in one loop (``Shadow.see_hits``), the chain's first posi
 indexed only when a shadow evicts (``Chain.position``), and an order whose re-ordering
 after a put would repeat the hit's moves skips it (``after(..., hits)``). With the
 closed-form scores in ``leader`` and the one record per key of ``LRU2Order``, a 256-key
-hit went from 254 to 111 us (compiled; docs/eviction.md, "Why not `leader` by default").
+hit went from 252-265 to 113-117 us (compiled; docs/eviction.md, "The hit path made
+cheaper").
 
 Metadata: each shadow holds up to ``capacity`` keys; the ``lru2-history`` shadow also
 remembers the last use of up to ``history_factor`` x capacity evicted keys (the reference
